@@ -1,0 +1,40 @@
+"""The attention backend contract.
+
+Per step the model runner describes the batch once (`AttentionBatch`); the backend turns that
+into whatever metadata it needs (`build_metadata`, once per step, shared by every layer), then
+each layer calls `forward`, which must first write the step's new K/V into the paged cache and
+only then read: a request may attend to blocks another request of the same step is writing
+(prefix sharing), and to its own new tokens.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionBatch:
+    """One step's requests, in the order their tokens appear in the flat batch."""
+
+    query_lens: list[int]  # new tokens per request this step
+    context_lens: list[int]  # tokens with K/V after this step (computed before + new)
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of every new token
+    block_size: int
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def build_metadata(self, batch: AttentionBatch) -> object:
+        """Precompute per-step tensors (gather indices, masks) shared by every layer."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: object) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, num_slots, Hkv, D] -> out [T, H * D].
+
+        Writes k/v into the cache at the batch's slots, then attends every query to its
+        request's context (causally within the request)."""

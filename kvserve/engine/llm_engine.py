@@ -1,0 +1,270 @@
+"""The synchronous engine: add_request / abort_request / step.
+
+One step: the scheduler picks what runs, the runner computes and samples, and the engine
+appends the tokens, detokenizes, checks stop conditions and releases finished requests.
+A request with n > 1 becomes n sibling `Request`s (sample i seeded with seed + i) that share
+the prompt's full KV blocks through the prefix cache; the caller sees one output with n
+completions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.attention.torch_paged import TorchPagedAttention
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
+from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.models.loader import load_model, resolve_model
+from kvserve.request import Request, RequestStatus
+from kvserve.sampler import make_generator
+from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler import Scheduler
+from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvserve.worker.model_runner import ModelRunner, kv_bytes_per_token, plan_num_blocks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sample:
+    request: Request
+    detok: IncrementalDetokenizer
+    index: int
+    stop_reason: str | int | None = None
+    sent_tokens: int = 0
+    sent_text: int = 0
+
+
+@dataclass
+class _Group:
+    """One caller request and its n samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.status.finished for s in self.samples)
+
+
+@dataclass
+class EngineArgs:
+    """User-facing knobs, named as vLLM names them."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_memory: int | str = "1GiB"
+    num_gpu_blocks: int | None = None  # exact block count, overriding the memory budget
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        from kvserve.config import parse_size
+
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda requested but no CUDA device is available")
+        dtype = resolve_dtype(args.dtype, device)
+        torch.manual_seed(args.seed)
+        path = resolve_model(args.model)
+        t0 = time.perf_counter()
+        loaded = load_model(path, dtype, device,
+                            lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads, c.head_dim))
+        self.model_config = cfg = loaded.config
+        if loaded.gguf_reader is not None:
+            self.tokenizer = Tokenizer.from_gguf(path, reader=loaded.gguf_reader)
+        else:
+            self.tokenizer = Tokenizer.from_dir(path)
+        max_len = args.max_model_len or cfg.max_position
+        if max_len > cfg.max_position:
+            raise ValueError(f"--max-model-len {max_len} exceeds the model's context length "
+                             f"{cfg.max_position}")
+        cache = CacheConfig(args.block_size, parse_size(args.kv_cache_memory),
+                            args.num_gpu_blocks)
+        sched = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len)
+        self.config = EngineConfig(str(path), dtype, device, cache, sched, args.seed)
+        num_blocks = plan_num_blocks(cfg, cache, dtype)
+        self.runner = ModelRunner(loaded.model, cache, num_blocks, dtype, device)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(sched, self.kv)
+        per_tok = kv_bytes_per_token(cfg, dtype)
+        log.info("loaded %s (%s, %d layers, %s) in %.1fs", path.name, cfg.architecture,
+                 cfg.num_layers, str(dtype).removeprefix("torch."), time.perf_counter() - t0)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f KiB per token, %.2f GiB",
+                 num_blocks, cache.block_size, num_blocks * cache.block_size, per_tok / 1024,
+                 num_blocks * cache.block_size * per_tok / 2**30)
+        self._groups: dict[str, _Group] = {}
+        self._samples: dict[str, tuple[_Group, _Sample]] = {}  # by scheduler request id
+        self._pending: list[RequestOutput] = []
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ requests in and out
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    def add_request(self, request_id: str | None, prompt: str | list[int],
+                    params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; a str prompt is tokenized (with BOS if the model wants one).
+        Raises ValueError, naming the problem, for anything that cannot be served."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._groups or request_id in self._samples:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, "
+                                 f"{self.model_config.vocab_size}): {bad[:5]}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        params.validate_vocab(self.model_config.vocab_size)
+        room = self.max_model_len - len(ids)
+        if room <= 0:
+            raise ValueError(f"prompt has {len(ids)} tokens, max_model_len is "
+                             f"{self.max_model_len}")
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        group = _Group(request_id, text, ids)
+        eos = self.tokenizer.eos_token_ids
+        for i in range(params.n):
+            sp = params.child(i) if params.n > 1 else params
+            req = Request(f"{request_id}#{i}" if params.n > 1 else request_id, ids, sp,
+                          eos, max_tokens, arrival)
+            if sp.seed is not None:
+                req.generator = make_generator(sp.seed, self.config.device)
+            group.samples.append(_Sample(req, IncrementalDetokenizer(
+                self.tokenizer, sp.skip_special_tokens, sp.stop or (),
+                sp.include_stop_str_in_output), i))
+        for s in group.samples:  # validate every sample before queueing any
+            if s.request.request_id in self._samples:
+                raise ValueError(f"request id {s.request.request_id!r} is already in use")
+            self.scheduler.check_request(s.request)
+        for s in group.samples:
+            self.scheduler.add_request(s.request)
+            self._samples[s.request.request_id] = (group, s)
+        self._groups[request_id] = group
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; its final output (finish_reason "abort")
+        comes out of the next step. False if the id is unknown or already finished."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return False
+        for s in group.samples:
+            if not s.request.status.finished:
+                self._finish(s, RequestStatus.FINISHED_ABORTED)
+        self._pending.append(self._output(group))
+        self._forget(group)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups) or bool(self._pending)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._groups)
+
+    # ------------------------------------------------------------------------------ a step
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        result = self.runner.execute(sched)
+        self.scheduler.update_after_step(sched)
+        now = time.perf_counter()
+        touched: dict[str, _Group] = {}
+        sampled = iter(zip(result.token_ids, result.logprobs, strict=True))
+        for s in sched.scheduled:
+            if not s.samples:
+                continue
+            token, logprobs = next(sampled)
+            req = s.request
+            group, sample = self._samples[req.request_id]
+            req.append_token(token)
+            if req.sampling_params.logprobs is not None:
+                req.logprobs.append(logprobs)
+            if req.timeline.first_token is None:
+                req.timeline.first_token = now
+            sample.detok.add_tokens([token])
+            status = req.check_stop_token()
+            if status is RequestStatus.FINISHED_STOPPED:
+                sample.stop_reason = token if token not in req.eos_token_ids else None
+            if sample.detok.stopped:
+                status = RequestStatus.FINISHED_STOPPED
+                sample.stop_reason = sample.detok.stop_reason
+            if status is not None:
+                self._finish(sample, status, now)
+            touched[group.request_id] = group
+        for group in touched.values():
+            outputs.append(self._output(group))
+            if group.finished:
+                self._forget(group)
+        return outputs
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _forget(self, group: _Group) -> None:
+        del self._groups[group.request_id]
+        for s in group.samples:
+            del self._samples[s.request.request_id]
+
+    def _finish(self, sample: _Sample, status: RequestStatus, now: float | None = None) -> None:
+        req = sample.request
+        if not sample.detok.stopped:
+            sample.detok.finish()
+        req.timeline.finished = time.perf_counter() if now is None else now
+        self.scheduler.finish(req, status)
+
+    def _output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for s in group.samples:
+            req, text = s.request, s.detok.text
+            completions.append(CompletionOutput(
+                index=s.index,
+                text=text,
+                token_ids=list(req.output_token_ids),
+                finish_reason=req.status.finish_reason,
+                stop_reason=s.stop_reason,
+                logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None
+                else None,
+                delta_text=text[s.sent_text:],
+                delta_token_ids=req.output_token_ids[s.sent_tokens:],
+            ))
+            s.sent_text, s.sent_tokens = len(text), req.num_output_tokens
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=group.finished,
+            metrics=RequestMetrics.from_requests([s.request for s in group.samples]),
+        )
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        if not self.scheduler.has_unfinished:
+            assert self.kv.num_free_blocks == self.kv.num_blocks, "blocks leaked"

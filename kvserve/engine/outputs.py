@@ -1,0 +1,106 @@
+"""What the engine hands back to callers, one RequestOutput per request per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.request import Request
+from kvserve.sampler import TokenLogprobs
+
+
+@dataclass
+class RequestMetrics:
+    """Timings of one request in seconds (perf_counter clock). queue = arrival to first step,
+    prefill = first step to first token, decode = first token to finish, tpot = decode time
+    per output token after the first."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+    @property
+    def queue_time(self) -> float | None:
+        return _span(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def prefill_time(self) -> float | None:
+        return _span(self.first_scheduled_time, self.first_token_time)
+
+    @property
+    def ttft(self) -> float | None:
+        return _span(self.arrival_time, self.first_token_time)
+
+    @property
+    def decode_time(self) -> float | None:
+        return _span(self.first_token_time, self.finished_time)
+
+    @property
+    def e2e_time(self) -> float | None:
+        return _span(self.arrival_time, self.finished_time)
+
+    @property
+    def tpot(self) -> float | None:
+        d = self.decode_time
+        n = self.num_generation_tokens - 1
+        return None if d is None or n <= 0 else d / n
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return {
+            "queue_time": self.queue_time, "prefill_time": self.prefill_time,
+            "ttft": self.ttft, "decode_time": self.decode_time, "tpot": self.tpot,
+            "e2e_time": self.e2e_time, "num_preemptions": self.num_preemptions,
+        }
+
+    @classmethod
+    def from_requests(cls, reqs: list[Request]) -> RequestMetrics:
+        """One request's metrics; for n > 1 the samples' timelines are merged."""
+        t = [r.timeline for r in reqs]
+        done = [x.finished for x in t]
+        return cls(
+            arrival_time=min(x.arrival for x in t),
+            first_scheduled_time=_min([x.first_scheduled for x in t]),
+            first_token_time=_min([x.first_token for x in t]),
+            finished_time=None if None in done else max(done),  # type: ignore[type-var]
+            num_preemptions=sum(x.num_preemptions for x in t),
+            num_prompt_tokens=reqs[0].num_prompt_tokens,
+            num_generation_tokens=sum(r.num_output_tokens for r in reqs),
+        )
+
+
+def _span(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else b - a
+
+
+def _min(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return min(present) if present else None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str  # all text so far
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    logprobs: list[TokenLogprobs] | None = None
+    delta_text: str = ""  # new since the previous output of this request
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics

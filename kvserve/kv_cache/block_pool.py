@@ -1,0 +1,160 @@
+"""Block pool: the bookkeeping half of the paged KV cache (the tensors live in the runner).
+
+Invariants, checked by `check_integrity()`:
+- every block is either in use (ref_cnt > 0) or in the free queue (ref_cnt == 0), never both;
+- a block with a hash is registered under that hash, and vice versa;
+- ref counts are never negative.
+
+A freed block keeps its hash and K/V: it waits in the LRU free queue and can be revived by a
+prefix-cache hit until it is handed out again, which is when its hash is forgotten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    # Prefix-cache identity of a full block; None while the block is partial or unhashed.
+    block_hash: int | None = None
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+    # Intrusive links of the free queue, so a cache hit removes a block in O(1).
+    prev: KVBlock | None = None
+    next: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks; the head is evicted first (least recently freed)."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self.num_free = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev
+        assert last is not None
+        last.next, block.prev = block, last
+        block.next, self._tail.prev = self._tail, block
+        self.num_free += 1
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev, block.next
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next, nxt.prev = nxt, prev
+        block.prev = block.next = None
+        self.num_free -= 1
+
+    def popleft(self) -> KVBlock:
+        first = self._head.next
+        if first is self._tail or first is None:
+            raise RuntimeError("no free KV blocks")
+        self.remove(first)
+        return first
+
+    def __iter__(self):
+        node = self._head.next
+        while node is not None and node is not self._tail:
+            yield node
+            node = node.next
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (including cached blocks nobody uses)."""
+        return self.free_queue.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"asked for {n} KV blocks, {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._forget(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on blocks found in the prefix cache."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop a reference; pass a request's blocks tail first so tails are evicted first."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of {block}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def lookup(self, block_hash: int, parent_hash: int | None,
+               token_ids: tuple[int, ...]) -> KVBlock | None:
+        """A cached block for this hash, verified against the stored identity so that a hash
+        collision can never serve another prompt's K/V."""
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != token_ids or block.parent_hash != parent_hash:
+            return None
+        return block
+
+    def cache(self, block: KVBlock, block_hash: int, parent_hash: int | None,
+              token_ids: tuple[int, ...]) -> None:
+        if block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            # Another block already holds this content (e.g. two requests computed the same
+            # prefix in one step); keep the first, this one stays private and unhashed.
+            return
+        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
+        self.cached[block_hash] = block
+
+    def _forget(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = block.parent_hash = block.token_ids = None
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.cached.values():
+            block.block_hash = block.parent_hash = block.token_ids = None
+        self.cached.clear()
+
+    def check_integrity(self) -> None:
+        free_ids = [b.block_id for b in self.free_queue]
+        assert len(free_ids) == self.free_queue.num_free, "free count out of sync"
+        assert len(set(free_ids)) == len(free_ids), "a block is in the free queue twice"
+        free_set = set(free_ids)
+        for b in self.blocks:
+            assert b.ref_cnt >= 0, f"negative ref count on {b}"
+            assert (b.ref_cnt == 0) == (b.block_id in free_set), f"{b} free/used mismatch"
+            if b.block_hash is not None:
+                assert self.cached.get(b.block_hash) is b, f"{b} hashed but not registered"
+        for h, b in self.cached.items():
+            assert b.block_hash == h, f"registry entry {h} points at {b}"
+        used = sum(1 for b in self.blocks if b.ref_cnt > 0)
+        assert used + len(free_ids) == self.num_blocks, "free + used != total"

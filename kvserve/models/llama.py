@@ -1,0 +1,105 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2) over a paged KV cache.
+
+The model sees one flat batch of tokens from many requests; which request a token belongs to
+and where its K/V live is the attention backend's business (`meta`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.attention.backend import AttentionBackend
+from kvserve.config import ModelConfig
+from kvserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kvserve.layers.norm import RMSNorm
+from kvserve.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads // tp_size
+        self.num_kv_heads = cfg.num_kv_heads // tp_size
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, cfg.qkv_bias, tp_rank, tp_size)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        False, tp_rank, tp_size)
+        self.rotary = rotary
+        self.backend = backend
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: object) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False,
+                                           tp_rank, tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary, backend, tp_rank, tp_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, tp_rank, tp_size)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: object) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.config = cfg
+        if cfg.num_heads % tp_size:
+            raise ValueError(f"{cfg.num_heads} heads do not split over {tp_size} ranks")
+        # Weights arrive from a checkpoint; skip the random init of a 50k x d table.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size),
+                                         _freeze=True)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta,
+                                 cfg.rope_scaling)
+        self.rotary = rotary
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, rotary, backend, tp_rank, tp_size) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.tie_word_embeddings:
+            self.lm_head_weight = self.embed_tokens.weight
+        else:
+            self.lm_head_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size),
+                                               requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: object) -> torch.Tensor:
+        """input_ids/positions [T] -> final hidden states [T, hidden] (normed)."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in float32, only for the rows the caller selected (the sampled positions)."""
+        return F.linear(hidden, self.lm_head_weight).float()

