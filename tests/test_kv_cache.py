@@ -1,0 +1,175 @@
+"""Block pool and KV cache manager with toy sizes: exact block ids, LRU order, prefix hits,
+integrity after every scenario, and no leaks under random arrival/finish/abort sequences."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.kv_cache.block_pool import BlockPool
+from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
+
+
+def make_req(rid: str, tokens: list[int], max_tokens: int = 8) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens), frozenset(), max_tokens)
+
+
+def test_pool_allocates_in_order_and_frees_to_lru_tail():
+    pool = BlockPool(4)
+    a = pool.allocate(2)
+    assert [b.block_id for b in a] == [0, 1]
+    b = pool.allocate(1)
+    assert [x.block_id for x in b] == [2]
+    assert pool.num_free_blocks == 1
+    pool.free(reversed(a))  # tail first: block 1 is evicted before block 0
+    assert [x.block_id for x in pool.free_queue] == [3, 1, 0]
+    assert [x.block_id for x in pool.allocate(3)] == [3, 1, 0]
+    with pytest.raises(RuntimeError):
+        pool.allocate(1)
+    pool.check_integrity()
+
+
+def test_pool_double_free_is_caught():
+    pool = BlockPool(2)
+    (b,) = pool.allocate(1)
+    pool.free([b])
+    with pytest.raises(AssertionError):
+        pool.free([b])
+
+
+def test_allocate_slots_exact_blocks_and_free():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    r = make_req("a", list(range(10)))
+    assert kv.allocate_slots(r, 10)
+    assert r.block_ids == [0, 1, 2]
+    r.num_computed_tokens = 10
+    r.append_token(99)
+    assert kv.allocate_slots(r, 1)  # token 11 still fits in block 2
+    assert r.block_ids == [0, 1, 2]
+    r.num_computed_tokens = 11
+    for t in (100, 101):
+        r.append_token(t)
+    assert kv.allocate_slots(r, 2)  # tokens 12, 13 need block 3
+    assert r.block_ids == [0, 1, 2, 3]
+    kv.free(r)
+    assert r.block_ids == []
+    assert kv.num_free_blocks == 8
+    kv.check_integrity()
+
+
+def test_allocation_failure_changes_nothing():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    r = make_req("a", list(range(12)))
+    assert not kv.allocate_slots(r, 12)
+    assert r.block_ids == [] and kv.num_free_blocks == 2
+    kv.check_integrity()
+
+
+def test_prefix_hit_shares_full_blocks_and_recomputes_last_token():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    prompt = list(range(100, 112))  # exactly 3 full blocks
+    a = make_req("a", prompt)
+    assert kv.get_computed_blocks(a) == []
+    assert kv.allocate_slots(a, 12)
+    b = make_req("b", prompt)
+    hits = kv.get_computed_blocks(b)
+    # The last token must be recomputed, so only the first two blocks are served.
+    assert [h.block_id for h in hits] == [0, 1]
+    assert kv.allocate_slots(b, 4, hits)
+    assert b.block_ids == [0, 1, 3]
+    assert kv.pool.blocks[0].ref_cnt == 2 and kv.pool.blocks[2].ref_cnt == 1
+    kv.check_integrity()
+    kv.free(a)
+    kv.free(b)
+    kv.check_integrity()
+    # Freed blocks keep their hashes: a third request still hits them.
+    c = make_req("c", prompt + [7])
+    assert [h.block_id for h in kv.get_computed_blocks(c)] == [0, 1, 2]
+
+
+def test_prefix_cache_is_not_fooled_by_a_different_prefix():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = make_req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    kv.allocate_slots(a, 9)
+    # Same second block, different first block: the chained hash must miss entirely.
+    b = make_req("b", [0, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert kv.get_computed_blocks(b) == []
+
+
+def test_hash_collision_never_serves_wrong_blocks():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = make_req("a", [1, 2, 3, 4, 5])
+    kv.allocate_slots(a, 5)
+    b = make_req("b", [9, 9, 9, 9, 5])
+    # Force b's hash to equal a's: the stored token ids must still reject the hit.
+    kv._hashes["b"] = list(kv.block_hashes(a))
+    assert kv.get_computed_blocks(b) == []
+
+
+def test_eviction_forgets_hash_of_reused_block():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    a = make_req("a", [1, 2, 3, 4, 5])
+    kv.allocate_slots(a, 5)
+    kv.free(a)
+    b = make_req("b", [7, 7, 7, 7, 7, 7, 7, 7])
+    kv.allocate_slots(b, 8)  # takes both blocks, evicting a's cached block
+    kv.check_integrity()
+    c = make_req("c", [1, 2, 3, 4, 5])
+    assert kv.get_computed_blocks(c) == []
+
+
+def test_reviving_a_free_cached_block_counts_against_free_space():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a = make_req("a", list(range(9)))
+    kv.allocate_slots(a, 9)  # blocks 0,1,2; 0 and 1 full and cached
+    kv.free(a)
+    b = make_req("b", list(range(8)) + [50] * 8)
+    hits = kv.get_computed_blocks(b)
+    assert [h.block_id for h in hits] == [0, 1]
+    # b needs 4 blocks: 2 revived + 2 new, only 1 more exists.
+    assert not kv.allocate_slots(b, 8, hits)
+    kv.check_integrity()
+    assert kv.allocate_slots(b, 4, hits)
+    assert b.block_ids == [0, 1, 2]
+    kv.check_integrity()
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["add", "grow", "finish"]), st.integers(0, 7),
+              st.integers(1, 40)),
+    min_size=1, max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, caching=st.booleans())
+def test_random_sequences_never_leak(ops, caching):
+    kv = KVCacheManager(num_blocks=12, block_size=4, enable_prefix_caching=caching)
+    live: dict[int, Request] = {}
+    for step, (op, slot, n) in enumerate(ops):
+        if op == "add" and slot not in live:
+            # Few distinct prompts so that prefix hits happen.
+            r = make_req(f"r{step}", [slot % 3] * n)
+            hits = kv.get_computed_blocks(r)
+            if kv.allocate_slots(r, r.num_tokens - len(hits) * 4, hits):
+                r.num_computed_tokens = r.num_tokens
+                live[slot] = r
+        elif op == "grow" and slot in live:
+            r = live[slot]
+            for _ in range(n % 7 + 1):
+                r.append_token(slot)
+            if kv.allocate_slots(r, r.num_tokens - r.num_computed_tokens):
+                r.num_computed_tokens = r.num_tokens
+            else:  # out of memory: preempt it, as the scheduler would
+                kv.free(live.pop(slot))
+        elif op == "finish" and slot in live:
+            r = live.pop(slot)
+            kv.free(r)
+            kv.forget(r)
+        kv.check_integrity()
+    for r in live.values():
+        kv.free(r)
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks
