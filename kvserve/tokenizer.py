@@ -288,7 +288,7 @@ class Tokenizer:
         """Raw vocabulary strings (e.g. "Ġhello"); "" for ids the tokenizer does not know."""
         if isinstance(ids, int):
             ids = [ids]
-        return [self._backend.id_to_token(int(i)) or "" for i in ids]
+        return [(self._backend.id_to_token(int(i)) if i >= 0 else None) or "" for i in ids]
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)

@@ -235,6 +235,30 @@ def test_smollm_digit_split(tok: Tokenizer, ref: Any) -> None:
 
 @pytest.mark.real_model
 @needs_model
+@pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "llama3", "qwen2", "deepseek-r1-qwen"])
+def test_pre_tokenizer_splits_match_transformers(ref: Any, pre: str) -> None:
+    from tokenizers import Regex, pre_tokenizers
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    from kvserve.tokenizer import _byte_level_pre_tokenizer
+
+    split = GGUF_PRE_TOKENIZER_SPLITS.get(pre)
+    if split is None:  # transformers keeps GPT2Tokenizer's default for this name
+        expected = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        expected = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    ours = _byte_level_pre_tokenizer(pre)
+    for text in CORPUS:
+        assert ours.pre_tokenize_str(text) == expected.pre_tokenize_str(text), text
+
+
+@pytest.mark.real_model
+@needs_model
 def test_decode_matches_transformers(tok: Tokenizer, ref: Any) -> None:
     rng = random.Random(7)
     sequences = [tok.encode(text) for text in CORPUS]
@@ -360,7 +384,7 @@ def _id_lists(tok_ids: dict[str, list[int]], vocab_size: int) -> st.SearchStrate
         st.sampled_from(tok_ids["multibyte"]),
         st.sampled_from(tok_ids["special"]),
     )
-    return st.lists(one, max_size=40)
+    return st.lists(one, min_size=1, max_size=60)
 
 
 @pytest.mark.real_model
@@ -375,7 +399,7 @@ def test_stream_equals_full_decode(
     @HYPOTHESIS
     @given(
         ids=_id_lists(interesting_ids, tok.vocab_size),
-        sizes=st.lists(st.integers(1, 5), max_size=8),
+        sizes=st.lists(st.integers(1, 5), min_size=1, max_size=8),
         skip=st.booleans(),
     )
     def check(ids: list[int], sizes: list[int], skip: bool) -> None:
@@ -385,6 +409,19 @@ def test_stream_equals_full_decode(
         assert not detok.stopped and detok.stop_reason is None
 
     check()
+    # Plus longer seeded sequences than hypothesis tends to draw.
+    rng = random.Random(11)
+    pool = [i for group in interesting_ids.values() for i in group]
+    for _ in range(150):
+        ids = [
+            rng.choice(pool) if rng.random() < 0.5 else rng.randrange(tok.vocab_size)
+            for _ in range(rng.randint(50, 150))
+        ]
+        sizes = [rng.randint(1, 4) for _ in range(5)]
+        skip = rng.random() < 0.5
+        expected = tokenizer.decode(ids, skip_special_tokens=skip)
+        detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+        assert _stream(detok, ids, sizes, expected) == expected
 
 
 @pytest.mark.real_model
@@ -447,7 +484,7 @@ def test_stop_strings_property(tok: Tokenizer, interesting_ids: dict[str, list[i
         extra=_id_lists(interesting_ids, tok.vocab_size),
         cuts=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 6)), max_size=3),
         junk=st.lists(st.text(min_size=1, max_size=3), max_size=2),
-        sizes=st.lists(st.integers(1, 4), max_size=6),
+        sizes=st.lists(st.integers(1, 4), min_size=1, max_size=6),
         include=st.booleans(),
     )
     def check(
@@ -630,7 +667,7 @@ def test_sentencepiece_stream_equals_full_decode(spm_gguf: Path) -> None:
         ids=st.lists(
             st.one_of(st.integers(0, spm.vocab_size - 1), st.sampled_from(byte_ids)), max_size=30
         ),
-        sizes=st.lists(st.integers(1, 4), max_size=6),
+        sizes=st.lists(st.integers(1, 4), min_size=1, max_size=6),
         skip=st.booleans(),
     )
     def check(ids: list[int], sizes: list[int], skip: bool) -> None:

@@ -1,0 +1,207 @@
+"""Engine end to end on a tiny random model: batching invariance under chunked prefill and
+preemption, n > 1 sharing the prompt's blocks, seeds, stop strings, aborts, clear errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvserve.engine.llm import LLM
+from kvserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def make_llm(path, **kw) -> LLM:
+    args = dict(dtype="float32", block_size=4, num_gpu_blocks=256, max_num_batched_tokens=64)
+    args.update(kw)
+    return LLM(str(path), **args)
+
+
+def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 300) for _ in range(rng.randrange(3, 70))] for _ in range(n)]
+
+
+def test_batching_invariance_with_chunking_and_preemption(tiny_llama_dir):
+    prompts = random_prompts(16)
+    alone_llm = make_llm(tiny_llama_dir)
+    alone = [alone_llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+    # A small budget chunks the long prompts; 60 blocks of 4 cannot hold 16 requests of up
+    # to 93 tokens, so requests get preempted and recomputed.
+    llm = make_llm(tiny_llama_dir, num_gpu_blocks=60, max_num_batched_tokens=32)
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert sum(o.metrics.num_preemptions for o in outs) == llm.engine.scheduler.num_preemptions
+    llm.engine.check_integrity()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_seeded_sampling_is_independent_of_the_batch(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234,
+                            ignore_eos=True)
+    prompt = random_prompts(1, seed=5)[0]
+    alone = llm.generate([prompt], seeded)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    batch = [prompt if i == 3 else p for i, p in enumerate(random_prompts(8, seed=6))]
+    params = [seeded if i == 3 else others for i in range(8)]
+    assert llm.generate(batch, params)[3].outputs[0].token_ids == alone
+
+
+def test_n_samples_share_prompt_blocks(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, num_gpu_blocks=64)
+    engine = llm.engine
+    prompt = random_prompts(1, seed=9)[0] + list(range(2, 42))  # >= 10 full blocks
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=7, ignore_eos=True)
+    engine.add_request("x", prompt, params)
+    while len(engine.scheduler.running) < 4:  # the prompt spans two steps' budgets
+        engine.step()
+    full = (len(prompt) - 1) // 4
+    tables = [r.block_ids for r in engine.scheduler.running]
+    assert len(tables) == 4
+    for t in tables[1:]:
+        assert t[:full] == tables[0][:full]  # the prompt's full blocks are shared
+    assert engine.kv.num_blocks - engine.kv.num_free_blocks < 4 * (full + 1)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    (out,) = outs
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    # sample i is seeded with seed + i, so the samples differ and are reproducible
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    again = llm.generate([prompt], params)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    engine.check_integrity()
+
+
+def _ascii_run(text: str) -> int | None:
+    """Start of the first 3-character printable ASCII run that occurs only there."""
+    for i in range(1, len(text) - 3):
+        sub = text[i:i + 3]
+        if all(" " <= ch <= "~" for ch in sub) and text.find(sub) == i:
+            return i
+    return None
+
+
+def test_stop_string_across_tokens_is_cut_from_text(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir)
+    # The random model babbles bytes; find a prompt whose output has an ASCII run to stop on.
+    for seed in range(50):
+        prompt = random_prompts(1, seed=seed)[0]
+        free = llm.generate([prompt], GREEDY)[0].outputs[0]
+        at = _ascii_run(free.text)
+        if at is not None:
+            break
+    assert at is not None
+    stop = free.text[at:at + 3]  # one token per byte: the stop string spans three tokens
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop=[stop],
+                                                ignore_eos=True))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == free.text[:at]
+    assert out.token_ids == free.token_ids[:len(out.token_ids)]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop=[stop],
+                                                include_stop_str_in_output=True,
+                                                ignore_eos=True))[0].outputs[0]
+    assert out.text == free.text[:at + 3]
+
+
+def test_stop_token_ids_and_eos(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir)
+    prompt = random_prompts(1, seed=3)[0]
+    free = llm.generate([prompt], GREEDY)[0].outputs[0]
+    target = free.token_ids[4]
+    first = free.token_ids.index(target)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24,
+                                                stop_token_ids=[target]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == target
+    assert out.token_ids == free.token_ids[:first + 1]
+    # min_tokens holds the stop token back
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, min_tokens=10,
+                                                stop_token_ids=[target]))[0].outputs[0]
+    assert len(out.token_ids) >= 10
+
+
+def test_length_finish_and_metrics(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert out.finished and out.outputs[0].finish_reason == "length"
+    m = out.metrics
+    assert m.num_prompt_tokens == 3 and m.num_generation_tokens == 5
+    assert 0 <= m.queue_time <= m.ttft <= m.e2e_time
+    assert m.prefill_time >= 0 and m.decode_time >= 0 and m.tpot > 0
+
+
+def test_logprobs(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, logprobs=3,
+                                                   ignore_eos=True))[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
+        assert lp.token_id == tok and lp.rank == 1 and len(lp.top) == 3
+        assert lp.top[0][0] == tok and lp.top[0][1] == pytest.approx(lp.logprob)
+
+
+def test_abort_frees_blocks_and_reports(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir)
+    engine = llm.engine
+    engine.add_request("a", random_prompts(1)[0], GREEDY)
+    engine.add_request("b", random_prompts(1, seed=1)[0], GREEDY)
+    engine.step()
+    engine.step()
+    assert engine.abort_request("a")
+    assert not engine.abort_request("a")
+    outs = engine.step()
+    aborted = [o for o in outs if o.request_id == "a"]
+    assert aborted and aborted[0].outputs[0].finish_reason == "abort" and aborted[0].finished
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_streaming_deltas_add_up(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir)
+    engine = llm.engine
+    engine.add_request("s", "hello there", SamplingParams(temperature=0, max_tokens=12,
+                                                          ignore_eos=True))
+    text, ids = "", []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            text += o.outputs[0].delta_text
+            ids += o.outputs[0].delta_token_ids
+            last = o
+    assert last.finished and text == last.outputs[0].text and ids == last.outputs[0].token_ids
+
+
+def test_chat_uses_the_template(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir)
+    out = llm.chat([{"role": "user", "content": "hi"}],
+                   SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) == \
+        "<s>user: hi</s><s>assistant: "
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([5] * 500, SamplingParams(max_tokens=20), "max_model_len"),
+    ([1, 2, 3], SamplingParams(max_tokens=600), "max_model_len"),
+    ([1, 2, 999], SamplingParams(), "out of range"),
+    ([], SamplingParams(), "empty"),
+    ([1, 2], SamplingParams(logit_bias={400: 1.0}), "logit_bias"),
+])
+def test_bad_requests_are_rejected_clearly(tiny_llama_dir, prompt, params, match):
+    llm = make_llm(tiny_llama_dir)
+    with pytest.raises(ValueError, match=match):
+        llm.generate([prompt], params)
+    llm.engine.check_integrity()
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_bad_sampling_values_name_the_field():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
