@@ -28,13 +28,17 @@ class AttentionBatch:
 
 class AttentionBackend(ABC):
     @abstractmethod
+    def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
+        """Shape of one layer's K/V cache tensor holding `num_slots` token slots."""
+
+    @abstractmethod
     def build_metadata(self, batch: AttentionBatch) -> object:
         """Precompute per-step tensors (gather indices, masks) shared by every layer."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: object) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D], kv_cache [2, num_slots, Hkv, D] -> out [T, H * D].
+        """q [T, H, D], k/v [T, Hkv, D], kv_cache of `kv_cache_shape` -> out [T, H * D].
 
         Writes k/v into the cache at the batch's slots, then attends every query to its
         request's context (causally within the request)."""

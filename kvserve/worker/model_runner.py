@@ -1,7 +1,8 @@
 """SchedulerOutput -> tensors -> forward -> sample -> ModelRunnerOutput.
 
-The runner owns the KV cache tensors: per layer one [2, num_blocks * block_size, Hkv, D]
-tensor (K and V), addressed by slot = block_id * block_size + offset.
+The runner owns the KV cache tensors: per layer one tensor holding K and V for
+num_blocks * block_size token slots (layout chosen by the attention backend), addressed by
+slot = block_id * block_size + offset.
 """
 
 from __future__ import annotations
@@ -52,11 +53,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = device
         self.dtype = dtype
-        heads_kv = model.layers[0].self_attn.num_kv_heads
-        shape = (2, num_blocks * cache.block_size, heads_kv, self.cfg.head_dim)
+        self.backend = model.layers[0].self_attn.backend
+        shape = self.backend.kv_cache_shape(num_blocks * cache.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(self.cfg.num_layers)]
-        self.backend = model.layers[0].self_attn.backend
         self.sampler = Sampler()
 
     @property
