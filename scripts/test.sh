@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up (pinned) and run the whole test suite plus the linter. Extra args go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh --test
+.venv/bin/ruff check kvserve tests benchmarks
+.venv/bin/python -m pytest -q "$@"

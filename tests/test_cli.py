@@ -1,0 +1,53 @@
+"""The CLI end to end, in a subprocess as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args: str, stdin: str | None = None, timeout: int = 180):
+    return subprocess.run([sys.executable, "-m", "kvserve.cli", *args], input=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_on_a_tiny_model(tiny_llama_dir):
+    r = run_cli("generate", "hello", "--model", str(tiny_llama_dir), "--max-tokens", "5",
+                "--temperature", "0", "--ignore-eos", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("hello")
+    assert "5 generated tokens" in r.stderr and "finish: length" in r.stderr
+    assert "KV cache:" in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "-1"], "temperature"),
+    (["--model", "/no/such/model.gguf"], "not found"),
+    (["--max-tokens", "100000"], "max_model_len"),
+    (["--kv-cache-memory", "lots"], "cannot parse size"),
+])
+def test_bad_input_gives_a_clear_error(tiny_llama_dir, args, message):
+    base = ["generate", "hi", "--model", str(tiny_llama_dir)]
+    if "--model" in args:
+        base = ["generate", "hi"]
+    r = run_cli(*base, *args)
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.real_model
+def test_generate_on_the_default_model(real_model_path):
+    r = run_cli("generate", "The capital of France is", "--temperature", "0",
+                "--max-tokens", "8")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("The capital of France is Paris")
+
+
+@pytest.mark.real_model
+def test_chat_on_the_default_model(real_model_path):
+    r = run_cli("chat", "--temperature", "0", "--max-tokens", "16",
+                stdin="What is the capital of France?\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
