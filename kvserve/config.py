@@ -56,8 +56,8 @@ class ModelConfig:
                 f"num_kv_heads ({self.num_kv_heads})")
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V one token occupies across all layers, per element byte."""
+    def kv_elements_per_token(self) -> int:
+        """K and V elements one token occupies across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 

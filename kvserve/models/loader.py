@@ -10,7 +10,7 @@ import importlib.util
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,20 +102,20 @@ def gguf_model_config(reader) -> ModelConfig:
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if kind not in ("none", "linear"):
+        raise ValueError(f"unsupported RoPE scaling type {kind!r} in GGUF (supported: none, "
+                         "linear, and per-frequency factors in rope_freqs)")
     freq_factors = None
     if "rope_freqs.weight" in names:
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         freq_factors = tuple(float(x) for x in np.asarray(t.data, dtype=np.float32).ravel())
     scaling = RopeScaling(
-        kind=kind if kind in ("none", "linear") else kind,
+        kind=kind,
         factor=float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
         original_max_position=int(
             _field(reader, f"{arch}.rope.scaling.original_context_length", 8192)),
         freq_factors=freq_factors,
     )
-    if scaling.kind not in ("none", "linear"):
-        raise ValueError(f"unsupported RoPE scaling type {kind!r} in GGUF (supported: none, "
-                         "linear, and per-frequency factors in rope_freqs)")
     return ModelConfig(
         architecture=arch,
         num_layers=int(get("block_count")),
@@ -297,8 +297,9 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device,
-               backend_factory, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
-    """Build and fill the model. `backend_factory(cfg) -> AttentionBackend`."""
+               backend_factory: Callable[[ModelConfig], AttentionBackend],
+               tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
+    """Build the model for this rank's shard and fill it from the checkpoint."""
     reader = None
     if path.suffix == ".gguf":
         import gguf
@@ -312,8 +313,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
     else:
         cfg = hf_model_config(path)
         tensors = iter_hf_tensors(path)
-    backend: AttentionBackend = backend_factory(cfg)
-    model = LlamaForCausalLM(cfg, backend, tp_rank, tp_size)
+    model = LlamaForCausalLM(cfg, backend_factory(cfg), tp_rank, tp_size)
     load_weights(model, tensors)
     model.to(device)
     for p in model.parameters():  # parameters only: RoPE tables stay float32

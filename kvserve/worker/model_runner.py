@@ -29,7 +29,7 @@ class ModelRunnerOutput:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return cfg.kv_bytes_per_token * torch.empty((), dtype=dtype).element_size()
+    return cfg.kv_elements_per_token * torch.empty((), dtype=dtype).element_size()
 
 
 def plan_num_blocks(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
