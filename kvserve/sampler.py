@@ -13,7 +13,9 @@ Processing order for a row (the same for greedy and random rows up to the temper
    then frequency (-f * count) and presence (-p * [count > 0]) penalties on output tokens.
 4. Greedy rows take the argmax here. Random rows continue: divide by temperature, drop tokens
    with prob < min_p * max_prob, apply top-k then top-p (top-p renormalises over what top-k
-   kept), and draw with an exponential race.
+   kept), and draw by inverse transform: one uniform number per row, located in the row's
+   cumulative distribution. (An exponential race needs V random numbers per row; on the CPU
+   drawing them cost ~44 ms for 64 x 49152 logits against ~1 ms for cumsum + searchsorted.)
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ import torch
 
 from kvserve.sampling_params import SamplingParams
 
-# Lower bound for the Exp(1) draws: a zero would turn 0/0 into NaN, and argmax picks NaN.
-_MIN_EXP = torch.finfo(torch.float32).tiny
+# Top-p first looks for the nucleus among this many most likely tokens (a partial topk),
+# falling back to a full sort only for rows where that cannot decide it exactly. Measured
+# on 64 x 49152 logits: topk(1024) 12 ms against 107 ms for the stable sort.
+TOP_P_CANDIDATES = 1024
 
 
 class SamplingRow(Protocol):
@@ -275,10 +279,11 @@ class Sampler:
     temperature and truncation (vLLM's default ``raw_logprobs``), so they describe the model,
     not the sampling distribution.
 
-    Random rows use the exponential race ``argmax(probs / q)`` with ``q ~ Exp(1)``, which picks
-    token i with probability ``probs[i]`` without a host round trip. A seeded row draws its
-    ``q`` from its own generator, one ``[V]`` draw per step, so its tokens do not depend on the
-    rest of the batch or its position in it; unseeded rows share one batched draw.
+    Random rows are drawn by inverse transform (a uniform ``u`` located in the row's cumulative
+    distribution), which picks token i with probability ``probs[i]`` without a host round
+    trip. A seeded row draws its ``u`` from its own generator, one number per step, so its
+    tokens do not depend on the rest of the batch or its position in it; unseeded rows share
+    one batched draw.
     """
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
@@ -304,12 +309,12 @@ class Sampler:
         greedy_tokens = logits.argmax(dim=-1) if meta.greedy_mask is not None else None
 
         probs = apply_truncation(logits, meta).softmax(dim=-1)
-        q = torch.empty_like(probs)
+        u = torch.empty(meta.batch_size, 1, device=probs.device)
         if meta.any_unseeded_random:
-            q.exponential_()
+            u.uniform_()
         for row, gen in meta.seeded:
-            q[row].exponential_(generator=gen)
-        random_tokens = probs.div_(q.clamp_min_(_MIN_EXP)).argmax(dim=-1)
+            u[row].uniform_(generator=gen)
+        random_tokens = _inverse_cdf(probs, u)
 
         if greedy_tokens is None:
             return random_tokens
@@ -369,7 +374,7 @@ def apply_truncation(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
         threshold = probs.amax(dim=-1, keepdim=True) * meta.min_p
         logits.masked_fill_(probs < threshold, float("-inf"))
     if meta.top_p is not None:
-        logits = _top_k_top_p_sorted(logits, meta.top_k, meta.top_p)
+        logits = _top_k_top_p(logits, meta.top_k, meta.max_top_k, meta.top_p)
     elif meta.top_k is not None:
         _top_k_only(logits, meta.top_k, meta.max_top_k)
     return logits
@@ -416,6 +421,48 @@ def _top_k_top_p_sorted(
     # top_p == 1 must be a no-op even when rounding pushes the cumulative sum to 1.0 early.
     sorted_logits.masked_fill_((mass_above >= top_p) & (top_p < 1.0), float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Same result as `_top_k_top_p_sorted`, without sorting the whole vocabulary.
+
+    The nucleus is searched among the `TOP_P_CANDIDATES` most likely tokens, ordered as the
+    stable sort orders them (ties by token id). A row is decided there when the last candidate
+    is already dropped (every token after it has even more mass above it) and no tie group
+    straddles the candidate cut; other rows with top_p < 1 take the full sort.
+    """
+    vocab = logits.shape[-1]
+    k = min(vocab, TOP_P_CANDIDATES)
+    if k == vocab:
+        return _top_k_top_p_sorted(logits, top_k, top_p)
+    if top_k is not None:
+        _top_k_only(logits, top_k, max_top_k)
+    vals, ids = logits.topk(k, dim=-1)
+    ids, perm = ids.sort(dim=-1)
+    vals, order = vals.gather(1, perm).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, order)
+    probs = (vals - logits.logsumexp(dim=-1, keepdim=True)).exp()
+    mass_above = probs.cumsum(dim=-1) - probs
+    drop = (mass_above >= top_p) & (top_p < 1.0)
+    exact = drop[:, -1] & ((logits >= vals[:, -1:]).sum(dim=-1) == k)
+    rows = exact.nonzero().squeeze(1)
+    if rows.numel():
+        kept = vals[rows].masked_fill_(drop[rows], float("-inf"))
+        logits[rows] = torch.full_like(logits[rows], float("-inf")).scatter_(1, ids[rows], kept)
+    rest = ((top_p.squeeze(1) < 1.0) & ~exact).nonzero().squeeze(1)
+    if rest.numel():
+        logits[rest] = _top_k_top_p_sorted(logits[rest], None, top_p[rest])
+    return logits
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token whose cumulative-probability interval holds u * total, per row. Tokens with zero
+    probability have empty intervals and are never picked."""
+    cdf = probs.cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return picked.clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[list]:

@@ -455,3 +455,33 @@ def test_greedy_logprob_rank_is_one() -> None:
 def test_logprobs_clamped_to_vocab() -> None:
     out = sample(randn(1, 4), [row(logprobs=20)])
     assert out.logprobs[0] is not None and len(out.logprobs[0].top) == 4
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.lists(st.sampled_from([-3.0, -1.0, 0.0, 0.5, 1.0, 2.0, 4.0, float("-inf")]),
+                     min_size=40, max_size=40),
+            st.sampled_from([0.05, 0.3, 0.7, 0.95, 1.0]),
+            st.sampled_from([40, 3, 10])),
+        min_size=1, max_size=5),
+    candidates=st.sampled_from([2, 5, 16]))
+def test_top_p_candidate_search_equals_full_sort(rows, candidates):
+    """The partial-topk path keeps exactly what the full stable sort keeps, ties included."""
+    import kvserve.sampler as sampler_mod
+
+    logits = torch.tensor([r[0] for r in rows])
+    logits[:, 0] = 5.0  # at least one finite logit per row
+    top_p = torch.tensor([[r[1]] for r in rows])
+    top_k = torch.tensor([r[2] for r in rows])
+    max_top_k = int(top_k[top_k < 40].max()) if (top_k < 40).any() else 0
+    k_arg = top_k if max_top_k else None
+    expected = sampler_mod._top_k_top_p_sorted(logits.clone(), k_arg, top_p)
+    saved, sampler_mod.TOP_P_CANDIDATES = sampler_mod.TOP_P_CANDIDATES, candidates
+    try:
+        got = sampler_mod._top_k_top_p(logits.clone(), k_arg, max_top_k, top_p)
+    finally:
+        sampler_mod.TOP_P_CANDIDATES = saved
+    assert torch.equal(got.isinf(), expected.isinf())
+    assert torch.equal(got[~got.isinf()], expected[~expected.isinf()])
