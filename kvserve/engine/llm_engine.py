@@ -170,16 +170,19 @@ class LLMEngine:
         self._groups[request_id] = group
         return request_id
 
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request now and free its KV blocks; its final output (finish_reason "abort")
-        comes out of the next step. False if the id is unknown or already finished."""
+    def abort_request(self, request_id: str, error: str | None = None) -> bool:
+        """Stop a request now and free its KV blocks; its final output (finish_reason "abort",
+        and `error` when it failed) comes out of the next step. False if the id is unknown or
+        already finished."""
         group = self._groups.get(request_id)
         if group is None:
             return False
         for s in group.samples:
             if not s.request.status.finished:
                 self._finish(s, RequestStatus.FINISHED_ABORTED)
-        self._pending.append(self._output(group))
+        out = self._output(group)
+        out.error = error
+        self._pending.append(out)
         self._forget(group)
         return True
 
@@ -193,11 +196,23 @@ class LLMEngine:
     # ------------------------------------------------------------------------------ a step
 
     def step(self) -> list[RequestOutput]:
-        outputs, self._pending = self._pending, []
+        """Run one batch. A failure is confined to the requests it touches: if the model step
+        raises, every request in that batch fails (the others keep going); if handling one
+        request's new token raises, only that request fails. Failed requests come out
+        finished with `error` set."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return outputs
-        result = self.runner.execute(sched)
+            return self._take_pending()
+        try:
+            result = self.runner.execute(sched)
+        except Exception as e:
+            log.exception("model step failed; failing the %d requests in it",
+                          len(sched.scheduled))
+            for s in sched.scheduled:
+                entry = self._samples.get(s.request.request_id)
+                if entry is not None:
+                    self.abort_request(entry[0].request_id, f"{type(e).__name__}: {e}")
+            return self._take_pending()
         self.scheduler.update_after_step(sched)
         now = time.perf_counter()
         touched: dict[str, _Group] = {}
@@ -206,27 +221,46 @@ class LLMEngine:
             if not s.samples:
                 continue
             token, logprobs = next(sampled)
-            req = s.request
-            group, sample = self._samples[req.request_id]
-            req.append_token(token)
-            if req.sampling_params.logprobs is not None:
-                req.logprobs.append(logprobs)
-            if req.timeline.first_token is None:
-                req.timeline.first_token = now
-            sample.detok.add_tokens([token])
-            status = req.check_stop_token()
-            if status is RequestStatus.FINISHED_STOPPED:
-                sample.stop_reason = token if token not in req.eos_token_ids else None
-            if sample.detok.stopped:
-                status = RequestStatus.FINISHED_STOPPED
-                sample.stop_reason = sample.detok.stop_reason
-            if status is not None:
-                self._finish(sample, status, now)
+            entry = self._samples.get(s.request.request_id)
+            if entry is None:
+                continue  # its request failed earlier in this loop
+            group, sample = entry
+            try:
+                self._append(sample, token, logprobs, now)
+            except Exception as e:
+                log.exception("request %s failed", group.request_id)
+                self.abort_request(group.request_id, f"{type(e).__name__}: {e}")
+                continue
             touched[group.request_id] = group
+        outputs = self._take_pending()
         for group in touched.values():
+            if group.request_id not in self._groups:
+                continue  # failed after an earlier sample of it was appended
             outputs.append(self._output(group))
             if group.finished:
                 self._forget(group)
+        return outputs
+
+    def _append(self, sample: _Sample, token: int, logprobs, now: float) -> None:
+        """Add a sampled token to a request, stream its text and check every stop rule."""
+        req = sample.request
+        req.append_token(token)
+        if req.sampling_params.logprobs is not None:
+            req.logprobs.append(logprobs)
+        if req.timeline.first_token is None:
+            req.timeline.first_token = now
+        sample.detok.add_tokens([token])
+        status = req.check_stop_token()
+        if status is RequestStatus.FINISHED_STOPPED:
+            sample.stop_reason = token if token not in req.eos_token_ids else None
+        if sample.detok.stopped:
+            status = RequestStatus.FINISHED_STOPPED
+            sample.stop_reason = sample.detok.stop_reason
+        if status is not None:
+            self._finish(sample, status, now)
+
+    def _take_pending(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
         return outputs
 
     # ------------------------------------------------------------------------------ helpers

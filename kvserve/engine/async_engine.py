@@ -1,0 +1,229 @@
+"""The engine loop in a background thread, with one async stream of outputs per request.
+
+The event loop never runs a model step: it only hands commands (add, abort) to the engine
+thread and receives outputs from it. The engine thread owns the LLMEngine outright; between
+steps it applies the queued commands, so an add or an abort waits at most one step, and an
+aborted request's KV blocks are free before the next step starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.outputs import RequestOutput
+from kvserve.metrics import EngineMetrics
+from kvserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-waiting-requests."""
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    arrival: float
+    done: asyncio.Future = field(repr=False)
+
+
+class RequestStream:
+    """Outputs of one request, the last one finished. `close()` aborts it if unfinished;
+    callers must close in a `finally` so a vanished client frees its KV blocks."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self.finished:
+            self.engine.abort(self.request_id)
+        self.engine._streams.pop(self.request_id, None)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None,
+                 max_waiting_requests: int | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._error: BaseException | None = None
+        # Read by the event loop without a lock: plain ints written by the engine thread.
+        self.num_running = 0
+        self.num_waiting = 0
+        self._pending_adds = 0
+
+    # ------------------------------------------------------------------ event-loop side
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    async def add_request(self, request_id: str, prompt: str | list[int],
+                          params: SamplingParams) -> RequestStream:
+        """Queue a request and wait (at most one step) until the engine has accepted it.
+
+        Raises ValueError (bad request), QueueFullError or EngineDeadError; otherwise returns
+        the stream of its outputs."""
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop died: {self._error}")
+        if self.max_waiting_requests is not None and (
+                self.num_waiting + self._pending_adds >= self.max_waiting_requests):
+            raise QueueFullError(f"{self.max_waiting_requests} requests already waiting")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        assert self._loop is not None, "start() the engine first"
+        done = self._loop.create_future()
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        self._pending_adds += 1
+        self._send(_Add(request_id, prompt, params, time.perf_counter(), done))
+        try:
+            await done
+        except BaseException:  # rejected, or the caller went away while waiting
+            stream.close()
+            raise
+        finally:
+            self._pending_adds -= 1
+        return stream
+
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """add_request + iterate; the request is aborted if the caller stops early."""
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def _send(self, command) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    # ------------------------------------------------------------------- engine thread
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                self._apply_commands()
+                if not engine.has_unfinished_requests():
+                    self._publish_state()
+                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.clear()
+                    continue
+                outputs = engine.step()
+                now = time.perf_counter()
+                for out in outputs:
+                    if self.metrics is not None:
+                        self.metrics.observe_output(out, now)
+                    self._deliver(out.request_id, out)
+                self._publish_state()
+        except BaseException as e:  # a bug in the loop itself: fail everyone, loudly
+            log.exception("engine loop died")
+            self._error = e
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(f"engine loop died: {e}"))
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                try:
+                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival)
+                except Exception as e:  # ValueError: the client's fault; else ours
+                    self._resolve(cmd.done, e)
+                else:
+                    self._resolve(cmd.done, None)
+            else:
+                self.engine.abort_request(cmd[1])
+
+    def _resolve(self, fut: asyncio.Future, error: BaseException | None) -> None:
+        def settle() -> None:
+            if fut.done():
+                return
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(error)
+
+        self._call(settle)
+
+    def _deliver(self, request_id: str, item) -> None:
+        def put() -> None:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.queue.put_nowait(item)
+
+        self._call(put)
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
+            self._loop.call_soon_threadsafe(fn)
+
+    def _publish_state(self) -> None:
+        sched = self.engine.scheduler
+        self.num_running, self.num_waiting = len(sched.running), len(sched.waiting)
+        if self.metrics is not None:
+            self.metrics.observe_engine(self.num_running, self.num_waiting,
+                                        self.engine.kv.usage, sched.num_preemptions)

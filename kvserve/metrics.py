@@ -1,0 +1,102 @@
+"""Prometheus metrics, fed from request outputs and the engine's state after every step.
+
+Latencies are split the way they are felt: queue (arrival to first step), prefill (first step
+to first token), time to first token, inter-token latency (gap between successive streamed
+tokens), time per output token (decode time / (tokens - 1)) and end to end.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvserve.engine.outputs import RequestOutput
+
+_LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
+            3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_LATENCY = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                  0.3, 0.5, 0.75, 1.0, 2.5)
+_LENGTHS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"kvserve:{name}", doc, labels, buckets=buckets,
+                             registry=r).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token", _LATENCY)
+        self.itl = hist("inter_token_latency_seconds", "Gap between streamed tokens",
+                        _TOKEN_LATENCY)
+        self.tpot = hist("time_per_output_token_seconds",
+                         "Decode time per output token after the first", _TOKEN_LATENCY)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency", _LATENCY)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled step",
+                          _LATENCY)
+        self.prefill = hist("request_prefill_time_seconds", "First step to first token",
+                            _LATENCY)
+        self.decode = hist("request_decode_time_seconds", "First token to finish", _LATENCY)
+        self.prompt_len = hist("request_prompt_tokens", "Prompt length", _LENGTHS)
+        self.gen_len = hist("request_generation_tokens", "Generated tokens", _LENGTHS)
+        self.running = Gauge("kvserve:num_requests_running", "Requests in the running batch",
+                             labels, registry=r).labels(model_name)
+        self.waiting = Gauge("kvserve:num_requests_waiting", "Requests waiting to be scheduled",
+                             labels, registry=r).labels(model_name)
+        self.kv_usage = Gauge("kvserve:kv_cache_usage_perc", "Fraction of KV blocks in use",
+                              labels, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("kvserve:prompt_tokens", "Prompt tokens of finished "
+                                     "requests", labels, registry=r).labels(model_name)
+        self.generation_tokens = Counter("kvserve:generation_tokens", "Generated tokens",
+                                         labels, registry=r).labels(model_name)
+        self._success = Counter("kvserve:request_success", "Finished requests by reason",
+                                ["model_name", "finished_reason"], registry=r)
+        self._finish_labels = {reason: self._success.labels(model_name, reason)
+                               for reason in ("stop", "length", "abort", "error")}
+        self.preemptions = Counter("kvserve:num_preemptions", "Requests preempted by "
+                                   "recompute", labels, registry=r).labels(model_name)
+        self._last_token: dict[str, tuple[float, int]] = {}  # request -> (time, tokens seen)
+        self._preempted_seen = 0
+
+    def observe_output(self, out: RequestOutput, now: float | None = None) -> None:
+        """Account one output of a request (called for every step's outputs)."""
+        now = time.perf_counter() if now is None else now
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        last = self._last_token.get(out.request_id)
+        new = tokens - (last[1] if last else 0)
+        if new > 0:
+            self.generation_tokens.inc(new)
+            if last is not None:
+                gap = (now - last[0]) / new
+                for _ in range(new):
+                    self.itl.observe(gap)
+            self._last_token[out.request_id] = (now, tokens)
+        if not out.finished:
+            return
+        self._last_token.pop(out.request_id, None)
+        m = out.metrics
+        for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e_time),
+                            (self.queue, m.queue_time), (self.prefill, m.prefill_time),
+                            (self.decode, m.decode_time)):
+            if value is not None:
+                hist.observe(value)
+        self.prompt_len.observe(m.num_prompt_tokens)
+        self.gen_len.observe(m.num_generation_tokens)
+        self.prompt_tokens.inc(m.num_prompt_tokens)
+        reasons = {c.finish_reason for c in out.outputs}
+        reason = "error" if out.error else ("abort" if "abort" in reasons else
+                                            "length" if reasons == {"length"} else "stop")
+        self._finish_labels[reason].inc()
+
+    def observe_engine(self, running: int, waiting: int, kv_usage: float,
+                       preemptions_total: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
+        if preemptions_total > self._preempted_seen:
+            self.preemptions.inc(preemptions_total - self._preempted_seen)
+            self._preempted_seen = preemptions_total

@@ -1,0 +1,429 @@
+"""OpenAI-compatible HTTP server over the async engine.
+
+The model loads in the background after the server starts listening: /health answers 503
+until it is ready. Every request that reaches the engine is closed in a `finally`, so a
+client that goes away (streaming or not) aborts its request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+import kvserve
+from kvserve.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestStream,
+)
+from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+from kvserve.engine.outputs import RequestOutput
+from kvserve.metrics import EngineMetrics
+from kvserve.models.loader import DEFAULT_MODEL, resolve_model
+from kvserve.server.errors import APIError, GuardMiddleware, error_body, install_error_handlers
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from kvserve.server.responses import Formatter, sse
+from kvserve.tokenizer import Tokenizer
+
+log = logging.getLogger("kvserve.server")
+
+
+@dataclass
+class ServerArgs:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_waiting_requests: int | None = None
+    max_request_bytes: int = 4 << 20
+    shutdown_timeout: float = 30.0
+
+
+def default_served_name(model: str | None) -> str:
+    path = resolve_model(model)
+    if model is None or path.name.startswith(DEFAULT_MODEL):
+        return DEFAULT_MODEL
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+class ServerState:
+    def __init__(self, engine_args: EngineArgs, args: ServerArgs) -> None:
+        self.engine_args, self.args = engine_args, args
+        self.model_name = args.served_model_name or default_served_name(engine_args.model)
+        self.registry = CollectorRegistry()
+        self.metrics = EngineMetrics(self.model_name, self.registry)
+        self.engine: AsyncEngine | None = None
+        self.load_error: str | None = None
+
+    def ready(self) -> AsyncEngine:
+        if self.engine is None:
+            message = (f"model failed to load: {self.load_error}" if self.load_error
+                       else "model is loading")
+            raise APIError(503, message)
+        return self.engine
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.ready().engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.ready().engine.max_model_len
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves "
+                           f"{self.model_name!r}", "model")
+
+
+async def _add(engine: AsyncEngine, request_id: str, prompt, params) -> RequestStream:
+    try:
+        return await engine.add_request(request_id, prompt, params)
+    except ValueError as e:
+        raise APIError(400, str(e)) from e
+    except QueueFullError as e:
+        raise APIError(429, f"server busy: {e}; retry later", headers={"Retry-After": "1"}) \
+            from e
+    except EngineDeadError as e:
+        raise APIError(503, str(e)) from e
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the request's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as e:
+            await queue.put((i, e))
+        await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _close(streams: list[RequestStream]) -> None:
+    for s in streams:
+        s.close()
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def _collect(streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
+    """Final outputs of all streams; aborts them if the client disconnects meanwhile."""
+
+    async def gather() -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for i, out in _merge(streams):
+            finals[i] = out
+        return finals  # type: ignore[return-value]
+
+    task = asyncio.create_task(gather())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                raise ClientGone
+    finally:
+        task.cancel()
+        _close(streams)
+
+
+def _raise_failed(outs: list[RequestOutput]) -> None:
+    for o in outs:
+        if o.error:
+            raise APIError(500, f"request failed: {o.error}")
+
+
+def _prompt_lists(prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def build_app(engine_args: EngineArgs, args: ServerArgs,
+              on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+    state = ServerState(engine_args, args)
+
+    async def load() -> None:
+        try:
+            engine = await asyncio.to_thread(LLMEngine, engine_args)
+        except Exception as e:
+            log.error("model failed to load: %s", e)
+            state.load_error = str(e)
+            if on_fatal is not None:
+                on_fatal(e)
+            return
+        async_engine = AsyncEngine(engine, state.metrics, args.max_waiting_requests)
+        async_engine.start()
+        state.engine = async_engine
+        log.info("ready: serving %s at http://%s:%d/v1", state.model_name, args.host, args.port)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        loader = asyncio.create_task(load())
+        yield
+        loader.cancel()
+        if state.engine is not None:
+            state.engine.stop()
+
+    app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)
+    app.state.kvserve = state
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, api_key=args.api_key,
+                       max_body_bytes=args.max_request_bytes)
+
+    # ------------------------------------------------------------------ plain endpoints
+
+    @app.get("/health")
+    async def health() -> Response:
+        state.ready()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": kvserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        state.ready()
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": 0, "owned_by": "kvserve",
+            "root": str(state.engine_args.model or DEFAULT_MODEL),
+            "max_model_len": state.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        state.check_model(body.model)
+        tok = state.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'")
+        if body.messages is not None:
+            text = _render_chat(tok, body.messages, body.add_generation_prompt)
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        state.check_model(body.model)
+        vocab = state.ready().engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    # ------------------------------------------------------------------- completions
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        state.check_model(body.model)
+        engine = state.ready()
+        _check_stream_options(body.stream, body.stream_options)
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "best_of other than n is not supported", "best_of")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs prompt logprobs, which kvserve does "
+                           "not compute", "echo")
+        prompts = _prompt_lists(body.prompt)
+        params = _params(body, body.max_tokens, body.logprobs)
+        rid = body.request_id or f"cmpl-{uuid.uuid4().hex}"
+        fmt = Formatter(state.tokenizer, rid, state.model_name, body.n)
+        streams: list[RequestStream] = []
+        try:
+            for i, p in enumerate(prompts):
+                sub = rid if len(prompts) == 1 else f"{rid}-{i}"
+                streams.append(await _add(engine, sub, p, params))
+        except BaseException:
+            _close(streams)
+            raise
+        echo = None
+        if body.echo:
+            echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in prompts]
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_completion_stream(fmt, streams, echo, include_usage),
+                                     media_type="text/event-stream")
+        try:
+            outs = await _collect(streams, raw)
+        except ClientGone:
+            return Response(status_code=499)
+        _raise_failed(outs)
+        return JSONResponse(fmt.completion(outs, echo))
+
+    # -------------------------------------------------------------------------- chat
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
+        state.check_model(body.model)
+        engine = state.ready()
+        _check_stream_options(body.stream, body.stream_options)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs: true", "top_logprobs")
+        tok = state.tokenizer
+        ids = tok.encode(_render_chat(tok, body.messages, body.add_generation_prompt),
+                         add_special_tokens=False)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+            else body.max_tokens
+        params = _params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        rid = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        fmt = Formatter(tok, rid, state.model_name, body.n)
+        stream = await _add(engine, rid, ids, params)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_chat_stream(fmt, stream, include_usage),
+                                     media_type="text/event-stream")
+        try:
+            (out,) = await _collect([stream], raw)
+        except ClientGone:
+            return Response(status_code=499)
+        _raise_failed([out])
+        return JSONResponse(fmt.chat(out))
+
+    return app
+
+
+def _check_stream_options(stream: bool, options) -> None:
+    if options is not None and not stream:
+        raise APIError(400, "stream_options is only allowed with stream: true",
+                       "stream_options")
+
+
+def _params(body, max_tokens: int | None, logprobs: int | None):
+    try:
+        return body.sampling_params(max_tokens, logprobs)
+    except ValueError as e:
+        raise APIError(400, str(e)) from e
+
+
+def _render_chat(tok: Tokenizer, messages, add_generation_prompt: bool) -> str:
+    plain = []
+    for m in messages:
+        item = {"role": m.role, "content": m.text()}
+        if m.name:
+            item["name"] = m.name
+        plain.append(item)
+    try:
+        return tok.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+    except ValueError as e:
+        raise APIError(400, f"chat template: {e}", "messages") from e
+
+
+def _new_logprobs(c) -> list | None:
+    if c.logprobs is None:
+        return None
+    n = len(c.delta_token_ids)
+    return c.logprobs[len(c.logprobs) - n:] if n else []
+
+
+async def _completion_stream(fmt: Formatter, streams: list[RequestStream],
+                             echo: list[str] | None, include_usage: bool) -> AsyncIterator[str]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    offsets: dict[int, int] = {}
+    closed: set[int] = set()
+    try:
+        async for i, out in _merge(streams):
+            if out.error:
+                yield sse(error_body(500, f"request failed: {out.error}"))
+                break
+            for c in out.outputs:
+                idx = fmt.index(i, c)
+                if idx in closed:
+                    continue
+                text = c.delta_text
+                if idx not in offsets and echo is not None:
+                    text = echo[i] + text
+                if not text and not c.delta_token_ids and not c.finished:
+                    continue
+                offset = offsets.get(idx, 0)
+                yield sse(fmt.completion_chunk(i, c, text, _new_logprobs(c), offset))
+                offsets[idx] = offset + len(text)
+                if c.finished:
+                    closed.add(idx)
+            if out.finished:
+                finals[i] = out
+        else:
+            if include_usage:
+                yield sse(fmt.usage_chunk(finals, "text_completion"))  # type: ignore[arg-type]
+    except EngineDeadError as e:
+        yield sse(error_body(503, str(e)))
+    finally:
+        _close(streams)
+    yield sse("[DONE]")
+
+
+async def _chat_stream(fmt: Formatter, stream: RequestStream,
+                       include_usage: bool) -> AsyncIterator[str]:
+    final = None
+    closed: set[int] = set()
+    try:
+        for i in range(fmt.n):
+            yield sse(fmt.chat_chunk(i, {"role": "assistant", "content": ""}))
+        async for out in stream:
+            if out.error:
+                yield sse(error_body(500, f"request failed: {out.error}"))
+                break
+            for c in out.outputs:
+                if c.index in closed:
+                    continue
+                if not c.delta_text and not c.delta_token_ids and not c.finished:
+                    continue
+                delta = {"content": c.delta_text} if c.delta_text else {}
+                yield sse(fmt.chat_chunk(c.index, delta, c.finish_reason, _new_logprobs(c),
+                                         c.stop_reason))
+                if c.finished:
+                    closed.add(c.index)
+            final = out
+        else:
+            if include_usage and final is not None:
+                yield sse(fmt.usage_chunk([final], "chat.completion.chunk"))
+    except EngineDeadError as e:
+        yield sse(error_body(503, str(e)))
+    finally:
+        stream.close()
+    yield sse("[DONE]")
