@@ -256,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(c, max_tokens=512)
     c.set_defaults(func=cmd_chat)
 
+    from kvserve.bench.serve import add_parser as add_bench_parser  # kvserve bench serve
+
+    add_bench_parser(sub)
+
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("model_tag", nargs="?", default=None,
                    help="model, as an alternative to --model")

@@ -1,0 +1,60 @@
+"""Run the real server (uvicorn + app) on 127.0.0.1 with a free port, in a thread."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import uvicorn
+
+from kvserve.engine.llm_engine import EngineArgs
+from kvserve.server.app import ServerArgs, build_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def run_server(engine_args: EngineArgs, **server_kw) -> Iterator[tuple[str, object]]:
+    """Yields (base URL, app) once /health answers 200; stops the server afterwards."""
+    port = free_port()
+    args = ServerArgs(host="127.0.0.1", port=port, **server_kw)
+    app = build_app(engine_args, args)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.time() > deadline or not thread.is_alive():
+            server.should_exit = True
+            raise RuntimeError("server did not become healthy")
+        time.sleep(0.1)
+    try:
+        yield url, app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def metric(url: str, name: str) -> float:
+    """Value of a Prometheus gauge/counter sample from /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([-0-9.e+]+)$", text, re.MULTILINE)
+    if m is None:
+        raise KeyError(name)
+    return float(m.group(1))

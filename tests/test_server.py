@@ -1,0 +1,348 @@
+"""The server end to end with the official openai client, on the default model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+from tests.server_utils import metric, run_server
+
+pytestmark = pytest.mark.real_model
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server(real_model_path):
+    # float32 so that greedy text does not depend on batch composition through bf16 rounding
+    args = EngineArgs(model=str(real_model_path), dtype="float32", kv_cache_memory="512MiB")
+    with run_server(args) as (url, app):
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_health_version(server, client):
+    url, _ = server
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/version").json()["version"]
+
+
+def test_completion(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                  temperature=0)
+    assert r.choices[0].text.startswith(" Paris")
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 8
+    assert r.usage.total_tokens == 13
+    assert r.choices[0].finish_reason == "length"
+    t = r.model_extra["timings"]
+    assert t["ttft"] > 0 and t["queue_time"] >= 0 and t["tpot"] > 0
+    assert t["prefill_time"] + t["queue_time"] == pytest.approx(t["ttft"], abs=1e-6)
+
+
+def test_completion_stream_with_usage(client):
+    stream = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                       max_tokens=8, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text.startswith(" Paris")
+    assert chunks[-1].usage.completion_tokens == 8
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_echo(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3,
+                                  temperature=0, echo=True)
+    assert r.choices[0].text.startswith("The capital of France is Paris")
+
+
+def test_chat_and_stream_agree(client):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                       temperature=0)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+
+def test_max_completion_tokens_and_stop(client):
+    messages = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                       max_completion_tokens=40)
+    full = r.choices[0].message.content
+    assert "4" in full
+    cut = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                         max_completion_tokens=40, stop=["4"])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == full[:full.index("4")]
+
+
+def test_n2_and_seed(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0, n=2,
+              seed=1234)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text
+    assert a.usage.completion_tokens == 24
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}],
+        max_tokens=8, n=2, seed=5, temperature=1.0)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+
+def test_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3,
+                                  temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert all(len(t) == 2 for t in lp.top_logprobs)
+    assert lp.text_offset[0] == 0
+    c = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=3)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 3
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.logprob <= 0
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob)
+        assert bytes(item.bytes).decode("utf-8", "replace") == item.token
+
+
+def test_tokenize_detokenize(server):
+    url, _ = server
+    t = httpx.post(f"{url}/tokenize", json={"prompt": "Hello world"}).json()
+    assert t["count"] == len(t["tokens"]) > 0 and t["max_model_len"] == 8192
+    d = httpx.post(f"{url}/detokenize", json={"tokens": t["tokens"]}).json()
+    assert d["prompt"] == "Hello world"
+    chat = httpx.post(f"{url}/tokenize",
+                      json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] > t["count"]
+
+
+async def _stream_text(client: openai.AsyncOpenAI, prompt: str) -> str:
+    stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                             temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True})
+    return "".join([c.choices[0].text async for c in stream if c.choices])
+
+
+def test_32_concurrent_streams_match_alone(server):
+    url, _ = server
+    prompts = [f"Question {i}: what is {i} plus {i * 3}? Answer:" if i % 2 else
+               f"Write a sentence about the number {i}." for i in range(32)]
+
+    async def run() -> tuple[list[str], list[str]]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        alone = [await _stream_text(client, p) for p in prompts]
+        together = await asyncio.gather(*(_stream_text(client, p) for p in prompts))
+        return alone, list(together)
+
+    alone, together = asyncio.run(run())
+    assert all(alone)
+    assert together == alone
+
+
+def test_disconnect_mid_stream_frees_kv(server):
+    url, _ = server
+    idle = metric(url, "kvserve:kv_cache_usage_perc")
+    with httpx.stream("POST", f"{url}/v1/completions",
+                      json={"prompt": "Tell me a long story.", "max_tokens": 2000,
+                            "stream": True, "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        for _ in range(5):
+            next(lines)
+        assert metric(url, "kvserve:kv_cache_usage_perc") > idle
+    # The client is gone; within a few steps the request is aborted and its blocks freed.
+    deadline = time.time() + 10
+    while metric(url, "kvserve:kv_cache_usage_perc") > idle and time.time() < deadline:
+        time.sleep(0.1)
+    assert metric(url, "kvserve:kv_cache_usage_perc") == idle
+    assert metric(url, "kvserve:num_requests_running") == 0
+
+
+def test_disconnect_non_streaming_aborts(server):
+    url, _ = server
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json={"prompt": "Go on and on.",
+                                                  "max_tokens": 3000, "ignore_eos": True},
+                   timeout=1.0)
+    deadline = time.time() + 10
+    while metric(url, "kvserve:num_requests_running") > 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert metric(url, "kvserve:num_requests_running") == 0
+
+
+def test_metrics_exposed(server):
+    url, _ = server
+    text = httpx.get(f"{url}/metrics").text
+    for name in ("kvserve:time_to_first_token_seconds_bucket",
+                 "kvserve:inter_token_latency_seconds_bucket",
+                 "kvserve:time_per_output_token_seconds_bucket",
+                 "kvserve:e2e_request_latency_seconds_bucket",
+                 "kvserve:request_queue_time_seconds_bucket",
+                 "kvserve:request_prefill_time_seconds_bucket",
+                 "kvserve:request_decode_time_seconds_bucket",
+                 "kvserve:request_prompt_tokens_bucket",
+                 "kvserve:request_generation_tokens_bucket",
+                 "kvserve:num_requests_running", "kvserve:num_requests_waiting",
+                 "kvserve:kv_cache_usage_perc", "kvserve:prompt_tokens_total",
+                 "kvserve:generation_tokens_total", "kvserve:request_success_total",
+                 "kvserve:num_preemptions_total"):
+        assert name in text, name
+    assert metric(url, "kvserve:generation_tokens_total") > 0
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _post(url: str, path: str, body, **kw) -> httpx.Response:
+    if isinstance(body, (dict, list)):
+        return httpx.post(f"{url}{path}", json=body, **kw)
+    return httpx.post(f"{url}{path}", content=body,
+                      headers={"content-type": "application/json"}, **kw)
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["code"] == status and err["type"]
+    return err
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", b"{not json", None),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, None),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, None),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, "frobnicate"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
+     "stream_options"),
+    ("/v1/completions", {"prompt": [], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 10**9]}, None),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}},
+     "response_format.type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "top_logprobs": 2}, "top_logprobs"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/tokenize", {}, None),
+])
+def test_bad_requests_get_400(server, path, body, param):
+    err = _error(_post(server[0], path, body), 400)
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_sampling_error_names_the_field(server):
+    err = _error(_post(server[0], "/v1/completions", {"prompt": "hi", "temperature": -1}), 400)
+    assert "temperature" in err["message"]
+
+
+def test_context_overflow_gives_numbers(server):
+    err = _error(_post(server[0], "/v1/completions", {"prompt": "hi", "max_tokens": 9000}),
+                 400)
+    assert "9000" in err["message"] and "8192" in err["message"]
+
+
+def test_unknown_model_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-5", prompt="hi", max_tokens=1)
+    assert e.value.status_code == 404
+
+
+def test_body_too_large_413(server):
+    big = json.dumps({"prompt": "x" * (5 << 20), "max_tokens": 1})
+    _error(_post(server[0], "/v1/completions", big.encode()), 413)
+
+
+def test_unknown_route_404(server):
+    r = httpx.get(f"{server[0]}/v1/nothing")
+    _error(r, 404)
+
+
+def test_one_failing_request_does_not_disturb_others(server, monkeypatch):
+    """An exception while handling one request fails it with 500; others run on."""
+    url, _ = server
+    original = LLMEngine._append
+    poison = "POISON"
+
+    def flaky(self, sample, token, logprobs, now):
+        if poison in (self._samples[sample.request.request_id][0].prompt or ""):
+            raise RuntimeError("injected failure")
+        return original(self, sample, token, logprobs, now)
+
+    monkeypatch.setattr(LLMEngine, "_append", flaky)
+    results: dict[str, httpx.Response] = {}
+
+    def call(name: str, prompt: str) -> None:
+        results[name] = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+
+    threads = [threading.Thread(target=call, args=("good", "The capital of France is")),
+               threading.Thread(target=call, args=("bad", f"{poison} the capital"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    err = _error(results["bad"], 500)
+    assert "injected failure" in err["message"]
+    assert results["good"].status_code == 200
+    assert results["good"].json()["usage"]["completion_tokens"] == 16
+    stream = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "prompt": f"{poison} again", "max_tokens": 4, "stream": True})
+    assert stream.status_code == 200 and '"error"' in stream.text and "[DONE]" in stream.text
+
+
+def test_api_key_and_queue_limit(real_model_path):
+    args = EngineArgs(model=str(real_model_path), max_num_seqs=1, kv_cache_memory="256MiB")
+    with run_server(args, api_key="sesame", max_waiting_requests=1) as (url, _):
+        _error(httpx.get(f"{url}/v1/models"), 401)
+        _error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}), 401)
+        auth = {"Authorization": "Bearer sesame"}
+        assert httpx.get(f"{url}/v1/models", headers=auth).status_code == 200
+        assert httpx.get(f"{url}/health").status_code == 200  # health needs no key
+        body = {"prompt": "Go", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth) as a:
+            lines = a.iter_lines()  # keep a reference: dropping it closes the stream
+            next(lines)  # a is running (max_num_seqs=1)
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth,
+                              timeout=30) as b:
+                deadline = time.time() + 10
+                while metric(url, "kvserve:num_requests_waiting") < 1:
+                    assert time.time() < deadline
+                    time.sleep(0.05)
+                r = httpx.post(f"{url}/v1/completions", json=body, headers=auth)
+                _error(r, 429)
+                assert r.headers["retry-after"] == "1"
+                assert b.status_code == 200
