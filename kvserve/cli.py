@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -227,6 +228,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = uvicorn.Server(config)
     log.info("listening on http://%s:%d (OpenAI API under /v1; /health is 503 until the "
              "model has loaded)", args.host, args.port)
+    # uvicorn re-raises the signal it handled once its graceful shutdown is done; by then
+    # SIGTERM's work is complete, so that re-raise lands on a no-op and we exit 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     server.run()
     if failed:
         print(f"kvserve: error: model failed to load: {failed[0]}", file=sys.stderr)

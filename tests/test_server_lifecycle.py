@@ -1,0 +1,83 @@
+"""Server process behaviour: SIGTERM drains in-flight requests; an API fuzz run finds no 5xx."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvserve.engine.llm_engine import EngineArgs
+from tests.server_utils import free_port, run_server
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else "server exited"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("server did not become healthy")
+
+
+@pytest.mark.real_model
+def test_sigterm_lets_in_flight_requests_finish(real_model_path, tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--model",
+                             str(real_model_path), "--port", str(port),
+                             "--shutdown-timeout", "60"], stdout=log, stderr=log, text=True)
+    try:
+        _wait_healthy(url, proc)
+        lines: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": "Tell me a story.", "max_tokens": 120, "ignore_eos": True,
+                    "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(60)
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(1.0)
+        with pytest.raises(httpx.TransportError):  # no longer accepting
+            httpx.get(f"{url}/health", timeout=2)
+        t.join(120)
+        assert proc.wait(60) == 0
+        data = [ln for ln in lines if ln.startswith("data: ")]
+        assert data[-1] == "data: [DONE]"
+        assert '"finish_reason": "length"' in data[-2]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.seek(0)
+        print(log.read())
+
+
+def test_api_fuzz_finds_no_server_errors(tiny_llama_dir):
+    """schemathesis against /openapi.json, bounded in time: every response must be < 500."""
+    st = Path(sys.executable).parent / "st"
+    with run_server(EngineArgs(model=str(tiny_llama_dir), dtype="float32")) as (url, _):
+        r = subprocess.run([str(st), "run", f"{url}/openapi.json", "--checks",
+                            "not_a_server_error", "--max-time", "45", "--seed", "1",
+                            "--workers", "1", "--no-color"],
+                           capture_output=True, text=True, timeout=300,
+                           cwd=tiny_llama_dir)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "passed" in r.stdout
