@@ -77,12 +77,18 @@ class ServerState:
         return self.engine
 
     @property
+    def llm_engine(self) -> LLMEngine:
+        engine = self.ready().engine
+        assert engine is not None
+        return engine
+
+    @property
     def tokenizer(self) -> Tokenizer:
-        return self.ready().engine.tokenizer
+        return self.llm_engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.ready().engine.max_model_len
+        return self.llm_engine.max_model_len
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -186,17 +192,17 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
     state = ServerState(engine_args, args)
 
     async def load() -> None:
+        engine = AsyncEngine(lambda: LLMEngine(engine_args), state.metrics,
+                             args.max_waiting_requests)
         try:
-            engine = await asyncio.to_thread(LLMEngine, engine_args)
+            await engine.start()
         except Exception as e:
             log.error("model failed to load: %s", e)
             state.load_error = str(e)
             if on_fatal is not None:
                 on_fatal(e)
             return
-        async_engine = AsyncEngine(engine, state.metrics, args.max_waiting_requests)
-        async_engine.start()
-        state.engine = async_engine
+        state.engine = engine
         log.info("ready: serving %s at http://%s:%d/v1", state.model_name, args.host, args.port)
 
     @asynccontextmanager
@@ -252,7 +258,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         state.check_model(body.model)
-        vocab = state.ready().engine.model_config.vocab_size
+        vocab = state.llm_engine.model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
