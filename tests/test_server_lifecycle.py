@@ -34,40 +34,44 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> Non
 def test_sigterm_lets_in_flight_requests_finish(real_model_path, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--model",
-                             str(real_model_path), "--port", str(port),
-                             "--shutdown-timeout", "60"], stdout=log, stderr=log, text=True)
-    try:
-        _wait_healthy(url, proc)
-        lines: list[str] = []
-        started = threading.Event()
+    with open(tmp_path / "server.log", "w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--model",
+                                 str(real_model_path), "--port", str(port),
+                                 "--shutdown-timeout", "60"], stdout=log, stderr=log, text=True)
+        try:
+            _sigterm_scenario(url, proc)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.seek(0)
+            print(log.read())
 
-        def stream() -> None:
-            body = {"prompt": "Tell me a story.", "max_tokens": 120, "ignore_eos": True,
-                    "stream": True}
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-                for line in r.iter_lines():
-                    lines.append(line)
-                    started.set()
 
-        t = threading.Thread(target=stream)
-        t.start()
-        assert started.wait(60)
-        os.kill(proc.pid, signal.SIGTERM)
-        time.sleep(1.0)
-        with pytest.raises(httpx.TransportError):  # no longer accepting
-            httpx.get(f"{url}/health", timeout=2)
-        t.join(120)
-        assert proc.wait(60) == 0
-        data = [ln for ln in lines if ln.startswith("data: ")]
-        assert data[-1] == "data: [DONE]"
-        assert '"finish_reason": "length"' in data[-2]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.seek(0)
-        print(log.read())
+def _sigterm_scenario(url: str, proc: subprocess.Popen) -> None:
+    _wait_healthy(url, proc)
+    lines: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "Tell me a story.", "max_tokens": 120, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(60)
+    os.kill(proc.pid, signal.SIGTERM)
+    time.sleep(1.0)
+    with pytest.raises(httpx.TransportError):  # no longer accepting
+        httpx.get(f"{url}/health", timeout=2)
+    t.join(120)
+    assert proc.wait(60) == 0
+    data = [ln for ln in lines if ln.startswith("data: ")]
+    assert data[-1] == "data: [DONE]"
+    assert '"finish_reason": "length"' in data[-2]
 
 
 def test_api_fuzz_finds_no_server_errors(tiny_llama_dir):

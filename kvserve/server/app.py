@@ -279,6 +279,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         prompts = _prompt_lists(body.prompt)
         params = _params(body, body.max_tokens, body.logprobs)
         rid = body.request_id or f"cmpl-{uuid.uuid4().hex}"
+        log.debug("request %s user %s", rid, body.user)
         fmt = Formatter(state.tokenizer, rid, state.model_name, body.n)
         streams: list[RequestStream] = []
         try:
@@ -318,6 +319,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
             else body.max_tokens
         params = _params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         rid = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        log.debug("request %s user %s", rid, body.user)
         fmt = Formatter(tok, rid, state.model_name, body.n)
         stream = await _add(engine, rid, ids, params)
         if body.stream:

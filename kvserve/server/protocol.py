@@ -34,7 +34,7 @@ class SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted for compatibility; only logged
+    user: str | None = None  # an end-user id for the logs; it does not affect generation
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None
