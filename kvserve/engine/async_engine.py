@@ -236,8 +236,13 @@ class AsyncEngine:
     def _deliver(self, request_id: str, item) -> None:
         def put() -> None:
             stream = self._streams.get(request_id)
-            if stream is not None:
-                stream.queue.put_nowait(item)
+            if stream is None:
+                return
+            stream.queue.put_nowait(item)
+            if isinstance(item, BaseException) or item.finished:
+                # The consumer holds the stream; forget it here too, so one that is never
+                # read to the end (or never closed) cannot leak.
+                del self._streams[request_id]
 
         self._call(put)
 
