@@ -1,4 +1,4 @@
-"""kvserve command line: generate | chat."""
+"""kvserve command line: generate | chat | serve | plan | bench serve."""
 
 from __future__ import annotations
 
@@ -35,8 +35,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step (prompt chunks + decodes)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="auto = the compute dtype; int8 = per-token, per-head quantized K/V "
+                        "(~1.9x the tokens in the same memory)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse K/V of shared prompt prefixes")
+    g.add_argument("--host-kv-cache-memory", default="0",
+                   help="host-memory tier of the prefix cache, e.g. 4GiB (default: none)")
+    g.add_argument("--kv-cache-dir", default=None,
+                   help="disk tier of the prefix cache; survives restarts (default: none)")
+    g.add_argument("--kv-cache-disk-size", default="8GiB", help="disk tier budget")
+    g.add_argument("--kv-cache-write-policy", default="write-back",
+                   choices=["write-back", "write-through"],
+                   help="copy blocks to lower tiers when evicted, or as soon as computed")
     g.add_argument("--no-download", action="store_true",
                    help="fail instead of installing the default model when it is missing")
 
@@ -92,7 +103,11 @@ def engine_args_from(args: argparse.Namespace):
         model=args.model, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching)
+        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
+        host_kv_cache_memory=args.host_kv_cache_memory, kv_cache_dir=args.kv_cache_dir,
+        kv_cache_disk_size=args.kv_cache_disk_size,
+        kv_cache_write_policy=args.kv_cache_write_policy)
 
 
 def engine_from(args: argparse.Namespace):
@@ -157,11 +172,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                 f"{p:.3f}" for t, p in lp.top)
                 print(f"  {tok!r} {lp.logprob:.3f} rank {lp.rank} [{top}]", file=sys.stderr)
     report(final)
+    engine.close()
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     engine = engine_from(args)
+    try:
+        return chat_loop(engine, args)
+    finally:
+        engine.close()
+
+
+def chat_loop(engine, args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -238,6 +261,64 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print what the KV budget holds for the model, per KV dtype, from its config alone."""
+    import torch
+
+    from kvserve.config import parse_size, resolve_dtype
+    from kvserve.kv_cache.planner import (
+        capacity_gain,
+        dtype_name,
+        param_count,
+        plan_kv,
+        weight_bytes,
+    )
+    from kvserve.models.loader import read_model_config
+
+    budget = parse_size(args.kv_cache_memory)
+    for name in ("prompt_len", "output_len"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+    path = resolve_model(args.model)
+    cfg = read_model_config(path)
+    dtype = resolve_dtype(args.dtype, torch.device(args.device))
+    max_len = args.max_model_len or cfg.max_position
+    if max_len > cfg.max_position:
+        raise ValueError(f"--max-model-len {max_len} exceeds the model's context length "
+                         f"{cfg.max_position}")
+    seq_len = args.prompt_len + args.output_len
+    if not 0 < seq_len <= max_len:
+        raise ValueError(f"--prompt-len + --output-len = {seq_len} must be in [1, "
+                         f"max_model_len {max_len}]")
+    plans = [plan_kv(cfg, budget, args.block_size, kv, dtype, seq_len) for kv in ("auto", "int8")]
+    full = [plan_kv(cfg, budget, args.block_size, kv, dtype, max_len) for kv in ("auto", "int8")]
+    mib = 2**20
+    print(f"model: {cfg.name or path.name} ({cfg.architecture}): {cfg.num_layers} layers, "
+          f"{cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}, "
+          f"context {cfg.max_position}")
+    print(f"weights: {param_count(cfg):,} parameters = {weight_bytes(cfg, dtype) / mib:.1f} MiB "
+          f"in {dtype_name(dtype)}")
+    print(f"KV budget: {budget:,} B ({budget / mib:.1f} MiB), blocks of {args.block_size} "
+          f"tokens; a sequence = {args.prompt_len} prompt + {args.output_len} output = "
+          f"{seq_len} tokens = {plans[0].blocks_per_seq} blocks\n")
+    print(f"{'KV dtype':<10}{'bytes/token':>12}{'blocks':>10}{'tokens':>10}{'KV MiB':>10}"
+          f"{'+ weights MiB':>15}{f'seqs of {seq_len}':>15}{f'seqs of {max_len}':>15}")
+    for p, f in zip(plans, full, strict=True):
+        tb = p.token_bytes
+        print(f"{dtype_name(tb.storage_dtype):<10}{tb.total:>12}{p.num_blocks:>10}"
+              f"{p.num_tokens:>10}{p.kv_bytes / mib:>10.1f}"
+              f"{(p.kv_bytes + weight_bytes(cfg, dtype)) / mib:>15.1f}"
+              f"{p.max_seqs:>15}{f.max_seqs:>15}")
+    print()
+    for p in plans:
+        print(f"{dtype_name(p.token_bytes.storage_dtype)}: {p.token_bytes.breakdown()} per token")
+    auto, int8 = plans
+    seqs = f"{int8.max_seqs / auto.max_seqs:.2f}x" if auto.max_seqs else "n/a"
+    print(f"int8 holds {capacity_gain(cfg, 'int8', dtype):.2f}x the tokens of "
+          f"{dtype_name(dtype)} ({seqs} the sequences of {seq_len} tokens)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvserve", description="LLM inference engine")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -281,6 +362,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+
+    pl = sub.add_parser("plan", help="KV cache memory plan from the model's config alone")
+    pl.add_argument("--model", default=None,
+                    help=f"short name, .gguf file or Hugging Face directory "
+                         f"(default: {DEFAULT_MODEL})")
+    pl.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
+    pl.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    pl.add_argument("--device", default="cpu", help="device 'auto' picks the dtype for")
+    pl.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    pl.add_argument("--prompt-len", type=int, default=1024)
+    pl.add_argument("--output-len", type=int, default=128)
+    pl.add_argument("--max-model-len", type=int, default=None,
+                    help="longest sequence (default: the model's context length)")
+    pl.set_defaults(func=cmd_plan)
     return p
 
 

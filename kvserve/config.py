@@ -61,6 +61,17 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def check_kv_cache_dtype(name: str) -> str:
+    """Validate a --kv-cache-dtype value: 'auto' (the compute dtype) or 'int8'."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                         f"got {name!r}")
+    return name
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: block size and the memory budget that sets the block count."""
@@ -68,8 +79,10 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int = 1 << 30  # bytes
     num_blocks: int | None = None  # overrides the budget (tests, planning)
+    kv_cache_dtype: str = "auto"  # "auto" = the compute dtype, or "int8"
 
     def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two > 0, got {self.block_size}")
         if self.kv_cache_memory <= 0:

@@ -12,6 +12,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvserve.engine.outputs import RequestOutput
+from kvserve.kv_cache.manager import PrefixCacheStats
+from kvserve.kv_cache.tiers import TierStats
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
             3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -59,8 +61,18 @@ class EngineMetrics:
                                for reason in ("stop", "length", "abort", "error")}
         self.preemptions = Counter("kvserve:num_preemptions", "Requests preempted by "
                                    "recompute", labels, registry=r).labels(model_name)
+        self._prefix_queries = Counter("kvserve:prefix_cache_queries", "Prompt tokens looked "
+                                       "up in the prefix cache", labels, registry=r)
+        self._prefix_hits = Counter("kvserve:prefix_cache_hits", "Prompt tokens served from "
+                                    "the prefix cache, by tier", ["model_name", "tier"],
+                                    registry=r)
+        self._tier_loads = Counter("kvserve:kv_tier_loads", "KV blocks copied back up from a "
+                                   "lower tier", ["model_name", "tier"], registry=r)
+        self._tier_saves = Counter("kvserve:kv_tier_saves", "KV blocks copied down into a "
+                                   "lower tier", ["model_name", "tier"], registry=r)
+        self.model_name = model_name
         self._last_token: dict[str, tuple[float, int]] = {}  # request -> (time, tokens seen)
-        self._preempted_seen = 0
+        self._seen: dict[tuple[str, str], int] = {}  # last totals behind each counter
 
     def observe_output(self, out: RequestOutput, now: float | None = None) -> None:
         """Account one output of a request (called for every step's outputs)."""
@@ -93,10 +105,27 @@ class EngineMetrics:
         self._finish_labels[reason].inc()
 
     def observe_engine(self, running: int, waiting: int, kv_usage: float,
-                       preemptions_total: int) -> None:
+                       preemptions_total: int, prefix: PrefixCacheStats | None = None,
+                       tiers: TierStats | None = None) -> None:
+        """Gauges take the engine's state; counters advance to the engine's running totals."""
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)
-        if preemptions_total > self._preempted_seen:
-            self.preemptions.inc(preemptions_total - self._preempted_seen)
-            self._preempted_seen = preemptions_total
+        self._advance(self.preemptions, ("preemptions", ""), preemptions_total)
+        if prefix is not None:
+            self._advance(self._prefix_queries.labels(self.model_name), ("queries", ""),
+                          prefix.queries)
+            for tier, tokens in prefix.hits.items():
+                self._advance(self._prefix_hits.labels(self.model_name, tier), ("hits", tier),
+                              tokens)
+        if tiers is not None:
+            for tier, n in tiers.loads.items():
+                self._advance(self._tier_loads.labels(self.model_name, tier), ("load", tier), n)
+            for tier, n in tiers.saves.items():
+                self._advance(self._tier_saves.labels(self.model_name, tier), ("save", tier), n)
+
+    def _advance(self, counter, key: tuple[str, str], total: int) -> None:
+        seen = self._seen.get(key, 0)
+        if total > seen:
+            counter.inc(total - seen)
+            self._seen[key] = total

@@ -54,6 +54,7 @@ class Request:
     eos_token_ids: frozenset[int]
     max_tokens: int
     arrival_time: float = field(default_factory=time.perf_counter)
+    cache_salt: str | None = None  # isolates this request's prefix-cache blocks (tenants)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -61,6 +62,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None  # set by the engine for seeded requests
     logprobs: list = field(default_factory=list)
+    num_cached_tokens: int | None = None  # prompt tokens served from the cache at admission
     timeline: RequestTimeline = field(init=False)
 
     def __post_init__(self) -> None:

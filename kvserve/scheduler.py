@@ -103,10 +103,10 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            hits = self.kv.get_computed_blocks(req)
-            num_hit = len(hits) * self.kv.block_size
+            hit = self.kv.get_computed_blocks(req)
+            num_hit = hit.num_blocks * self.kv.block_size
             n = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, n, hits):
+            if not self.kv.allocate_slots(req, n, hit):
                 break
             self.waiting.popleft()
             req.num_computed_tokens += num_hit

@@ -72,12 +72,12 @@ def test_prefix_hit_shares_full_blocks_and_recomputes_last_token():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     prompt = list(range(100, 112))  # exactly 3 full blocks
     a = make_req("a", prompt)
-    assert kv.get_computed_blocks(a) == []
+    assert kv.get_computed_blocks(a).entries == []
     assert kv.allocate_slots(a, 12)
     b = make_req("b", prompt)
     hits = kv.get_computed_blocks(b)
     # The last token must be recomputed, so only the first two blocks are served.
-    assert [h.block_id for h in hits] == [0, 1]
+    assert [h.block_id for h in hits.entries] == [0, 1]
     assert kv.allocate_slots(b, 4, hits)
     assert b.block_ids == [0, 1, 3]
     assert kv.pool.blocks[0].ref_cnt == 2 and kv.pool.blocks[2].ref_cnt == 1
@@ -87,7 +87,7 @@ def test_prefix_hit_shares_full_blocks_and_recomputes_last_token():
     kv.check_integrity()
     # Freed blocks keep their hashes: a third request still hits them.
     c = make_req("c", prompt + [7])
-    assert [h.block_id for h in kv.get_computed_blocks(c)] == [0, 1, 2]
+    assert [h.block_id for h in kv.get_computed_blocks(c).entries] == [0, 1, 2]
 
 
 def test_prefix_cache_is_not_fooled_by_a_different_prefix():
@@ -96,7 +96,7 @@ def test_prefix_cache_is_not_fooled_by_a_different_prefix():
     kv.allocate_slots(a, 9)
     # Same second block, different first block: the chained hash must miss entirely.
     b = make_req("b", [0, 2, 3, 4, 5, 6, 7, 8, 9])
-    assert kv.get_computed_blocks(b) == []
+    assert kv.get_computed_blocks(b).entries == []
 
 
 def test_hash_collision_never_serves_wrong_blocks():
@@ -106,7 +106,7 @@ def test_hash_collision_never_serves_wrong_blocks():
     b = make_req("b", [9, 9, 9, 9, 5])
     # Force b's hash to equal a's: the stored token ids must still reject the hit.
     kv._hashes["b"] = list(kv.block_hashes(a))
-    assert kv.get_computed_blocks(b) == []
+    assert kv.get_computed_blocks(b).entries == []
 
 
 def test_eviction_forgets_hash_of_reused_block():
@@ -118,7 +118,7 @@ def test_eviction_forgets_hash_of_reused_block():
     kv.allocate_slots(b, 8)  # takes both blocks, evicting a's cached block
     kv.check_integrity()
     c = make_req("c", [1, 2, 3, 4, 5])
-    assert kv.get_computed_blocks(c) == []
+    assert kv.get_computed_blocks(c).entries == []
 
 
 def test_reviving_a_free_cached_block_counts_against_free_space():
@@ -128,7 +128,7 @@ def test_reviving_a_free_cached_block_counts_against_free_space():
     kv.free(a)
     b = make_req("b", list(range(8)) + [50] * 8)
     hits = kv.get_computed_blocks(b)
-    assert [h.block_id for h in hits] == [0, 1]
+    assert [h.block_id for h in hits.entries] == [0, 1]
     # b needs 4 blocks: 2 revived + 2 new, only 1 more exists.
     assert not kv.allocate_slots(b, 8, hits)
     kv.check_integrity()
@@ -153,7 +153,7 @@ def test_random_sequences_never_leak(ops, caching):
             # Few distinct prompts so that prefix hits happen.
             r = make_req(f"r{step}", [slot % 3] * n)
             hits = kv.get_computed_blocks(r)
-            if kv.allocate_slots(r, r.num_tokens - len(hits) * 4, hits):
+            if kv.allocate_slots(r, r.num_tokens - hits.num_blocks * 4, hits):
                 r.num_computed_tokens = r.num_tokens
                 live[slot] = r
         elif op == "grow" and slot in live:

@@ -24,7 +24,9 @@ def paged_logits(model, ids: list[int], chunks: list[int], device: str,
     """Logits of every position, computing the prompt in the given chunk sizes through the
     paged cache (blocks handed out in a scrambled order to exercise the block table)."""
     num_blocks = -(-len(ids) // block_size) + 3
-    runner = ModelRunner(model, CacheConfig(block_size, num_blocks=num_blocks), num_blocks,
+    kv_dtype = model.layers[0].self_attn.backend.kv_cache_dtype
+    runner = ModelRunner(model, CacheConfig(block_size, num_blocks=num_blocks,
+                                            kv_cache_dtype=kv_dtype), num_blocks,
                          model.embed_tokens.weight.dtype, torch.device(device))
     table = list(reversed(range(num_blocks)))
     out, done = [], 0

@@ -27,9 +27,15 @@ class AttentionBatch:
 
 
 class AttentionBackend(ABC):
+    kv_cache_dtype: str = "auto"  # how K/V are stored: "auto" (compute dtype) or "int8"
+
     @abstractmethod
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
         """Shape of one layer's K/V cache tensor holding `num_slots` token slots."""
+
+    @abstractmethod
+    def kv_cache_tensor_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        """Dtype of that tensor when the model computes in `compute_dtype`."""
 
     @abstractmethod
     def build_metadata(self, batch: AttentionBatch) -> object:
@@ -38,7 +44,8 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: object) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D], kv_cache of `kv_cache_shape` -> out [T, H * D].
+        """q [T, H, D], k/v [T, Hkv, D], kv_cache of `kv_cache_shape` and
+        `kv_cache_tensor_dtype` -> out [T, H * D] in q's dtype.
 
         Writes k/v into the cache at the batch's slots, then attends every query to its
         request's context (causally within the request)."""

@@ -8,6 +8,11 @@ a transpose, and than SDPA with a mask, for decode shapes).
 Decode tokens (one query per request) are attended in one batched call over a padded gather
 of their contexts; prompt chunks go one request at a time through SDPA, since padding a long
 chunk to the batch would waste more than the loop costs.
+
+With `kv_cache_dtype="int8"` rows are quantized on write and dequantized right after each
+gather (layout in `kv_quant`). A prompt chunk with no earlier context attends its own fresh
+K/V, but passed through the same quantize/dequantize round trip, so every query sees exactly
+the K/V the cache holds: logits do not depend on how a prompt was chunked or batched.
 """
 
 from __future__ import annotations
@@ -18,6 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend, AttentionBatch
+from kvserve.attention.kv_quant import (
+    dequantize_int8,
+    kv_row_width,
+    kv_storage_dtype,
+    quantize_int8,
+)
 
 
 @dataclass
@@ -45,12 +56,27 @@ def _slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Ten
 
 
 class TorchPagedAttention(AttentionBackend):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 kv_cache_dtype: str = "auto") -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
+        self.kv_cache_dtype = kv_cache_dtype
+        self.row_width = kv_row_width(head_dim, kv_cache_dtype)  # validates the name
+        self.quantized = kv_cache_dtype == "int8"
 
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
-        return (2, self.num_kv_heads, num_slots, self.head_dim)
+        return (2, self.num_kv_heads, num_slots, self.row_width)
+
+    def kv_cache_tensor_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        return kv_storage_dtype(self.kv_cache_dtype, compute_dtype)
+
+    def _store(self, x: torch.Tensor) -> torch.Tensor:
+        """K or V rows [..., D] as the cache stores them."""
+        return quantize_int8(x) if self.quantized else x
+
+    def _load(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Stored rows [..., W] -> [..., D] values in the compute dtype."""
+        return dequantize_int8(rows, dtype) if self.quantized else rows
 
     def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         device = batch.slot_mapping.device
@@ -85,20 +111,21 @@ class TorchPagedAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
-        kv_cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        kv_cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        k_rows, v_rows = self._store(k), self._store(v)
+        kv_cache[0].index_copy_(1, meta.slot_mapping, k_rows.transpose(0, 1))
+        kv_cache[1].index_copy_(1, meta.slot_mapping, v_rows.transpose(0, 1))
         out = torch.empty_like(q)
         if meta.decode_idx is not None:
             out[meta.decode_idx] = self._decode(q[meta.decode_idx], kv_cache, meta)
         for span in meta.prefills:
             qp = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             if span.ctx_slots is None:
-                kp = k[span.start:span.end].transpose(0, 1).unsqueeze(0)
-                vp = v[span.start:span.end].transpose(0, 1).unsqueeze(0)
+                kp = self._load(k_rows[span.start:span.end], q.dtype).transpose(0, 1)[None]
+                vp = self._load(v_rows[span.start:span.end], q.dtype).transpose(0, 1)[None]
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
             else:
-                kp = kv_cache[0].index_select(1, span.ctx_slots).unsqueeze(0)
-                vp = kv_cache[1].index_select(1, span.ctx_slots).unsqueeze(0)
+                kp = self._load(kv_cache[0].index_select(1, span.ctx_slots), q.dtype)[None]
+                vp = self._load(kv_cache[1].index_select(1, span.ctx_slots), q.dtype)[None]
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask,
                                                     enable_gqa=True)
             out[span.start:span.end] = op.squeeze(0).transpose(0, 1)
@@ -111,8 +138,9 @@ class TorchPagedAttention(AttentionBackend):
         assert bias is not None and meta.decode_slots is not None
         bd, length = bias.shape[1], bias.shape[3]
         hkv, d = self.num_kv_heads, self.head_dim
-        k = kv_cache[0].index_select(1, meta.decode_slots).view(hkv, bd, length, d)
-        v = kv_cache[1].index_select(1, meta.decode_slots).view(hkv, bd, length, d)
+        k = self._load(kv_cache[0].index_select(1, meta.decode_slots), q.dtype)
+        v = self._load(kv_cache[1].index_select(1, meta.decode_slots), q.dtype)
+        k, v = k.view(hkv, bd, length, d), v.view(hkv, bd, length, d)
         qg = q.view(bd, hkv, -1, d).transpose(0, 1)  # [Hkv, Bd, group, D]
         scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale + bias
         probs = scores.softmax(dim=-1).to(v.dtype)

@@ -130,6 +130,7 @@ class RequestRecord:
     output_tokens: int = 0
     content_chunks: int = 0
     usage_reported: bool = False
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if sent
     finish_reason: str | None = None
     error: str | None = None
 
@@ -148,7 +149,8 @@ class RequestRecord:
         return {
             "success": self.success, "error": self.error, "prompt_len": self.prompt_len,
             "max_tokens": self.max_tokens, "output_len": self.output_tokens,
-            "usage_reported": self.usage_reported, "finish_reason": self.finish_reason,
+            "usage_reported": self.usage_reported, "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finish_reason,
             "start_s": round(self.start, 6), "ttft_ms": ms(self.ttft), "tpot_ms": ms(self.tpot),
             "e2el_ms": ms(self.e2el), "itl_ms": [ms(x) for x in self.itl],
         }
@@ -239,6 +241,9 @@ async def send_request(
                     rec.output_tokens = int(usage["completion_tokens"])
                     if usage.get("prompt_tokens") is not None:
                         rec.prompt_len = int(usage["prompt_tokens"])
+                    details = usage.get("prompt_tokens_details")
+                    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                        rec.cached_tokens = int(details["cached_tokens"])
                 text, finish = _chunk_text(obj, cfg.chat)
                 rec.finish_reason = finish or rec.finish_reason
                 if text:
@@ -490,6 +495,9 @@ class Summary:
     total_token_throughput: float
     peak_concurrency: int
     short_outputs: int  # successful requests that generated fewer tokens than max_tokens
+    # Share of input tokens the server reports as served from its prefix cache
+    # (usage.prompt_tokens_details.cached_tokens); None when the server does not report it.
+    prefix_cache_hit_rate: float | None
     goodput: float | None  # req/s meeting every SLO; None without --goodput
     good_requests: int | None
     slos_ms: dict[str, float]
@@ -518,12 +526,16 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
     per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: 0.0)
     good = sum(meets_slos(r, slos_ms) for r in ok) if slos_ms else None
     errors = Counter(r.error for r in records if r.error is not None)
+    reported = [r for r in ok if r.cached_tokens is not None and r.prompt_len]
+    hit_rate = (sum(r.cached_tokens or 0 for r in reported)
+                / sum(r.prompt_len or 0 for r in reported)) if reported else None
     return Summary(
         completed=len(ok), failed=len(records) - len(ok), duration_s=duration_s,
         total_input_tokens=total_in, total_output_tokens=total_out,
         request_throughput=per_s(len(ok)), output_throughput=per_s(total_out),
         total_token_throughput=per_s(total_in + total_out), peak_concurrency=peak_concurrency,
         short_outputs=sum(r.output_tokens < r.max_tokens for r in ok),
+        prefix_cache_hit_rate=hit_rate,
         goodput=None if good is None else per_s(good), good_requests=good, slos_ms=slos_ms,
         ttft_ms=Stats.of([r.ttft * 1e3 for r in ok if r.ttft is not None]),
         tpot_ms=Stats.of([t * 1e3 for r in ok if (t := r.tpot) is not None]),
@@ -587,6 +599,8 @@ def format_report(result: BenchResult) -> str:
     row("Benchmark duration (s):", s.duration_s)
     row("Total input tokens:", s.total_input_tokens)
     row("Total generated tokens:", s.total_output_tokens)
+    if s.prefix_cache_hit_rate is not None:
+        row("Prefix cache hit rate (%):", 100.0 * s.prefix_cache_hit_rate)
     row("Request throughput (req/s):", s.request_throughput)
     if s.goodput is not None:
         row("Request goodput (req/s):", s.goodput)

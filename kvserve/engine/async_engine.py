@@ -39,6 +39,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     arrival: float
+    cache_salt: str | None
     done: asyncio.Future = field(repr=False)
 
 
@@ -125,7 +126,9 @@ class AsyncEngine:
         assert self.engine is not None
         return self.engine
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 120.0) -> None:
+        """Stop the loop after the current step; the engine then persists its prefix cache
+        (disk tier) on its own thread."""
         self._stopping = True
         self._wakeup.set()
         if self._thread is not None:
@@ -136,7 +139,8 @@ class AsyncEngine:
         return len(self._streams)
 
     async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams) -> RequestStream:
+                          params: SamplingParams,
+                          cache_salt: str | None = None) -> RequestStream:
         """Queue a request and wait (at most one step) until the engine has accepted it.
 
         Raises ValueError (bad request), QueueFullError or EngineDeadError; otherwise returns
@@ -153,7 +157,7 @@ class AsyncEngine:
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         self._pending_adds += 1
-        self._send(_Add(request_id, prompt, params, time.perf_counter(), done))
+        self._send(_Add(request_id, prompt, params, time.perf_counter(), cache_salt, done))
         try:
             await done
         except BaseException:  # rejected, or the caller went away while waiting
@@ -200,6 +204,7 @@ class AsyncEngine:
                         self.metrics.observe_output(out, now)
                     self._deliver(out.request_id, out)
                 self._publish_state()
+            engine.close()
         except BaseException as e:  # a bug in the loop itself: fail everyone, loudly
             log.exception("engine loop died")
             self._error = e
@@ -214,7 +219,8 @@ class AsyncEngine:
                 return
             if isinstance(cmd, _Add):
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival)
+                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival,
+                                            cmd.cache_salt)
                 except Exception as e:  # ValueError: the client's fault; else ours
                     self._resolve(cmd.done, e)
                 else:
@@ -256,5 +262,7 @@ class AsyncEngine:
         sched = self.engine.scheduler
         self.num_running, self.num_waiting = len(sched.running), len(sched.waiting)
         if self.metrics is not None:
-            self.metrics.observe_engine(self.num_running, self.num_waiting,
-                                        self.engine.kv.usage, sched.num_preemptions)
+            kv = self.engine.kv
+            self.metrics.observe_engine(self.num_running, self.num_waiting, kv.usage,
+                                        sched.num_preemptions, kv.stats,
+                                        kv.store.stats if kv.store is not None else None)

@@ -26,13 +26,15 @@ from kvserve.config import (
 )
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.kv_cache.planner import capacity_gain, dtype_name, kv_token_bytes, plan_num_blocks
+from kvserve.kv_cache.tiers import build_store, cache_fingerprint
 from kvserve.models.loader import load_model, resolve_model
 from kvserve.request import Request, RequestStatus
 from kvserve.sampler import make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
-from kvserve.worker.model_runner import ModelRunner, kv_bytes_per_token, plan_num_blocks
+from kvserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +76,12 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: int | str = "1GiB"
     num_kv_blocks: int | None = None  # exact block count, overriding the memory budget
+    kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or "int8"
     enable_prefix_caching: bool = True
+    host_kv_cache_memory: int | str = 0  # host tier of the prefix cache; 0 = none
+    kv_cache_dir: str | None = None  # disk tier of the prefix cache, kept across restarts
+    kv_cache_disk_size: int | str = "8GiB"
+    kv_cache_write_policy: str = "write-back"  # or "write-through"
     seed: int = 0
 
 
@@ -88,7 +95,8 @@ class LLMEngine:
         path = resolve_model(args.model)
         t0 = time.perf_counter()
         loaded = load_model(path, dtype, device,
-                            lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads, c.head_dim))
+                            lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads, c.head_dim,
+                                                          args.kv_cache_dtype))
         self.model_config = cfg = loaded.config
         if loaded.gguf_reader is not None:
             self.tokenizer = Tokenizer.from_gguf(path, reader=loaded.gguf_reader)
@@ -99,19 +107,34 @@ class LLMEngine:
             raise ValueError(f"--max-model-len {max_len} exceeds the model's context length "
                              f"{cfg.max_position}")
         cache = CacheConfig(args.block_size, parse_size(args.kv_cache_memory),
-                            args.num_kv_blocks)
+                            args.num_kv_blocks, args.kv_cache_dtype)
         sched = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len)
         self.config = EngineConfig(str(path), dtype, device, cache, sched, args.seed)
         num_blocks = plan_num_blocks(cfg, cache, dtype)
         self.runner = ModelRunner(loaded.model, cache, num_blocks, dtype, device)
-        self.kv = KVCacheManager(num_blocks, cache.block_size, args.enable_prefix_caching)
+        store = None
+        if args.host_kv_cache_memory or args.kv_cache_dir:
+            if not args.enable_prefix_caching:
+                raise ValueError("--host-kv-cache-memory and --kv-cache-dir need prefix caching")
+            kv0 = self.runner.kv_caches[0]
+            fingerprint = cache_fingerprint(path, cfg, dtype, (tuple(kv0.shape[:2]), kv0.shape[3],
+                                                               str(kv0.dtype)), cache.block_size)
+            store = build_store(self.runner.kv_caches, cache.block_size,
+                                parse_size(args.host_kv_cache_memory), args.kv_cache_dir,
+                                parse_size(args.kv_cache_disk_size), fingerprint,
+                                args.kv_cache_write_policy)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, args.enable_prefix_caching,
+                                 store)
         self.scheduler = Scheduler(sched, self.kv)
-        per_tok = kv_bytes_per_token(cfg, dtype)
+        per_tok = kv_token_bytes(cfg, cache.kv_cache_dtype, dtype).total
         log.info("loaded %s (%s, %d layers, %s) in %.1fs", path.name, cfg.architecture,
                  cfg.num_layers, str(dtype).removeprefix("torch."), time.perf_counter() - t0)
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f KiB per token, %.2f GiB",
                  num_blocks, cache.block_size, num_blocks * cache.block_size, per_tok / 1024,
                  num_blocks * cache.block_size * per_tok / 2**30)
+        if cache.kv_cache_dtype == "int8":
+            log.info("int8 KV: %.2fx the tokens of %s", capacity_gain(cfg, "int8", dtype),
+                     dtype_name(dtype))
         self._groups: dict[str, _Group] = {}
         self._samples: dict[str, tuple[_Group, _Sample]] = {}  # by scheduler request id
         self._pending: list[RequestOutput] = []
@@ -125,8 +148,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> str:
         """Queue a request; a str prompt is tokenized (with BOS if the model wants one).
+        `cache_salt` keeps its prefix-cache blocks apart from other salts (tenants).
         Raises ValueError, naming the problem, for anything that cannot be served."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -154,7 +178,7 @@ class LLMEngine:
         for i in range(params.n):
             sp = params.child(i) if params.n > 1 else params
             req = Request(f"{request_id}#{i}" if params.n > 1 else request_id, ids, sp,
-                          eos, max_tokens, arrival)
+                          eos, max_tokens, arrival, cache_salt=cache_salt)
             if sp.seed is not None:
                 req.generator = make_generator(sp.seed, self.config.device)
             group.samples.append(_Sample(req, IncrementalDetokenizer(
@@ -208,12 +232,14 @@ class LLMEngine:
         except Exception as e:
             log.exception("model step failed; failing the %d requests in it",
                           len(sched.scheduled))
+            self.kv.discard_step()  # blocks registered for this step hold no valid K/V
             for s in sched.scheduled:
                 entry = self._samples.get(s.request.request_id)
                 if entry is not None:
                     self.abort_request(entry[0].request_id, f"{type(e).__name__}: {e}")
             return self._take_pending()
         self.scheduler.update_after_step(sched)
+        self.kv.after_step()
         now = time.perf_counter()
         touched: dict[str, _Group] = {}
         sampled = iter(zip(result.token_ids, result.logprobs, strict=True))
@@ -300,7 +326,16 @@ class LLMEngine:
             outputs=completions,
             finished=group.finished,
             metrics=RequestMetrics.from_requests([s.request for s in group.samples]),
+            num_cached_tokens=group.samples[0].request.num_cached_tokens or 0,
         )
+
+    def close(self) -> None:
+        """Persist the prefix cache to the disk tier, when there is one (a clean shutdown)."""
+        if self.kv.store is None or not any(t.name == "disk" for t in self.kv.store.tiers):
+            return
+        t0 = time.perf_counter()
+        written = self.kv.flush_to_disk()
+        log.info("flushed %d KV blocks to disk in %.1fs", written, time.perf_counter() - t0)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -105,3 +105,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # set when the request failed inside the engine
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first sample)

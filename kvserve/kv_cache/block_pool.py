@@ -11,8 +11,10 @@ prefix-cache hit until it is handed out again, which is when its hash is forgott
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from kvserve.kv_cache.hashing import BlockKey
 
 
 @dataclass(eq=False)
@@ -20,15 +22,14 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     # Prefix-cache identity of a full block; None while the block is partial or unhashed.
-    block_hash: int | None = None
-    parent_hash: int | None = None
-    token_ids: tuple[int, ...] | None = None
+    key: BlockKey | None = None
     # Intrusive links of the free queue, so a cache hit removes a block in O(1).
     prev: KVBlock | None = None
     next: KVBlock | None = None
 
     def __repr__(self) -> str:
-        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+        h = None if self.key is None else f"{self.key.block_hash:x}"[:8]
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
 
 
 class FreeBlockQueue:
@@ -71,13 +72,18 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    """`on_evict(blocks)` is called with hashed blocks about to be handed out again, while
+    their K/V are still intact (a lower cache tier copies them there)."""
+
+    def __init__(self, num_blocks: int,
+                 on_evict: Callable[[list[KVBlock]], None] | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}
+        self.on_evict = on_evict
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,12 +97,13 @@ class BlockPool:
     def allocate(self, n: int) -> list[KVBlock]:
         if n > self.num_free_blocks:
             raise RuntimeError(f"asked for {n} KV blocks, {self.num_free_blocks} free")
-        out = []
-        for _ in range(n):
-            block = self.free_queue.popleft()
+        out = [self.free_queue.popleft() for _ in range(n)]
+        evicted = [b for b in out if b.key is not None]
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+        for block in out:
             self._forget(block)
             block.ref_cnt = 1
-            out.append(block)
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -114,34 +121,30 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def lookup(self, block_hash: int, parent_hash: int | None,
-               token_ids: tuple[int, ...]) -> KVBlock | None:
-        """A cached block for this hash, verified against the stored identity so that a hash
-        collision can never serve another prompt's K/V."""
-        block = self.cached.get(block_hash)
-        if block is None or block.token_ids != token_ids or block.parent_hash != parent_hash:
-            return None
-        return block
+    def lookup(self, key: BlockKey) -> KVBlock | None:
+        """The cached block holding `key`, verified against the stored identity (parent hash
+        and tokens), so that a hash collision can never serve another prompt's K/V."""
+        block = self.cached.get(key.block_hash)
+        return block if block is not None and block.key == key else None
 
-    def cache(self, block: KVBlock, block_hash: int, parent_hash: int | None,
-              token_ids: tuple[int, ...]) -> None:
-        if block.block_hash is not None:
+    def cache(self, block: KVBlock, key: BlockKey) -> None:
+        if block.key is not None:
             return
-        if block_hash in self.cached:
+        if key.block_hash in self.cached:
             # Another block already holds this content (e.g. two requests computed the same
             # prefix in one step); keep the first, this one stays private and unhashed.
             return
-        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
-        self.cached[block_hash] = block
+        block.key = key
+        self.cached[key.block_hash] = block
 
     def _forget(self, block: KVBlock) -> None:
-        if block.block_hash is not None:
-            del self.cached[block.block_hash]
-            block.block_hash = block.parent_hash = block.token_ids = None
+        if block.key is not None:
+            del self.cached[block.key.block_hash]
+            block.key = None
 
     def reset_prefix_cache(self) -> None:
         for block in self.cached.values():
-            block.block_hash = block.parent_hash = block.token_ids = None
+            block.key = None
         self.cached.clear()
 
     def check_integrity(self) -> None:
@@ -152,9 +155,9 @@ class BlockPool:
         for b in self.blocks:
             assert b.ref_cnt >= 0, f"negative ref count on {b}"
             assert (b.ref_cnt == 0) == (b.block_id in free_set), f"{b} free/used mismatch"
-            if b.block_hash is not None:
-                assert self.cached.get(b.block_hash) is b, f"{b} hashed but not registered"
+            if b.key is not None:
+                assert self.cached.get(b.key.block_hash) is b, f"{b} hashed but not registered"
         for h, b in self.cached.items():
-            assert b.block_hash == h, f"registry entry {h} points at {b}"
+            assert b.key is not None and b.key.block_hash == h, f"entry {h:x} points at {b}"
         used = sum(1 for b in self.blocks if b.ref_cnt > 0)
         assert used + len(free_ids) == self.num_blocks, "free + used != total"

@@ -237,6 +237,20 @@ def iter_hf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(key).float()
 
 
+def read_model_config(path: Path) -> ModelConfig:
+    """The config of a resolved model path, from GGUF metadata or config.json only: tensor
+    data is not read (the GGUF is memory-mapped), so this is cheap even for large models."""
+    if path.suffix != ".gguf":
+        return hf_model_config(path)
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # a truncated or foreign file: say so plainly
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+    return gguf_model_config(reader)
+
+
 # ------------------------------------------------------------------------------- loading
 
 

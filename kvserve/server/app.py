@@ -96,9 +96,10 @@ class ServerState:
                            f"{self.model_name!r}", "model")
 
 
-async def _add(engine: AsyncEngine, request_id: str, prompt, params) -> RequestStream:
+async def _add(engine: AsyncEngine, request_id: str, prompt, params,
+               cache_salt: str | None) -> RequestStream:
     try:
-        return await engine.add_request(request_id, prompt, params)
+        return await engine.add_request(request_id, prompt, params, cache_salt)
     except ValueError as e:
         raise APIError(400, str(e)) from e
     except QueueFullError as e:
@@ -285,7 +286,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         try:
             for i, p in enumerate(prompts):
                 sub = rid if len(prompts) == 1 else f"{rid}-{i}"
-                streams.append(await _add(engine, sub, p, params))
+                streams.append(await _add(engine, sub, p, params, body.cache_salt))
         except BaseException:
             _close(streams)
             raise
@@ -321,7 +322,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         rid = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         log.debug("request %s user %s", rid, body.user)
         fmt = Formatter(tok, rid, state.model_name, body.n)
-        stream = await _add(engine, rid, ids, params)
+        stream = await _add(engine, rid, ids, params, body.cache_salt)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_chat_stream(fmt, stream, include_usage),

@@ -45,6 +45,7 @@ class SamplingFields(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     request_id: str | None = None  # caller-chosen id, echoed in the response
+    cache_salt: str | None = None  # prefix-cache isolation: only equal salts share blocks
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field for out-of-range values."""

@@ -1,8 +1,9 @@
 """SchedulerOutput -> tensors -> forward -> sample -> ModelRunnerOutput.
 
 The runner owns the KV cache tensors: per layer one tensor holding K and V for
-num_blocks * block_size token slots (layout chosen by the attention backend), addressed by
-slot = block_id * block_size + offset.
+num_blocks * block_size token slots (shape and dtype chosen by the attention backend, which
+may store them quantized), addressed by slot = block_id * block_size + offset. How many
+blocks fit a memory budget is `kv_cache.planner.plan_num_blocks`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.attention.backend import AttentionBatch
-from kvserve.config import CacheConfig, ModelConfig
+from kvserve.config import CacheConfig
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.sampler import Sampler, SamplingMetadata, TokenLogprobs
 from kvserve.scheduler import SchedulerOutput
@@ -28,22 +29,6 @@ class ModelRunnerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return cfg.kv_elements_per_token * torch.empty((), dtype=dtype).element_size()
-
-
-def plan_num_blocks(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
-    """Blocks that fit in the KV memory budget (or the explicit override)."""
-    if cache.num_blocks is not None:
-        return cache.num_blocks
-    per_block = cache.block_size * kv_bytes_per_token(cfg, dtype)
-    num = cache.kv_cache_memory // per_block
-    if num < 1:
-        raise ValueError(f"--kv-cache-memory {cache.kv_cache_memory} bytes holds no block "
-                         f"({per_block} bytes per block of {cache.block_size} tokens)")
-    return num
-
-
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: CacheConfig, num_blocks: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -54,8 +39,14 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.backend = model.layers[0].self_attn.backend
+        if self.backend.kv_cache_dtype != cache.kv_cache_dtype:
+            # the block count was planned for one layout; allocating another would break it
+            raise ValueError(f"the model's attention backend stores a "
+                             f"{self.backend.kv_cache_dtype} KV cache but the cache config "
+                             f"asks for {cache.kv_cache_dtype}")
         shape = self.backend.kv_cache_shape(num_blocks * cache.block_size)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
+        kv_dtype = self.backend.kv_cache_tensor_dtype(dtype)
+        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device)
                           for _ in range(self.cfg.num_layers)]
         self.sampler = Sampler()
 

@@ -1,0 +1,62 @@
+"""How a K or V row (one token of one KV head) is stored in the paged cache.
+
+`auto` stores rows as they are, in the compute dtype: width head_dim.
+
+`int8` stores each row quantized symmetrically with its own scale (absmax / 127 over the
+head_dim values; K and V rows are quantized separately), followed by the scale as a float16
+in the row's last two bytes: width head_dim + 2, dtype int8, so a layer keeps one tensor
+whose token slots can be copied whole (`kv[:, :, slots, :]`) like the unquantized ones.
+
+These functions are the single description of that layout: the attention backend sizes and
+reads its cache with them, and the memory planner counts bytes with them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.config import check_kv_cache_dtype
+
+INT8_SCALE_BYTES = 2  # one float16 per row
+_FP16 = torch.finfo(torch.float16)
+
+
+def kv_storage_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the cache tensor."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    return torch.int8 if kv_cache_dtype == "int8" else compute_dtype
+
+
+def kv_row_width(head_dim: int, kv_cache_dtype: str) -> int:
+    """Elements (of the cache tensor's dtype) one stored row takes."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "auto":
+        return head_dim
+    if head_dim % 2:
+        # the float16 scale is read in place with .view(), which needs 2-byte alignment
+        raise ValueError(f"int8 KV cache needs an even head_dim, got {head_dim}")
+    return head_dim + INT8_SCALE_BYTES
+
+
+def quantize_int8(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] floats -> [..., D + 2] int8 rows (values, then the float16 scale's bytes).
+
+    Every element comes back from `dequantize_int8` within scale / 2 of its value. The scale
+    is clamped into float16's normal range: a row of zeros (or of values below ~0.008) gets
+    the smallest normal scale rather than a zero or imprecise subnormal one, and rows with
+    values beyond 127 * 65504 would saturate (K/V of real models stay far below that).
+    """
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / 127).clamp_(_FP16.tiny, _FP16.max)
+    scale = scale.to(torch.float16)
+    # divide by the rounded scale, the one dequantization will multiply by
+    q = (xf / scale.float()).round_().clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_int8(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., D + 2] int8 rows -> [..., D] values in `dtype`."""
+    d = rows.shape[-1] - INT8_SCALE_BYTES
+    scale = rows[..., d:].view(torch.float16)
+    # multiply in float32: a bfloat16 scale alone would add ~0.4% error to every value
+    return (rows[..., :d].float() * scale.float()).to(dtype)
