@@ -193,6 +193,24 @@ def test_disconnect_non_streaming_aborts(server):
     assert metric(url, "kvserve:num_requests_running") == 0
 
 
+def test_prefix_cache_reported_in_usage_and_salts_isolate(client, server):
+    prompt = "Here is a long shared system prompt. " * 20
+
+    def cached(salt: str) -> int:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                      extra_body={"cache_salt": salt})
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-1") == 0
+    assert cached("tenant-1") >= 128  # all full blocks but the one holding the last token
+    assert cached("tenant-2") == 0
+    url, _ = server
+    assert metric(url, "kvserve:prefix_cache_queries_total") > 0
+    text = httpx.get(f"{url}/metrics").text
+    assert 'kvserve:prefix_cache_hits_total{model_name="SmolLM2-135M-Instruct",tier="device"}' \
+        in text
+
+
 def test_metrics_exposed(server):
     url, _ = server
     text = httpx.get(f"{url}/metrics").text
