@@ -287,9 +287,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-model-len {max_len} exceeds the model's context length "
                          f"{cfg.max_position}")
     seq_len = args.prompt_len + args.output_len
-    if not 0 < seq_len <= max_len:
-        raise ValueError(f"--prompt-len + --output-len = {seq_len} must be in [1, "
-                         f"max_model_len {max_len}]")
+    if seq_len > max_len:
+        raise ValueError(f"--prompt-len + --output-len = {seq_len} exceeds max_model_len "
+                         f"{max_len}")
+    if seq_len == 0:
+        raise ValueError("--prompt-len + --output-len must be > 0")
     plans = [plan_kv(cfg, budget, args.block_size, kv, dtype, seq_len) for kv in ("auto", "int8")]
     full = [plan_kv(cfg, budget, args.block_size, kv, dtype, max_len) for kv in ("auto", "int8")]
     mib = 2**20

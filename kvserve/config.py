@@ -55,11 +55,6 @@ class ModelConfig:
                 f"model config: num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})")
 
-    @property
-    def kv_elements_per_token(self) -> int:
-        """K and V elements one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
 
 KV_CACHE_DTYPES = ("auto", "int8")
 

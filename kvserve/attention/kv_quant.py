@@ -54,9 +54,16 @@ def quantize_int8(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([q, scale.view(torch.int8)], dim=-1)
 
 
+def split_int8(rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D + 2] int8 rows -> (the int8 values as `dtype` [..., D], float32 scales [...]);
+    a row's values are values * scale. The conversion is exact in float16/bfloat16/float32,
+    so attention can apply the scales to its much smaller score and probability tensors."""
+    d = rows.shape[-1] - INT8_SCALE_BYTES
+    return rows[..., :d].to(dtype), rows[..., d:].view(torch.float16).squeeze(-1).float()
+
+
 def dequantize_int8(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[..., D + 2] int8 rows -> [..., D] values in `dtype`."""
-    d = rows.shape[-1] - INT8_SCALE_BYTES
-    scale = rows[..., d:].view(torch.float16)
-    # multiply in float32: a bfloat16 scale alone would add ~0.4% error to every value
-    return (rows[..., :d].float() * scale.float()).to(dtype)
+    values, scale = split_int8(rows, torch.float32)
+    # multiply in float32: a bfloat16 scale alone would add up to 0.2% error to every value
+    return (values * scale[..., None]).to(dtype)

@@ -1,0 +1,128 @@
+"""The KV memory planner: figures by hand, agreement with the engine, and `kvserve plan`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvserve import cli
+from kvserve.attention.torch_paged import TorchPagedAttention
+from kvserve.config import CacheConfig
+from kvserve.engine.llm import LLM
+from kvserve.kv_cache.planner import (
+    kv_bytes_per_token,
+    kv_token_bytes,
+    param_count,
+    plan_kv,
+    plan_num_blocks,
+    weight_bytes,
+)
+from kvserve.models.loader import hf_model_config, load_model, read_model_config
+from tests.test_kv_int8 import SMOLLM2
+
+
+def test_default_model_figures_by_hand():
+    # layers x 2 (K, V) x KV heads x head dim x bytes (+ 2 scale bytes per int8 row)
+    assert kv_bytes_per_token(SMOLLM2, "auto", torch.bfloat16) == 2 * 30 * 3 * 64 * 2 == 23040
+    assert kv_bytes_per_token(SMOLLM2, "auto", torch.float32) == 46080
+    for compute in (torch.bfloat16, torch.float32):
+        assert kv_bytes_per_token(SMOLLM2, "int8", compute) == 2 * 30 * 3 * 66 == 11880
+    assert kv_token_bytes(SMOLLM2, "int8", torch.bfloat16).breakdown() == (
+        "30 layers x 2 (K,V) x 3 KV heads x (64 x 1 B + 2 B scale) = 11880 B")
+    assert kv_token_bytes(SMOLLM2, "auto", torch.bfloat16).breakdown() == (
+        "30 layers x 2 (K,V) x 3 KV heads x 64 x 2 B = 23040 B")
+    # embeddings (tied) + 30 x (q, k, v, o, gate, up, down, 2 norms) + final norm
+    per_layer = 576 * 576 * 2 + 576 * 192 * 2 + 576 * 1536 * 3 + 2 * 576
+    assert param_count(SMOLLM2) == 49152 * 576 + 30 * per_layer + 576 == 134_515_008
+    assert weight_bytes(SMOLLM2, torch.bfloat16) == 2 * 134_515_008
+    plan = plan_kv(SMOLLM2, 2 << 30, 16, "int8", torch.bfloat16, 1024 + 128)
+    assert plan.num_blocks == (2 << 30) // (16 * 11880) == 11297
+    assert plan.blocks_per_seq == 72 and plan.max_seqs == 11297 // 72 == 156
+    assert plan.kv_bytes <= 2 << 30
+    biased = dataclasses.replace(SMOLLM2, qkv_bias=True)
+    assert param_count(biased) == param_count(SMOLLM2) + 30 * (576 + 2 * 192)
+    untied = dataclasses.replace(SMOLLM2, tie_word_embeddings=False)
+    assert param_count(untied) == param_count(SMOLLM2) + 49152 * 576
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_block_count_equals_the_plan(tiny_llama_dir, kv, dtype):
+    llm = LLM(str(tiny_llama_dir), dtype=dtype, kv_cache_memory="1MiB", kv_cache_dtype=kv)
+    engine = llm.engine
+    compute = getattr(torch, dtype)
+    cfg = hf_model_config(tiny_llama_dir)
+    plan = plan_kv(cfg, 1 << 20, 16, kv, compute, 64)
+    assert engine.runner.num_blocks == engine.kv.num_blocks == plan.num_blocks
+    assert plan.num_blocks == plan_num_blocks(cfg, CacheConfig(16, 1 << 20, kv_cache_dtype=kv),
+                                              compute)
+    # what is allocated is exactly what was planned, within the budget
+    allocated = sum(t.numel() * t.element_size() for t in engine.runner.kv_caches)
+    assert allocated == plan.kv_bytes <= 1 << 20
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied; tied with qkv biases
+def test_param_count_matches_the_loaded_model(arch, tiny_llama_dir, tiny_qwen2_dir):
+    path = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
+    model = load_model(path, torch.float32, torch.device("cpu"),
+                       lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads, c.head_dim))
+    assert param_count(model.config) == sum(p.numel() for p in model.model.parameters())
+    assert param_count(read_model_config(path)) == param_count(model.config)
+
+
+@pytest.mark.real_model
+def test_default_model_config_and_param_count(real_model_path):
+    cfg = read_model_config(real_model_path)
+    assert dataclasses.replace(cfg, name="", rope_theta=SMOLLM2.rope_theta,
+                               rms_norm_eps=SMOLLM2.rms_norm_eps) == SMOLLM2
+    model = load_model(real_model_path, torch.bfloat16, torch.device("cpu"),
+                       lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads, c.head_dim))
+    assert sum(p.numel() for p in model.model.parameters()) == param_count(cfg) == 134_515_008
+
+
+def test_plan_cli_prints_the_figures(tiny_llama_dir, capsys):
+    rc = cli.main(["plan", "--model", str(tiny_llama_dir), "--kv-cache-memory", "1MiB",
+                   "--dtype", "float32", "--prompt-len", "40", "--output-len", "8"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    # float32: 2 layers x 2 x 2 KV heads x 16 x 4 B = 512 B; int8: 2 x 2 x 2 x 18 = 144 B
+    assert "2 layers x 2 (K,V) x 2 KV heads x 16 x 4 B = 512 B per token" in out
+    assert "2 layers x 2 (K,V) x 2 KV heads x (16 x 1 B + 2 B scale) = 144 B per token" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.startswith(("float32 ", "int8 ")) and line.split()[1].isdigit()}
+    # bytes/token, blocks, tokens, ..., sequences of 48 tokens (3 blocks), of 512 (32 blocks)
+    assert rows["float32"][1:4] == ["512", "128", "2048"]
+    assert rows["int8"][1:4] == ["144", "455", "7280"]
+    assert rows["float32"][-2:] == ["42", "4"] and rows["int8"][-2:] == ["151", "14"]
+    params = param_count(hf_model_config(tiny_llama_dir))
+    assert f"{params:,} parameters" in out
+    assert "int8 holds 3.56x the tokens of float32" in out
+
+
+@pytest.mark.real_model
+def test_plan_cli_on_the_default_model(real_model_path, capsys):
+    assert cli.main(["plan", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "= 23040 B per token" in out and "= 11880 B per token" in out
+    assert "134,515,008 parameters" in out
+    assert "int8 holds 1.94x the tokens of bfloat16" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kv-cache-memory", "lots"], "cannot parse size 'lots'"),
+    (["--prompt-len", "500", "--output-len", "100"], "exceeds max_model_len"),
+    (["--max-model-len", "100000"], "exceeds the model's context length"),
+])
+def test_plan_cli_bad_input(tiny_llama_dir, capsys, args, message):
+    assert cli.main(["plan", "--model", str(tiny_llama_dir), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_kv_cache_dtype_flag_is_validated(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "hi", "--kv-cache-dtype", "fp8"])
+    assert e.value.code == 2
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
