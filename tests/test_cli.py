@@ -22,6 +22,12 @@ def test_generate_on_a_tiny_model(tiny_llama_dir):
     assert "KV cache:" in r.stderr
 
 
+def test_generate_without_prefix_caching(tiny_llama_dir):
+    r = run_cli("generate", "hello", "--model", str(tiny_llama_dir), "--max-tokens", "3",
+                "--no-enable-prefix-caching", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--temperature", "-1"], "temperature"),
     (["--model", "/no/such/model.gguf"], "not found"),

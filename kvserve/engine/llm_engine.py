@@ -113,14 +113,15 @@ class LLMEngine:
         num_blocks = plan_num_blocks(cfg, cache, dtype)
         self.runner = ModelRunner(loaded.model, cache, num_blocks, dtype, device)
         store = None
-        if args.host_kv_cache_memory or args.kv_cache_dir:
+        host_bytes = parse_size(args.host_kv_cache_memory)
+        if host_bytes or args.kv_cache_dir:
             if not args.enable_prefix_caching:
                 raise ValueError("--host-kv-cache-memory and --kv-cache-dir need prefix caching")
             kv0 = self.runner.kv_caches[0]
             fingerprint = cache_fingerprint(path, cfg, dtype, (tuple(kv0.shape[:2]), kv0.shape[3],
                                                                str(kv0.dtype)), cache.block_size)
             store = build_store(self.runner.kv_caches, cache.block_size,
-                                parse_size(args.host_kv_cache_memory), args.kv_cache_dir,
+                                host_bytes, args.kv_cache_dir,
                                 parse_size(args.kv_cache_disk_size), fingerprint,
                                 args.kv_cache_write_policy)
         self.kv = KVCacheManager(num_blocks, cache.block_size, args.enable_prefix_caching,
