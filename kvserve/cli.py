@@ -35,6 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step (prompt chunks + decodes)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
+    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only int8/int4 copies for decode-sized batches (CPU)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="auto = the compute dtype; int8 = per-token, per-head quantized K/V "
                         "(~1.9x the tokens in the same memory)")
@@ -104,7 +106,7 @@ def engine_args_from(args: argparse.Namespace):
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         host_kv_cache_memory=args.host_kv_cache_memory, kv_cache_dir=args.kv_cache_dir,
         kv_cache_disk_size=args.kv_cache_disk_size,
         kv_cache_write_policy=args.kv_cache_write_policy)

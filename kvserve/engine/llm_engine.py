@@ -28,6 +28,7 @@ from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_cache.planner import capacity_gain, dtype_name, kv_token_bytes, plan_num_blocks
 from kvserve.kv_cache.tiers import build_store, cache_fingerprint
+from kvserve.layers.quant import check_quantization
 from kvserve.models.loader import load_model, resolve_model
 from kvserve.request import Request, RequestStatus
 from kvserve.sampler import make_generator
@@ -77,6 +78,7 @@ class EngineArgs:
     kv_cache_memory: int | str = "1GiB"
     num_kv_blocks: int | None = None  # exact block count, overriding the memory budget
     kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or "int8"
+    quantization: str = "none"  # weight-only copies for small batches: none | int8 | int4
     enable_prefix_caching: bool = True
     host_kv_cache_memory: int | str = 0  # host tier of the prefix cache; 0 = none
     kv_cache_dir: str | None = None  # disk tier of the prefix cache, kept across restarts
@@ -98,6 +100,11 @@ class LLMEngine:
                             lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads, c.head_dim,
                                                           args.kv_cache_dtype))
         self.model_config = cfg = loaded.config
+        if check_quantization(args.quantization) != "none":
+            if device.type != "cpu":
+                raise ValueError("--quantization int8/int4 uses CPU kernels; use none on "
+                                 f"{device.type}")
+            loaded.model.quantize_(args.quantization)
         if loaded.gguf_reader is not None:
             self.tokenizer = Tokenizer.from_gguf(path, reader=loaded.gguf_reader)
         else:

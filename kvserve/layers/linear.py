@@ -14,6 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.layers.quant import SMALL_BATCH, QuantizedWeight
+
 
 class LinearBase(nn.Module):
     """y = x W^T (+ b). `tp_dim` is the weight dimension that is sharded: 0 (output features,
@@ -35,6 +37,17 @@ class LinearBase(nn.Module):
         # A row-parallel bias is added once, after the reduction, so it is never sharded.
         bias_len = shape[0]
         self.bias = nn.Parameter(torch.empty(bias_len), requires_grad=False) if bias else None
+        self.quantized: QuantizedWeight | None = None
+
+    def quantize_(self, method: str) -> None:
+        """Add a weight-only quantized copy of the (loaded) weight, used for small batches."""
+        self.quantized = QuantizedWeight(self.weight.data, method)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T without the bias: the quantized kernel for small batches when there is one."""
+        if self.quantized is not None and x.shape[0] <= SMALL_BATCH:
+            return self.quantized.matmul(x)
+        return F.linear(x, self.weight)
 
     def _shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
         if self.tp_size == 1:
@@ -53,7 +66,8 @@ class LinearBase(nn.Module):
             _copy(self.bias, self._shard(bias, 0) if self.tp_dim == 0 else bias, "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias
 
 
 class ReplicatedLinear(LinearBase):
@@ -108,7 +122,7 @@ class RowParallelLinear(LinearBase):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x)
         if self.tp_size > 1:
             dist.all_reduce(y, group=self.group)
         return y if self.bias is None else y + self.bias

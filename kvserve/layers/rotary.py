@@ -42,22 +42,34 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> to
 
 
 class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables. Per step, `tables(positions)` gathers them once for all
+    layers; `apply` then rotates any number of heads with three ops."""
+
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: RopeScaling) -> None:
         super().__init__()
         inv = inverse_frequencies(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        # Full-width tables for x * cos + rotate_half(x) * sin, with rotate_half's minus sign
+        # folded into sin: rotate_half(x) * sin == roll(x, D/2) * cat(-sin, sin).
+        self.register_buffer("cos", torch.cat((angles.cos(), angles.cos()), -1),
+                             persistent=False)
+        self.register_buffer("sin", torch.cat((-angles.sin(), angles.sin()), -1),
+                             persistent=False)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] for the step's positions, in the compute dtype."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] -> rotated copy."""
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, Hkv, D], positions [T] -> rotated q, k."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        cos, sin = self.tables(positions, q.dtype)
+        return self.apply(q, cos, sin), self.apply(k, cos, sin)

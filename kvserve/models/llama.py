@@ -12,7 +12,13 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.config import ModelConfig
-from kvserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kvserve.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 
@@ -31,14 +37,13 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: object) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                kv_cache: torch.Tensor, meta: object) -> torch.Tensor:
+        h, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(-1, h + 2 * hkv, self.head_dim)
+        qk = self.rotary.apply(qkv[:, :h + hkv], *rope)  # q and k heads rotated together
+        out = self.backend.forward(qk[:, :h], qk[:, h:], qkv[:, h + hkv:], kv_cache, meta)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -63,9 +68,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp_rank, tp_size)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: object) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                kv_cache: torch.Tensor, meta: object) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -86,20 +91,27 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, rotary, backend, tp_rank, tp_size) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ReplicatedLinear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
-            self.lm_head_weight = self.embed_tokens.weight
-        else:
-            self.lm_head_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size),
-                                               requires_grad=False)
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: object) -> torch.Tensor:
         """input_ids/positions [T] -> final hidden states [T, hidden] (normed)."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)  # once per step, shared by all layers
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, meta)
+            x = layer(rope, x, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32, only for the rows the caller selected (the sampled positions)."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return self.lm_head(hidden).float()
+
+    def quantize_(self, method: str) -> None:
+        """Weight-only quantized copies of every projection, for small batches. The LM head
+        gets int8 (per-row scales) whatever the method: its logits feed sampling directly."""
+        for module in self.modules():
+            if isinstance(module, LinearBase) and module is not self.lm_head:
+                module.quantize_(method)
+        self.lm_head.quantize_("int8")

@@ -273,7 +273,7 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Ten
             _copy(model.norm.weight, w, name)
         elif name == "lm_head.weight":
             if not model.config.tie_word_embeddings:
-                _copy(model.lm_head_weight, w, name)
+                _copy(model.lm_head.weight, w, name)
         else:
             _, idx, kind, what = name.split(".")
             layer = model.layers[int(idx)]
@@ -327,10 +327,15 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
     else:
         cfg = hf_model_config(path)
         tensors = iter_hf_tensors(path)
-    model = LlamaForCausalLM(cfg, backend_factory(cfg), tp_rank, tp_size)
+    # Parameters are created in the compute dtype and filled one checkpoint tensor at a
+    # time, so loading never holds a float32 copy of the whole model (peak RSS).
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = LlamaForCausalLM(cfg, backend_factory(cfg), tp_rank, tp_size)
+    finally:
+        torch.set_default_dtype(previous)
     load_weights(model, tensors)
     model.to(device)
-    for p in model.parameters():  # parameters only: RoPE tables stay float32
-        p.data = p.data.to(dtype)
     model.eval()
     return LoadedModel(model, cfg, path, reader)

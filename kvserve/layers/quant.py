@@ -1,0 +1,86 @@
+"""Weight-only quantized copies of linear weights, for small batches.
+
+Decode at batch 1 must read every weight once per token, so its time is the weight bytes over
+memory bandwidth: int8 halves the bytes of bf16 and int4 quarters them. torch ships CPU
+kernels for both (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) that dequantize on
+the fly. At larger batches the same kernels lose to the bf16 matmul (measured here: at 64 rows
+they take about twice as long), so a quantized layer keeps its compute-dtype weight for big
+batches and uses the quantized copy only up to `SMALL_BATCH` rows.
+
+int8: symmetric, one scale per output row. int4: asymmetric groups of 32 along the input
+dimension, w = (q - 8) * scale + zero, the layout of GGML's Q4_1 (scale and minimum per 32
+weights), so a Q4_1 GGUF's weights come back nearly exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QUANTIZATIONS = ("none", "int8", "int4")
+INT4_GROUP = 32
+SMALL_BATCH = 16  # rows up to which the quantized kernel beats the bf16 matmul here
+
+
+def check_quantization(name: str) -> str:
+    if name not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {name!r}")
+    return name
+
+
+def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (int8 [N, K], scales [N] in `dtype`); w ~= q * scale[:, None]."""
+    wf = w.float()
+    scale = (wf.abs().amax(dim=1) / 127).clamp_min_(1e-12).to(dtype)
+    q = (wf / scale.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4(w: torch.Tensor, dtype: torch.dtype,
+                  group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (packed int4 weight, scales and zeros [K / group, N, 2] in `dtype`)."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"int4 needs the input dimension ({k}) to be a multiple of {group}")
+    wg = w.float().view(n, k // group, group)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp_min_(1e-12).to(dtype)
+    zero = (lo + 8 * scale.float()).to(dtype)
+    # Round against the stored (rounded) scale and zero, so dequantization is as close as it
+    # can be to the original weight.
+    q = ((wg - zero.float()[..., None]) / scale.float()[..., None] + 8).round_().clamp_(0, 15)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k).to(torch.int32), 1)
+    scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+    return packed, scales_zeros
+
+
+def dequantize_int4(packed_q: torch.Tensor, scales_zeros: torch.Tensor, n: int, k: int,
+                    group: int = INT4_GROUP) -> torch.Tensor:
+    """The float weight an int4 copy stands for (tests and accuracy reports)."""
+    eye = torch.eye(k, dtype=scales_zeros.dtype)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed_q, group, scales_zeros).t()
+
+
+class QuantizedWeight:
+    """A quantized copy of one [N, K] weight and the matmul that uses it."""
+
+    def __init__(self, weight: torch.Tensor, method: str) -> None:
+        self.method = check_quantization(method)
+        self.n, self.k = weight.shape
+        dtype = weight.dtype
+        if method == "int8":
+            self.q, self.scales = quantize_int8(weight, dtype)
+        elif method == "int4":
+            self.q, self.scales = quantize_int4(weight, dtype)
+        else:
+            raise ValueError("nothing to quantize with method 'none'")
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ w.T in x's dtype."""
+        if self.method == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.q, INT4_GROUP, self.scales)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() * self.q.element_size() + self.scales.numel() * \
+            self.scales.element_size()

@@ -1,0 +1,128 @@
+"""Weight-only int8/int4 copies: error bounds, Q4_1-style weights recovered, the kernels used
+only for small batches, and a quantized model staying close to the unquantized one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.attention.torch_paged import TorchPagedAttention
+from kvserve.engine.llm import LLM
+from kvserve.layers.linear import LinearBase, ReplicatedLinear
+from kvserve.layers.quant import (
+    SMALL_BATCH,
+    QuantizedWeight,
+    check_quantization,
+    dequantize_int4,
+    quantize_int4,
+    quantize_int8,
+)
+from kvserve.models.loader import load_model
+from kvserve.sampling_params import SamplingParams
+from tests.test_model import paged_logits
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), scale=st.floats(1e-3, 10.0))
+def test_int8_error_is_half_a_step(seed, scale):
+    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(seed)) * scale
+    q, s = quantize_int8(w, torch.float32)
+    err = (q.float() * s[:, None] - w).abs()
+    assert (err <= s[:, None] / 2 + 1e-6 * scale).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), scale=st.floats(1e-3, 10.0))
+def test_int4_error_is_half_a_step(seed, scale):
+    w = torch.randn(16, 96, generator=torch.Generator().manual_seed(seed)) * scale
+    packed, sz = quantize_int4(w, torch.float32)
+    back = dequantize_int4(packed, sz, 16, 96)
+    step = sz[..., 0].t().repeat_interleave(32, dim=1)  # [N, K] scale of each weight
+    assert ((back - w).abs() <= step / 2 + 1e-5 * scale).all()
+
+
+def test_q4_1_weights_come_back_exactly():
+    """Weights that already are Q4_1 values (d * q + m per 32) are recovered, not rounded."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (16, 64), generator=g).float()
+    q[:, ::32] = 0  # every group spans the full 0..15 range, as GGML's quantizer makes it
+    q[:, 1::32] = 15
+    d = torch.rand(16, 2, generator=g).repeat_interleave(32, dim=1) * 0.01 + 0.001
+    m = -torch.rand(16, 2, generator=g).repeat_interleave(32, dim=1) * 0.1
+    w = d * q + m
+    packed, sz = quantize_int4(w, torch.float32)
+    torch.testing.assert_close(dequantize_int4(packed, sz, 16, 64), w, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_linear_only_for_small_batches(method):
+    layer = ReplicatedLinear(64, 48)
+    torch.nn.init.normal_(layer.weight)
+    layer.quantize_(method)
+    qw: QuantizedWeight = layer.quantized
+    small = torch.randn(SMALL_BATCH, 64)
+    big = torch.randn(SMALL_BATCH + 1, 64)
+    torch.testing.assert_close(layer(small), qw.matmul(small))
+    torch.testing.assert_close(layer(big), big @ layer.weight.t())
+    assert (layer(small) - small @ layer.weight.t()).abs().max() < 0.2 * (
+        small @ layer.weight.t()).abs().max()
+
+
+def test_bad_quantization_name():
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        check_quantization("int3")
+
+
+def _models(path):
+    def backend(c):
+        return TorchPagedAttention(c.num_heads, c.num_kv_heads, c.head_dim)
+
+    ref = load_model(path, torch.float32, torch.device("cpu"), backend).model
+    quant = load_model(path, torch.float32, torch.device("cpu"), backend).model
+    return ref, quant
+
+
+IDS = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+
+
+def test_int8_model_close_to_unquantized(tiny_llama_dir):
+    ref, quant = _models(tiny_llama_dir)
+    quant.quantize_("int8")
+    # One token at a time, so every matmul is a small batch and uses the quantized copy.
+    a = paged_logits(ref, IDS, [1] * 24, "cpu")
+    b = paged_logits(quant, IDS, [1] * 24, "cpu")
+    assert 0 < (a - b).abs().max() / a.abs().max() < 0.1
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
+
+
+def test_int4_keeps_q4_1_weights(tiny_llama_dir):
+    """A model whose weights lie on a Q4_1 grid (as a Q4_1 GGUF's do) runs the same with its
+    int4 copy; what remains is the LM head's int8 error."""
+    ref, quant = _models(tiny_llama_dir)
+    with torch.no_grad():
+        for (name, a), (_, b) in zip(ref.named_modules(), quant.named_modules(), strict=True):
+            if isinstance(a, LinearBase) and name != "lm_head":
+                w = dequantize_int4(*quantize_int4(a.weight, torch.float32), *a.weight.shape)
+                a.weight.copy_(w)
+                b.weight.copy_(w)
+    quant.quantize_("int4")
+    a = paged_logits(ref, IDS, [1] * 24, "cpu")
+    b = paged_logits(quant, IDS, [1] * 24, "cpu")
+    assert (a - b).abs().max() / a.abs().max() < 0.03
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_engine_with_quantization_batches_consistently(tiny_llama_dir, method):
+    # A 16-token step budget keeps every step on the quantized kernels (SMALL_BATCH rows),
+    # so numerics do not depend on batch composition; bigger steps switch to the bf16 matmul.
+    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, num_kv_blocks=128,
+              quantization=method, max_num_batched_tokens=SMALL_BATCH)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5 + i, 9, 11 + i] for i in range(6)]
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert alone == together
+    llm.engine.check_integrity()
