@@ -29,7 +29,7 @@ from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_cache.planner import capacity_gain, dtype_name, kv_token_bytes, plan_num_blocks
 from kvserve.kv_cache.tiers import build_store, cache_fingerprint
 from kvserve.layers.quant import check_quantization
-from kvserve.models.loader import load_model, resolve_model
+from kvserve.models.loader import auto_quantization, load_model, resolve_model
 from kvserve.request import Request, RequestStatus
 from kvserve.sampler import make_generator
 from kvserve.sampling_params import SamplingParams
@@ -78,7 +78,9 @@ class EngineArgs:
     kv_cache_memory: int | str = "1GiB"
     num_kv_blocks: int | None = None  # exact block count, overriding the memory budget
     kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or "int8"
-    quantization: str = "none"  # weight-only copies for small batches: none | int8 | int4
+    # weight-only copies for small batches: auto (keep a GGUF's precision class) | none |
+    # int8 | int4
+    quantization: str = "auto"
     enable_prefix_caching: bool = True
     host_kv_cache_memory: int | str = 0  # host tier of the prefix cache; 0 = none
     kv_cache_dir: str | None = None  # disk tier of the prefix cache, kept across restarts
@@ -100,11 +102,16 @@ class LLMEngine:
                             lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads, c.head_dim,
                                                           args.kv_cache_dtype))
         self.model_config = cfg = loaded.config
-        if check_quantization(args.quantization) != "none":
+        quantization = args.quantization
+        if quantization == "auto":
+            quantization = "none" if device.type != "cpu" else auto_quantization(
+                loaded.weight_format)
+        if check_quantization(quantization) != "none":
             if device.type != "cpu":
                 raise ValueError("--quantization int8/int4 uses CPU kernels; use none on "
                                  f"{device.type}")
-            loaded.model.quantize_(args.quantization)
+            loaded.model.quantize_(quantization)
+        self.quantization = quantization
         if loaded.gguf_reader is not None:
             self.tokenizer = Tokenizer.from_gguf(path, reader=loaded.gguf_reader)
         else:
@@ -135,8 +142,10 @@ class LLMEngine:
                                  store)
         self.scheduler = Scheduler(sched, self.kv)
         per_tok = kv_token_bytes(cfg, cache.kv_cache_dtype, dtype).total
-        log.info("loaded %s (%s, %d layers, %s) in %.1fs", path.name, cfg.architecture,
-                 cfg.num_layers, str(dtype).removeprefix("torch."), time.perf_counter() - t0)
+        log.info("loaded %s (%s, %d layers, %s weights, %s; quantized copies for small "
+                 "batches: %s) in %.1fs", path.name, cfg.architecture, cfg.num_layers,
+                 loaded.weight_format, dtype_name(dtype), self.quantization,
+                 time.perf_counter() - t0)
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f KiB per token, %.2f GiB",
                  num_blocks, cache.block_size, num_blocks * cache.block_size, per_tok / 1024,
                  num_blocks * cache.block_size * per_tok / 2**30)

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,6 +261,23 @@ class LoadedModel:
     config: ModelConfig
     path: Path
     gguf_reader: object | None  # kept so the tokenizer can be built from the same file
+    weight_format: str  # storage type of most layer matrices: "Q4_1", "F16", "bf16", ...
+
+
+# GGUF tensor types by the weight-only format that keeps their precision class.
+_INT4_SOURCES = {"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "IQ3_S",
+                 "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"}
+_INT8_SOURCES = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}
+
+
+def auto_quantization(weight_format: str) -> str:
+    """`--quantization auto`: keep a quantized checkpoint's precision class (int4 for 4-bit
+    and smaller GGUF types, int8 for 5- to 8-bit ones); float checkpoints stay unquantized."""
+    if weight_format in _INT4_SOURCES:
+        return "int4"
+    if weight_format in _INT8_SOURCES:
+        return "int8"
+    return "none"
 
 
 def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -324,9 +342,13 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
             raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
         cfg = gguf_model_config(reader)
         tensors = iter_gguf_tensors(reader, cfg)
+        kinds = Counter(t.tensor_type.name for t in reader.tensors
+                        if t.name.startswith("blk.") and len(t.shape) == 2)
+        weight_format = kinds.most_common(1)[0][0] if kinds else "F32"
     else:
         cfg = hf_model_config(path)
         tensors = iter_hf_tensors(path)
+        weight_format = "safetensors"
     # Parameters are created in the compute dtype and filled one checkpoint tensor at a
     # time, so loading never holds a float32 copy of the whole model (peak RSS).
     previous = torch.get_default_dtype()
@@ -338,4 +360,4 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
     load_weights(model, tensors)
     model.to(device)
     model.eval()
-    return LoadedModel(model, cfg, path, reader)
+    return LoadedModel(model, cfg, path, reader, weight_format)
