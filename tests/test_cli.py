@@ -43,6 +43,9 @@ def test_bad_input_gives_a_clear_error(tiny_llama_dir, args, message):
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
+CHAT_QUESTION = "What is the capital city of France? Answer in one sentence."
+
+
 @pytest.mark.real_model
 def test_generate_on_the_default_model(real_model_path):
     r = run_cli("generate", "The capital of France is", "--temperature", "0",
@@ -53,8 +56,11 @@ def test_generate_on_the_default_model(real_model_path):
 
 @pytest.mark.real_model
 def test_chat_on_the_default_model(real_model_path):
+    # A question whose greedy answer wins by a wide logit margin (>= 1 on every early token
+    # here, with int4 or unquantized weights): "What is the capital of France?" alone is a
+    # near tie on the first token in bfloat16 and flips between machines and quantizations.
     r = run_cli("chat", "--temperature", "0", "--max-tokens", "16",
-                stdin="What is the capital of France?\n/exit\n")
+                stdin=f"{CHAT_QUESTION}\n/exit\n")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
 

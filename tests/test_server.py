@@ -13,6 +13,7 @@ import pytest
 
 from kvserve.engine.llm_engine import EngineArgs, LLMEngine
 from tests.server_utils import metric, run_server
+from tests.test_cli import CHAT_QUESTION
 
 pytestmark = pytest.mark.real_model
 MODEL = "SmolLM2-135M-Instruct"
@@ -70,7 +71,7 @@ def test_echo(client):
 
 
 def test_chat_and_stream_agree(client):
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    messages = [{"role": "user", "content": CHAT_QUESTION}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
                                        temperature=0)
     assert "Paris" in r.choices[0].message.content

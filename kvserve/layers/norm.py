@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, as the reference implementation does."""
+    """RMSNorm. torch's fused op computes in float32 internally; in float32 it matches the
+    reference bit for bit, in bfloat16 it rounds once where the reference rounds twice."""
 
     def __init__(self, hidden: int, eps: float) -> None:
         super().__init__()
@@ -13,7 +15,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
