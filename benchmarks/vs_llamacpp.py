@@ -393,6 +393,16 @@ class Server:
                                    f"log in {self.log_path}")
             time.sleep(0.5)
 
+    def peak_rss_gib(self) -> float | None:
+        """The server process's peak resident memory so far (Linux VmHWM), None elsewhere."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20  # kB -> GiB
+        except (OSError, ValueError):
+            pass
+        return None
+
     def stop(self) -> None:
         if self.proc.poll() is not None:
             return
@@ -560,6 +570,13 @@ def run_peer(peer: str, workloads: Sequence[Workload], model: Path, peers: Peers
                     log(f"[{peer}] {w.name} run {r} ({time.perf_counter() - t0:.0f} s): "
                         f"{figures}{check_note(w, run)}")
         finally:
+            peak = server.peak_rss_gib()
+            if peak is not None:
+                note = (f"server peak resident memory {peak:.2f} GiB (VmHWM over its life: "
+                        f"{', '.join(w.name for w in group)})")
+                log(f"[{peer}] {note}")
+                for w in group:
+                    cells[w.name].notes.append(note)
             server.stop()
     return cells
 

@@ -1,17 +1,20 @@
 """Continuous batching under one token budget per step.
 
 Every request closes part of its gap `num_tokens - num_computed_tokens` each time it is
-scheduled. Running requests go first, in arrival order, so decodes are never starved by a new
-prompt; waiting requests are admitted in arrival order with whatever budget is left, a long
-prompt in chunks. When the KV pool runs dry the most recently arrived running request is
-preempted by recompute: its blocks are freed and it restarts from the waiting queue later,
-keeping the tokens it already generated.
+scheduled. Decodes go first, in arrival order, so they are never starved by a new prompt.
+Short prompt work (after a prefix-cache hit, or a prompt's last chunk) goes next with up to
+half the remaining budget, then the rest in arrival order: running prompts' chunks, then new
+requests, a long prompt in chunks. When the KV pool runs dry the most recently arrived running
+request is preempted by recompute: its blocks are freed and it restarts from the waiting queue
+later, keeping the tokens it already generated.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
@@ -73,48 +76,82 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        now = time.perf_counter()
+        self._budget = self.config.max_num_batched_tokens
+        self._now = time.perf_counter()
+        self._granted: set[str] = set()
 
-        # 1. Running requests, decodes before unfinished prompt chunks so that a long prompt
-        # never delays the next token of a request already streaming.
-        granted: set[str] = set()
-        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
-            if budget <= 0:
-                break
+        # 1. Decodes first, in arrival order, so that a long prompt never delays the next
+        # token of a request already streaming.
+        prompts = []
+        for req in list(self.running):
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
-                victim = max((r for r in self.running if r.request_id not in granted),
-                             key=lambda r: r.arrival_time)
-                self.running.remove(victim)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            else:
-                out.scheduled.append(self._grant(req, n, now))
-                granted.add(req.request_id)
-                budget -= n
+            if req.num_tokens - req.num_computed_tokens > 1:
+                prompts.append(req)
+            elif self._budget > 0:
+                self._run(req, out)
 
-        # 2. Waiting requests, in arrival order, while budget, seats and blocks last. No
-        # admissions in a step that had to preempt: memory is short.
-        while (self.waiting and budget > 0 and not out.preempted
-               and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
+        # 2. Short prompt work (a question after a cached system prompt, the last chunk of a
+        # prompt) goes next, in arrival order, using at most half of what is left: one long
+        # cold prompt then no longer holds up every short one's first token, and short ones
+        # can never starve it.
+        short = self.config.max_num_batched_tokens // 4
+        spend = self._budget // 2
+        keep, self._budget = self._budget - spend, spend
+        for req in prompts:
+            if 0 < req.num_tokens - req.num_computed_tokens <= min(short, self._budget):
+                self._run(req, out)
+        self._admit(out, lambda r: r.num_tokens - self.kv.num_pool_hit_tokens(r) <= short)
+        self._budget += keep
+
+        # 3. The rest, in arrival order: running prompts, then new requests.
+        for req in prompts:
+            if (req.status == RequestStatus.RUNNING and req.request_id not in self._granted
+                    and self._budget > 0):
+                self._run(req, out)
+        self._admit(out)
+        return out
+
+    def _run(self, req: Request, out: SchedulerOutput) -> None:
+        """Schedule a running request for as much of its gap as the budget allows, preempting
+        the latest arrivals not yet scheduled this step (possibly itself) until it fits."""
+        n = min(req.num_tokens - req.num_computed_tokens, self._budget)
+        while not self.kv.allocate_slots(req, n):
+            victim = max((r for r in self.running if r.request_id not in self._granted),
+                         key=lambda r: r.arrival_time)
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return
+        out.scheduled.append(self._grant(req, n, self._now))
+        self._granted.add(req.request_id)
+        self._budget -= n
+
+    def _admit(self, out: SchedulerOutput,
+               wanted: Callable[[Request], bool] | None = None) -> None:
+        """Admit waiting requests (those `wanted`, else all) in arrival order while budget,
+        seats and blocks last. No admissions in a step that had to preempt: memory is short.
+        The scan looks at most at as many requests as there are free seats."""
+        seats = self.config.max_num_seqs - len(self.running)
+        for req in list(itertools.islice(self.waiting, max(seats, 0))):
+            if (self._budget <= 0 or out.preempted
+                    or len(self.running) >= self.config.max_num_seqs):
+                return
+            if wanted is not None and not wanted(req):
+                continue
             hit = self.kv.get_computed_blocks(req)
             num_hit = hit.num_blocks * self.kv.block_size
-            n = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
+            n = min(req.num_tokens - req.num_computed_tokens - num_hit, self._budget)
             if not self.kv.allocate_slots(req, n, hit):
-                break
-            self.waiting.popleft()
+                return
+            self.waiting.remove(req)
             req.num_computed_tokens += num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(self._grant(req, n, now))
-            budget -= n
-        return out
+            out.scheduled.append(self._grant(req, n, self._now))
+            self._granted.add(req.request_id)
+            self._budget -= n
 
     def _grant(self, req: Request, n: int, now: float) -> ScheduledRequest:
         if req.timeline.first_scheduled is None:

@@ -171,6 +171,38 @@ def test_prefix_hits_skip_computed_tokens():
     assert b.block_ids[:2] == [0, 1]
 
 
+def test_short_prompt_after_a_cache_hit_does_not_wait_for_a_long_prompt():
+    sched = make_sched(num_blocks=64, budget=16, caching=True)
+    seen = make_req(12, max_tokens=1, first_token=100)
+    sched.add_request(seen)
+    step(sched)  # its three blocks are now cached
+    long = make_req(60, max_tokens=1)
+    sched.add_request(long)
+    assert plan(step(sched)) == [(long.request_id, 16, False)]
+    hit = Request("hit", list(range(100, 112)) + [5], SamplingParams(max_tokens=2),
+                  frozenset(), 2)
+    sched.add_request(hit)
+    # 12 of its 13 tokens are cached: its last token goes ahead of the long prompt's chunk.
+    assert plan(step(sched)) == [("hit", 1, True), (long.request_id, 15, False)]
+
+
+def test_short_prompts_never_take_more_than_half_the_budget():
+    sched = make_sched(num_blocks=64, budget=16, max_seqs=16)
+    long = make_req(60, max_tokens=1)
+    sched.add_request(long)
+    step(sched)
+    shorts = [make_req(3, max_tokens=1, first_token=200 + 10 * i) for i in range(6)]
+    for r in shorts:
+        sched.add_request(r)
+    out = plan(step(sched))
+    spent_short = sum(n for rid, n, _ in out if rid != long.request_id)
+    assert 0 < spent_short <= 8
+    assert (long.request_id, 16 - spent_short, False) in out
+    while sched.has_unfinished:
+        step(sched)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in [long, *shorts])
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     events=st.lists(st.tuples(st.sampled_from(["add", "abort", "step"]),

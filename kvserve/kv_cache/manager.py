@@ -122,6 +122,16 @@ class KVCacheManager:
             hit.entries.append(Loaded(key, *found))
         return hit
 
+    def num_pool_hit_tokens(self, req: Request) -> int:
+        """Tokens at the start of `req` whose K/V the fast pool holds now: a cheap look for
+        the scheduler's ordering that fetches nothing from lower tiers and changes nothing."""
+        if not self.enable_prefix_caching or req.num_computed_tokens:
+            return 0
+        n = 0
+        while n < (req.num_tokens - 1) // self.block_size and self.pool.lookup(self._key(req, n)):
+            n += 1
+        return n * self.block_size
+
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        hit: PrefixHit | None = None) -> bool:
         """Give `req` room for `num_new_tokens` more tokens after its computed ones (which

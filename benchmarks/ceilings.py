@@ -1,0 +1,140 @@
+"""How close decode comes to this machine's ceilings, on the default model.
+
+    python benchmarks/ceilings.py [--batches 1,8,16,32,64,128] [--steps 24] [--quantization auto]
+
+Measures, in one process with the engine's thread settings:
+
+1. The machine: a large bf16 and fp32 matrix product (GFLOP/s), and read bandwidth (GB/s,
+   summing a 1 GiB tensor).
+2. Batch-1 decode: the median time of a decode step after a 16-token prompt, against the
+   floor set by the bytes a step must read (every weight in the format the batch-1 path uses:
+   quantized copies where there are, the LM head's, the norms; plus the K/V it attends to)
+   divided by the measured bandwidth.
+3. Batched decode: the median decode-step time with B sequences, as achieved GFLOP/s
+   (2 x parameters used per token, LM head included, plus attention) against the bf16
+   ceiling. The batch where decode turns compute-bound is where B x 2 FLOP per parameter
+   outgrows the bytes per parameter times the machine balance (ceiling / bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+from kvserve.layers.linear import LinearBase
+from kvserve.sampling_params import SamplingParams
+
+PROMPT_LEN = 16
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def machine(repeats: int) -> dict[str, float]:
+    out = {}
+    n = 2048
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        out[f"{name}_gflops"] = 2 * n**3 / timed(lambda a=a, b=b: a @ b, repeats) / 1e9
+    big = torch.ones(2**28, dtype=torch.float32)  # 1 GiB
+    out["read_gbs"] = big.numel() * 4 / timed(big.sum, repeats) / 1e9
+    return out
+
+
+def decode_bytes(engine: LLMEngine, context: int) -> tuple[int, int]:
+    """(bytes a batch-1 decode step reads, parameters it multiplies per token)."""
+    model = engine.runner.model
+    nbytes = params = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            w = module.weight
+            params += w.numel()
+            q = module.quantized
+            nbytes += q.nbytes if q is not None else w.numel() * w.element_size()
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            nbytes += p.numel() * p.element_size()
+    kv = engine.runner.kv_caches
+    per_token = sum(c[:, :, 0].numel() * c.element_size() for c in kv)
+    return nbytes + per_token * context, params
+
+
+def decode_steps(engine: LLMEngine, batch: int, steps: int, seed: int) -> float:
+    """Median decode-step seconds with `batch` sequences of PROMPT_LEN prompt tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for i in range(batch):
+        prompt = torch.randint(100, vocab, (PROMPT_LEN,), generator=gen).tolist()
+        engine.add_request(f"b{batch}-{i}", prompt, params)
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                               for r in sched.running):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", default="1,8,16,32,64,128")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--quantization", default="auto")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+
+    engine = LLMEngine(EngineArgs(model=None, quantization=args.quantization,
+                                  max_num_seqs=max(batches),
+                                  max_num_batched_tokens=max(512, max(batches))))
+    m = machine(args.repeats)
+    print(f"threads {torch.get_num_threads()}; quantized copies: {engine.quantization}")
+    print(f"machine: bf16 matmul {m['bf16_gflops']:.0f} GFLOP/s, fp32 {m['fp32_gflops']:.0f} "
+          f"GFLOP/s, read bandwidth {m['read_gbs']:.1f} GB/s (medians of {args.repeats})")
+
+    cfg = engine.model_config
+    # Attention FLOPs per token at context c: QK and PV, 2 x 2 x heads x head_dim x c per layer.
+    attn_per_ctx = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    print("\nbatch  step ms  tok/s   GFLOP/s  % bf16 ceiling   (decode at ~"
+          f"{PROMPT_LEN + args.steps // 2} tokens of context)")
+    for i, b in enumerate(batches):
+        step = decode_steps(engine, b, args.steps, seed=i)
+        ctx = PROMPT_LEN + args.steps // 2
+        nbytes, params = decode_bytes(engine, ctx)
+        flops = b * (2 * params + attn_per_ctx * ctx)
+        gflops = flops / step / 1e9
+        print(f"{b:5d} {1e3 * step:8.2f} {b / step:7.1f} {gflops:9.1f} "
+              f"{100 * gflops / m['bf16_gflops']:10.1f}%")
+        if b == 1:
+            floor = nbytes / (m["read_gbs"] * 1e9)
+            one = (step, nbytes, floor)
+    if 1 in batches:
+        step, nbytes, floor = one
+        print(f"\nbatch-1 decode reads {nbytes / 1e6:.1f} MB per step: floor "
+              f"{1e3 * floor:.2f} ms at {m['read_gbs']:.1f} GB/s; measured {1e3 * step:.2f} ms "
+              f"= {100 * floor / step:.0f}% of the bandwidth floor")
+    balance = m["bf16_gflops"] / m["read_gbs"]  # FLOP per byte where the two limits meet
+    print(f"machine balance {balance:.0f} FLOP/byte: with bf16 weights (2 B per parameter, "
+          f"2 FLOP per parameter per sequence) decode turns compute-bound near batch "
+          f"{balance:.0f}")
+
+
+if __name__ == "__main__":
+    main()
