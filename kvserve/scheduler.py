@@ -99,7 +99,8 @@ class Scheduler:
         spend = self._budget // 2
         keep, self._budget = self._budget - spend, spend
         for req in prompts:
-            if 0 < req.num_tokens - req.num_computed_tokens <= min(short, self._budget):
+            if (req.status == RequestStatus.RUNNING
+                    and req.num_tokens - req.num_computed_tokens <= min(short, self._budget)):
                 self._run(req, out)
         self._admit(out, lambda r: r.num_tokens - self.kv.num_pool_hit_tokens(r) <= short)
         self._budget += keep
