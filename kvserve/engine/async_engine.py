@@ -199,10 +199,11 @@ class AsyncEngine:
                     continue
                 outputs = engine.step()
                 now = time.perf_counter()
-                for out in outputs:
-                    if self.metrics is not None:
+                if self.metrics is not None:
+                    for out in outputs:
                         self.metrics.observe_output(out, now)
-                    self._deliver(out.request_id, out)
+                # One wake-up of the event loop per step, not one per request.
+                self._deliver_all([(out.request_id, out) for out in outputs])
                 self._publish_state()
             engine.close()
         except BaseException as e:  # a bug in the loop itself: fail everyone, loudly
@@ -240,17 +241,22 @@ class AsyncEngine:
         self._call(settle)
 
     def _deliver(self, request_id: str, item) -> None:
-        def put() -> None:
-            stream = self._streams.get(request_id)
-            if stream is None:
-                return
-            stream.queue.put_nowait(item)
-            if isinstance(item, BaseException) or item.finished:
-                # The consumer holds the stream; forget it here too, so one that is never
-                # read to the end (or never closed) cannot leak.
-                del self._streams[request_id]
+        self._deliver_all([(request_id, item)])
 
-        self._call(put)
+    def _deliver_all(self, items: list[tuple[str, object]]) -> None:
+        def put() -> None:
+            for request_id, item in items:
+                stream = self._streams.get(request_id)
+                if stream is None:
+                    continue
+                stream.queue.put_nowait(item)
+                if isinstance(item, BaseException) or item.finished:
+                    # The consumer holds the stream; forget it here too, so one that is never
+                    # read to the end (or never closed) cannot leak.
+                    del self._streams[request_id]
+
+        if items:
+            self._call(put)
 
     def _call(self, fn: Callable[[], None]) -> None:
         assert self._loop is not None
