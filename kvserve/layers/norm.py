@@ -1,13 +1,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm. torch's fused op computes in float32 internally; in float32 it matches the
-    reference bit for bit, in bfloat16 it rounds once where the reference rounds twice."""
+    """RMSNorm as the reference computes it: float32 statistics, the normalized values rounded
+    to the input dtype, then scaled by the weight. (torch's `F.rms_norm` is a composite on CPU
+    that measured 8x slower at 512 rows here: 755 vs 90 us.)"""
 
     def __init__(self, hidden: int, eps: float) -> None:
         super().__init__()
@@ -15,4 +15,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        xf = x.float()  # x itself when x is float32: nothing below may write into it
+        r = torch.rsqrt(xf.square().mean(-1, keepdim=True).add_(self.eps))
+        return (xf * r).to(x.dtype).mul_(self.weight)
