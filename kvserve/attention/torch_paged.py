@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention import cpu_ops
 from kvserve.attention.backend import AttentionBackend, AttentionBatch
 from kvserve.attention.kv_quant import (
     dequantize_int8,
@@ -36,6 +37,8 @@ from kvserve.attention.kv_quant import (
 # Decode batches with at most this many context tokens in all (batch x padded length) do their
 # attention math in float32.
 SMALL_DECODE_TOKENS = 1024
+# Decode batches up to this size use the C++ kernel (cpu_ops) where it is built.
+CPP_DECODE_MAX_BATCH = 4
 
 
 @dataclass
@@ -57,6 +60,7 @@ class TorchAttentionMetadata:
     decode_blocks: torch.Tensor | None  # [Bd * nb] block tables, padded with block 0
     decode_bias: torch.Tensor | None  # [1, Bd, 1, nb * bs] 0 where valid, -inf elsewhere
     prefills: list[PrefillSpan]
+    decode_lens: torch.Tensor | None = None  # [Bd] int64 context lengths
 
 
 def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -118,6 +122,7 @@ class TorchPagedAttention(AttentionBackend):
                 device=device)
             valid = (torch.arange(width * bs, device=device)[None, :]
                      < torch.tensor(lens, device=device)[:, None])
+            meta.decode_lens = torch.tensor(lens, device=device)
             meta.decode_idx = torch.tensor([s for s, _ in decode_rows], device=device)
             meta.decode_bias = torch.zeros(valid.shape, device=device).masked_fill_(
                 ~valid, float("-inf"))[None, :, None, :]
@@ -154,6 +159,13 @@ class TorchPagedAttention(AttentionBackend):
         assert bias is not None and meta.decode_blocks is not None
         bd, length = bias.shape[1], bias.shape[3]
         hkv, d = self.num_kv_heads, self.head_dim
+        if (not self.quantized and bd <= CPP_DECODE_MAX_BATCH and kv_cache.device.type == "cpu"
+                and (kernels := cpu_ops.ops()) is not None):
+            # One C++ call reading the blocks in place (about 2x faster per layer at short
+            # context than the ops below, which win for larger batches).
+            return kernels.decode_attention(q.contiguous(), kv_cache,
+                                            meta.decode_blocks.view(bd, -1), meta.decode_lens,
+                                            meta.block_size, self.scale)
         kv = _gather(kv_cache, meta.decode_blocks, meta.block_size)  # K and V in one gather
         # Small batches do the math in float32: bf16 batched matmuls of these sizes cost a
         # fixed ~17 us each here against ~6 us in float32, and the conversion is cheap.

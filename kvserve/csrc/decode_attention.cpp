@@ -1,0 +1,125 @@
+// Decode attention straight from the paged KV cache: one query token per sequence attends to
+// its context, read block by block through its block table. One call per layer replaces the
+// gather, conversions, two batched matmuls, mask and softmax of the torch path.
+//
+// q [B, H, D], cache [2, Hkv, slots, D] (K then V; float32 or bfloat16, contiguous),
+// tables [B, W] int64 block ids, lens [B] int64 context lengths (the new token included).
+// Query heads h * G .. h * G + G - 1 share KV head h (grouped-query attention).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kLanes = 16;  // partial sums per dot product, so the compiler vectorizes
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const c10::BFloat16* p, int64_t i) {
+  uint16_t bits;
+  std::memcpy(&bits, p + i, sizeof bits);
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+template <typename T>
+void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = load(src, i);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float part[kLanes] = {0.f};
+  for (int64_t i = 0; i < n; i += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) part[j] += a[i + j] * b[i + j];
+  float s = 0.f;
+  for (int64_t j = 0; j < kLanes; ++j) s += part[j];
+  return s;
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
+         const at::Tensor& lens, int64_t block_size, double scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = cache.size(1), slots = cache.size(2), W = tables.size(1);
+  const int64_t G = H / Hkv;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = cache.data_ptr<T>();
+  const T* vp = kp + Hkv * slots * D;
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), scores, sums(G);
+    float row[kMaxHeadDim];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / Hkv, g = i % Hkv, len = lp[b];
+      const int64_t* table = tp + b * W;
+      to_float(qp + (b * H + g * G) * D, qf.data(), G * D);
+      for (auto& x : qf) x *= static_cast<float>(scale);
+      scores.resize(G * len);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        to_float(kp + (g * slots + slot) * D, row, D);
+        for (int64_t h = 0; h < G; ++h) scores[h * len + t] = dot(qf.data() + h * D, row, D);
+      }
+      for (int64_t h = 0; h < G; ++h) {
+        float* s = scores.data() + h * len;
+        float top = -INFINITY;
+        for (int64_t t = 0; t < len; ++t) top = std::max(top, s[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) sum += (s[t] = std::exp(s[t] - top));
+        sums[h] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        to_float(vp + (g * slots + slot) * D, row, D);
+        for (int64_t h = 0; h < G; ++h) {
+          const float p = scores[h * len + t];
+          float* a = acc.data() + h * D;
+          for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
+        }
+      }
+      for (int64_t h = 0; h < G; ++h)
+        for (int64_t d = 0; d < D; ++d)
+          op[(b * H + g * G + h) * D + d] = static_cast<T>(acc[h * D + d] / sums[h]);
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache,
+                            const at::Tensor& tables, const at::Tensor& lens,
+                            int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 4 && cache.size(0) == 2, "bad shapes");
+  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "q and cache dtypes differ");
+  TORCH_CHECK(cache.size(3) == q.size(2), "cache rows must be head_dim wide");
+  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= kMaxHeadDim, "unsupported head_dim");
+  TORCH_CHECK(q.size(1) % cache.size(1) == 0, "heads must be a multiple of KV heads");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong,
+              "tables and lens must be int64");
+  auto tab = tables.contiguous();
+  auto len = lens.contiguous();
+  auto out = at::empty_like(q);
+  if (q.scalar_type() == at::kFloat) {
+    run<float>(q, cache, tab, len, block_size, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    run<c10::BFloat16>(q, cache, tab, len, block_size, scale, out);
+  } else {
+    TORCH_CHECK(false, "decode_attention supports float32 and bfloat16");
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
+}

@@ -1,0 +1,55 @@
+"""The C++ decode-attention kernel against the torch path it replaces for small batches."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kvserve.attention import cpu_ops
+from kvserve.attention.backend import AttentionBatch
+from kvserve.attention.torch_paged import TorchPagedAttention
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+
+
+def test_kernel_builds():
+    assert cpu_ops.ops() is not None
+
+
+def _decode_case(dtype, lens, block_size=4, heads=6, kv_heads=2, head_dim=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    backend = TorchPagedAttention(heads, kv_heads, head_dim)
+    num_blocks = 64
+    cache = torch.randn(backend.kv_cache_shape(num_blocks * block_size), generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for n in lens:
+        nb = -(-n // block_size)
+        tables.append(perm[used:used + nb])
+        used += nb
+    # One new decode token per sequence, at position len - 1.
+    slots = torch.tensor([t[(n - 1) // block_size] * block_size + (n - 1) % block_size
+                          for t, n in zip(tables, lens, strict=True)])
+    meta = backend.build_metadata(AttentionBatch([1] * len(lens), list(lens), tables, slots,
+                                                 block_size))
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(len(lens), kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(len(lens), kv_heads, head_dim, generator=g).to(dtype)
+    return backend, q, k, v, cache, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[1], [5], [17, 3], [4, 8, 12, 30]])
+def test_kernel_matches_torch_path(monkeypatch, dtype, lens):
+    backend, q, k, v, cache, meta = _decode_case(dtype, lens)
+    fast = backend.forward(q, k, v, cache.clone(), meta)
+    monkeypatch.setenv("KVSERVE_NO_CPP", "1")
+    cpu_ops.ops.cache_clear()
+    try:
+        slow = backend.forward(q, k, v, cache.clone(), meta)
+    finally:
+        cpu_ops.ops.cache_clear()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fast.float(), slow.float(), atol=tol, rtol=tol)
