@@ -39,7 +39,8 @@ def ops() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         return load(name=f"kvserve_cpu_ops_{_cpu_tag()}", sources=[str(s) for s in SOURCES],
-                    extra_cflags=["-O3", "-march=native"], verbose=False)
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: keep the torch path
         log.warning("C++ CPU kernels unavailable (%s); using the torch implementation",
                     str(e).splitlines()[0] if str(e) else type(e).__name__)

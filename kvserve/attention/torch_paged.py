@@ -37,8 +37,6 @@ from kvserve.attention.kv_quant import (
 # Decode batches with at most this many context tokens in all (batch x padded length) do their
 # attention math in float32.
 SMALL_DECODE_TOKENS = 1024
-# Decode batches up to this size use the C++ kernel (cpu_ops) where it is built.
-CPP_DECODE_MAX_BATCH = 4
 
 
 @dataclass
@@ -159,10 +157,10 @@ class TorchPagedAttention(AttentionBackend):
         assert bias is not None and meta.decode_blocks is not None
         bd, length = bias.shape[1], bias.shape[3]
         hkv, d = self.num_kv_heads, self.head_dim
-        if (not self.quantized and bd <= CPP_DECODE_MAX_BATCH and kv_cache.device.type == "cpu"
+        if (not self.quantized and kv_cache.device.type == "cpu"
                 and (kernels := cpu_ops.ops()) is not None):
-            # One C++ call reading the blocks in place (about 2x faster per layer at short
-            # context than the ops below, which win for larger batches).
+            # One C++ call reading the blocks in place: per layer 12 vs ~45 us at batch 1 and
+            # 160 tokens, 41 vs ~80 us at 640 tokens, 0.59 vs 0.70 ms at batch 32 x 288.
             return kernels.decode_attention(q.contiguous(), kv_cache,
                                             meta.decode_blocks.view(bd, -1), meta.decode_lens,
                                             meta.block_size, self.scale)

@@ -9,6 +9,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -55,41 +56,41 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores, sums(G);
-    float row[kMaxHeadDim];
+  // One work item per query head: at batch 1 there are only a few KV heads, too few to
+  // spread evenly over the threads. A block's rows are contiguous, so each block is converted
+  // to float in one pass.
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(D), acc(D), scores, rows(block_size * D);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / Hkv, g = i % Hkv, len = lp[b];
+      const int64_t b = i / H, h = i % H, g = h / G, len = lp[b];
       const int64_t* table = tp + b * W;
-      to_float(qp + (b * H + g * G) * D, qf.data(), G * D);
+      to_float(qp + (b * H + h) * D, qf.data(), D);
       for (auto& x : qf) x *= static_cast<float>(scale);
-      scores.resize(G * len);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        to_float(kp + (g * slots + slot) * D, row, D);
-        for (int64_t h = 0; h < G; ++h) scores[h * len + t] = dot(qf.data() + h * D, row, D);
-      }
-      for (int64_t h = 0; h < G; ++h) {
-        float* s = scores.data() + h * len;
-        float top = -INFINITY;
-        for (int64_t t = 0; t < len; ++t) top = std::max(top, s[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) sum += (s[t] = std::exp(s[t] - top));
-        sums[h] = sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        to_float(vp + (g * slots + slot) * D, row, D);
-        for (int64_t h = 0; h < G; ++h) {
-          const float p = scores[h * len + t];
-          float* a = acc.data() + h * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
+      scores.resize(len);
+      float top = -INFINITY;
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t n = std::min(block_size, len - t0);
+        to_float(kp + (g * slots + table[t0 / block_size] * block_size) * D, rows.data(), n * D);
+        for (int64_t j = 0; j < n; ++j) {
+          const float s = dot(qf.data(), rows.data() + j * D, D);
+          scores[t0 + j] = s;
+          top = std::max(top, s);
         }
       }
-      for (int64_t h = 0; h < G; ++h)
-        for (int64_t d = 0; d < D; ++d)
-          op[(b * H + g * G + h) * D + d] = static_cast<T>(acc[h * D + d] / sums[h]);
+      float sum = 0.f;
+      for (int64_t t = 0; t < len; ++t) sum += (scores[t] = std::exp(scores[t] - top));
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t n = std::min(block_size, len - t0);
+        to_float(vp + (g * slots + table[t0 / block_size] * block_size) * D, rows.data(), n * D);
+        for (int64_t j = 0; j < n; ++j) {
+          const float p = scores[t0 + j];
+          const float* r = rows.data() + j * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] += p * r[d];
+        }
+      }
+      const float inv = 1.f / sum;
+      for (int64_t d = 0; d < D; ++d) op[(b * H + h) * D + d] = static_cast<T>(acc[d] * inv);
     }
   });
 }
