@@ -53,3 +53,23 @@ def test_kernel_matches_torch_path(monkeypatch, dtype, lens):
         cpu_ops.ops.cache_clear()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fast.float(), slow.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(1, 576), (7, 64), (130, 100)])
+def test_rms_norm_kernel_matches_reference(monkeypatch, dtype, rows, cols):
+    from kvserve.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(cols, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(cols, generator=g))
+    x = (torch.randn(rows, cols, generator=g) * 3).to(dtype)
+    fast = norm(x)
+    monkeypatch.setenv("KVSERVE_NO_CPP", "1")
+    cpu_ops.ops.cache_clear()
+    try:
+        slow = norm(x)
+    finally:
+        cpu_ops.ops.cache_clear()
+    torch.testing.assert_close(fast, slow)

@@ -1,8 +1,9 @@
 """Optional C++ kernels for the CPU, compiled on first use with the system compiler.
 
-`torch.utils.cpp_extension` builds `kvserve/csrc/*.cpp` into the torch extensions cache
-(~/.cache/torch_extensions) the first time they are needed (about a minute) and loads the
-cached build afterwards. Where no compiler or ninja is available, or KVSERVE_NO_CPP=1, `ops()`
+`torch.utils.cpp_extension` builds `kvserve/csrc/cpu_ops.cpp` with ninja (a pinned dependency)
+into the torch extensions cache (~/.cache/torch_extensions) the first time they are needed (~20 s
+here; the model runner asks at start-up, not in the first request) and loads the cached build
+afterwards. Where no compiler is available, the build fails, or KVSERVE_NO_CPP=1, `ops()`
 returns None and callers keep their torch implementation.
 """
 
@@ -11,13 +12,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 from functools import cache
 from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / "decode_attention.cpp"]
+SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / "cpu_ops.cpp"]
 
 
 def _cpu_tag() -> str:
@@ -37,6 +39,11 @@ def ops() -> ModuleType | None:
         return None
     try:
         from torch.utils.cpp_extension import load
+
+        if shutil.which("ninja") is None:  # the pinned `ninja` package's binary, unactivated venv
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
         return load(name=f"kvserve_cpu_ops_{_cpu_tag()}", sources=[str(s) for s in SOURCES],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"],

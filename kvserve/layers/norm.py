@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve.attention import cpu_ops
+
 
 class RMSNorm(nn.Module):
     """RMSNorm as the reference computes it: float32 statistics, the normalized values rounded
@@ -15,6 +17,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.device.type == "cpu" and x.dtype == self.weight.dtype
+                and (kernels := cpu_ops.ops()) is not None):
+            # One C++ call for the seven ops below (~3 vs ~11 us for a decode row).
+            shape = x.shape
+            return kernels.rms_norm(x.reshape(-1, shape[-1]).contiguous(), self.weight,
+                                    self.eps).view(shape)
         xf = x.float()  # x itself when x is float32: nothing below may write into it
         r = torch.rsqrt(xf.square().mean(-1, keepdim=True).add_(self.eps))
         return (xf * r).to(x.dtype).mul_(self.weight)

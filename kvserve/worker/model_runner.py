@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.attention import cpu_ops
 from kvserve.attention.backend import AttentionBatch
 from kvserve.config import CacheConfig
 from kvserve.models.llama import LlamaForCausalLM
@@ -49,6 +50,8 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device)
                           for _ in range(self.cfg.num_layers)]
         self.sampler = Sampler()
+        if device.type == "cpu":
+            cpu_ops.ops()  # build or load the C++ kernels now rather than in the first request
 
     @property
     def vocab_size(self) -> int:

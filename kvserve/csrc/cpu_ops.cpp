@@ -1,10 +1,14 @@
-// Decode attention straight from the paged KV cache: one query token per sequence attends to
-// its context, read block by block through its block table. One call per layer replaces the
-// gather, conversions, two batched matmuls, mask and softmax of the torch path.
+// CPU kernels for the decode path, where a step is many small ops and each op's fixed cost
+// adds up: one call here replaces several torch ops.
 //
+// decode_attention: one query token per sequence attends to its context, read block by block
+// through its block table (no gather into a new tensor).
 // q [B, H, D], cache [2, Hkv, slots, D] (K then V; float32 or bfloat16, contiguous),
 // tables [B, W] int64 block ids, lens [B] int64 context lengths (the new token included).
 // Query heads h * G .. h * G + G - 1 share KV head h (grouped-query attention).
+//
+// rms_norm: x [N, C] -> x * rsqrt(mean(x^2) + eps) rounded to x's dtype, times the weight, as
+// the reference computes it (float32 statistics).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -119,8 +123,52 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache,
   return out;
 }
 
+template <typename T>
+void rms_rows(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
+  const int64_t N = x.size(0), C = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  // Rows are cheap (C ~ 1k): split only when there are many of them.
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(C);
+    for (int64_t i = begin; i < end; ++i) {
+      to_float(xp + i * C, row.data(), C);
+      float part[kLanes] = {0.f};
+      const int64_t body = C - C % kLanes;
+      for (int64_t c = 0; c < body; c += kLanes)
+        for (int64_t j = 0; j < kLanes; ++j) part[j] += row[c + j] * row[c + j];
+      float ss = 0.f;
+      for (int64_t j = 0; j < kLanes; ++j) ss += part[j];
+      for (int64_t c = body; c < C; ++c) ss += row[c] * row[c];
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(C) + static_cast<float>(eps));
+      T* o = op + i * C;
+      for (int64_t c = 0; c < C; ++c) {
+        const T normed = static_cast<T>(row[c] * r);  // rounded first, as the reference does
+        o[c] = static_cast<T>(static_cast<float>(normed) * load(wp, c));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(), "bad input");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "weight shape");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight dtypes differ");
+  auto out = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) {
+    rms_rows<float>(x, weight, eps, out);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    rms_rows<c10::BFloat16>(x, weight, eps, out);
+  } else {
+    TORCH_CHECK(false, "rms_norm supports float32 and bfloat16");
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension of a 2-D tensor (CPU)");
 }
