@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -136,6 +137,18 @@ def report(label: str, names: list[str], c: Comparison, n: int) -> None:
           f"{f'{sum(c.prefix)}/{n * len(c.prefix)}':>18}")
 
 
+def prompt_set(path: Path) -> tuple[list[list[int]], list[str], list[int]]:
+    """The CHATS (chat-templated) and TEXTS prompts as token ids, their short display names,
+    and the EOS ids to ban so that every continuation runs its full length."""
+    tok = Tokenizer.from_gguf(path) if path.suffix == ".gguf" else Tokenizer.from_dir(path)
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}],
+                                                  add_generation_prompt=True),
+                          add_special_tokens=False) for c in CHATS]
+    prompts += [tok.encode(t) for t in TEXTS]
+    names = [repr(c[:38]) for c in CHATS + TEXTS]
+    return prompts, names, sorted(tok.eos_token_ids)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
@@ -147,13 +160,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
-    tok = Tokenizer.from_gguf(path) if path.suffix == ".gguf" else Tokenizer.from_dir(path)
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}],
-                                                  add_generation_prompt=True),
-                          add_special_tokens=False) for c in CHATS]
-    prompts += [tok.encode(t) for t in TEXTS]
-    names = [repr(c[:38]) for c in CHATS + TEXTS]
-    banned = sorted(tok.eos_token_ids)
+    prompts, names, banned = prompt_set(path)
     print(f"model {path.name}; {len(prompts)} prompts ({min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens) x {args.tokens} greedy tokens, EOS banned; "
           f"threads {torch.get_num_threads()}")

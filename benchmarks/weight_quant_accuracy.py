@@ -17,12 +17,11 @@ import argparse
 import time
 
 import torch
-from kv_int8_accuracy import CHATS, TEXTS, compare, report
+from kv_int8_accuracy import compare, prompt_set, report
 
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model, resolve_model
-from kvserve.tokenizer import Tokenizer
 
 
 def main() -> None:
@@ -32,13 +31,7 @@ def main() -> None:
     p.add_argument("--methods", default="none,int8,int4")
     args = p.parse_args()
     path = resolve_model(args.model)
-    tok = Tokenizer.from_gguf(path) if path.suffix == ".gguf" else Tokenizer.from_dir(path)
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}],
-                                                  add_generation_prompt=True),
-                          add_special_tokens=False) for c in CHATS]
-    prompts += [tok.encode(t) for t in TEXTS]
-    names = [repr(c[:38]) for c in CHATS + TEXTS]
-    banned = sorted(tok.eos_token_ids)
+    prompts, names, banned = prompt_set(path)
     print(f"model {path.name}; {len(prompts)} prompts x {args.tokens} greedy tokens, EOS "
           f"banned; reference float32 without quantized copies; threads "
           f"{torch.get_num_threads()}")
