@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -98,6 +99,75 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+SPEC_METHODS = ("ngram", "draft_model", "mtp")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding, as `--speculative-config` takes it (JSON, vLLM's field names).
+
+    Per step, every decoding request may carry up to `num_speculative_tokens` drafts, which
+    the target verifies in the same forward as the rest of the batch. The adaptive policy
+    drafts nothing while more than `max_batch_size` requests run (a large batch is already
+    compute-bound, so verifying rejected drafts costs real time), and drafts only one token
+    for a request whose measured acceptance (accepted / drafted over its last
+    `acceptance_window` drafts) is below `min_acceptance`, so that it keeps probing.
+    """
+
+    method: str
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2  # ngram: shortest suffix to match
+    prompt_lookup_max: int = 4  # ngram: longest suffix to match
+    model: str | None = None  # draft_model: model name/path; mtp: safetensors file
+    quantization: str = "int4"  # draft_model: weights of the draft
+    max_batch_size: int = 16
+    min_acceptance: float = 0.3
+    acceptance_window: int = 32
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)}; "
+                             f"got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in [1, 16], got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.method == "mtp" and not self.model:
+            raise ValueError('method "mtp" needs "model": the MTP safetensors file '
+                             "(written by `kvserve train-mtp`)")
+        if self.max_batch_size < 1 or self.acceptance_window < 1:
+            raise ValueError("max_batch_size and acceptance_window must be >= 1")
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> SpecConfig | None:
+        """From a JSON string or dict; None or an empty value means no speculation. Unknown
+        fields are an error, not silently ignored."""
+        if value is None or value == "" or value == {}:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative-config field(s): {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        if "method" not in value:
+            raise ValueError('--speculative-config needs "method" (ngram, draft_model, mtp)')
+        try:
+            return cls(**value)
+        except TypeError as exc:
+            raise ValueError(f"--speculative-config: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,17 @@ class Request:
     generator: torch.Generator | None = None  # set by the engine for seeded requests
     logprobs: list = field(default_factory=list)
     num_cached_tokens: int | None = None  # prompt tokens served from the cache at admission
+    # Speculative decoding: unverified tokens after all_token_ids, scheduled like any other
+    # token; verification turns the accepted ones into output and drops the rest. draft_probs
+    # [k, V] is the distribution each draft was sampled from (None: the drafter gives tokens
+    # only, taken as one-hot).
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    num_drafted: int = 0
+    num_accepted: int = 0
+    spec_acceptance: float = 1.0  # recent acceptance rate, for the adaptive policy
+    # Target's final hidden state at the row that sampled the newest token (MTP drafting).
+    spec_hidden: torch.Tensor | None = None
     timeline: RequestTimeline = field(init=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +89,19 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_drafts(self) -> int:
+        return len(self.all_token_ids) + len(self.draft_token_ids)
+
+    def token_at(self, i: int) -> int:
+        """Token i of all_token_ids followed by the drafts."""
+        n = len(self.all_token_ids)
+        return self.all_token_ids[i] if i < n else self.draft_token_ids[i - n]
+
+    def clear_drafts(self) -> None:
+        self.draft_token_ids = []
+        self.draft_probs = None
 
     @property
     def num_output_tokens(self) -> int:

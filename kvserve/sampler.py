@@ -298,7 +298,7 @@ class Sampler:
         else:
             # A private float32 copy: the caller's logits are never modified.
             tokens = self._sample(logits.to(torch.float32, copy=True), meta)
-        return self._to_output(logits, tokens, meta)
+        return self.to_output(logits, tokens, meta)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Sample from ``logits`` (a private float32 copy, modified in place); ids [B]."""
@@ -314,15 +314,16 @@ class Sampler:
             u.uniform_()
         for row, gen in meta.seeded:
             u[row].uniform_(generator=gen)
-        random_tokens = _inverse_cdf(probs, u)
+        random_tokens = inverse_cdf(probs, u)
 
         if greedy_tokens is None:
             return random_tokens
         return torch.where(meta.greedy_mask, greedy_tokens, random_tokens)
 
-    def _to_output(
+    def to_output(
         self, logits: torch.Tensor, tokens: torch.Tensor, meta: SamplingMetadata
     ) -> SamplerOutput:
+        """Chosen ``tokens`` [B] and, for rows that asked, their raw logprobs, on the host."""
         results = [tokens]
         if meta.logprob_rows:
             rows = torch.tensor(meta.logprob_rows, dtype=torch.int64, device=logits.device)
@@ -457,7 +458,7 @@ def _top_k_top_p(
     return logits
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Token whose cumulative-probability interval holds u * total, per row. Tokens with zero
     probability have empty intervals and are never picked."""
     cdf = probs.cumsum(dim=-1)

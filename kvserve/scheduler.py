@@ -1,9 +1,10 @@
 """Continuous batching under one token budget per step.
 
 Every request closes part of its gap `num_tokens - num_computed_tokens` each time it is
-scheduled. Decodes go first, in arrival order, so they are never starved by a new prompt.
-Short prompt work (after a prefix-cache hit, or a prompt's last chunk) goes next with up to
-half the remaining budget, then the rest in arrival order: running prompts' chunks, then new
+scheduled. Decodes go first, in arrival order, so they are never starved by a new prompt; a
+decoding request's gap includes its speculative drafts, which cost budget like any other
+token. Short prompt work (after a prefix-cache hit, or a prompt's last chunk) goes next with
+up to half the remaining budget, then the rest in arrival order: running prompts' chunks, then new
 requests, a long prompt in chunks. When the KV pool runs dry the most recently arrived running
 request is preempted by recompute: its blocks are freed and it restarts from the waiting queue
 later, keeping the tokens it already generated.
@@ -28,6 +29,8 @@ class ScheduledRequest:
     num_new_tokens: int
     # True when this step completes the request's known tokens, so a new token is sampled.
     samples: bool
+    # Of the new tokens, how many are drafts to verify (the last ones).
+    num_drafts: int = 0
 
 
 @dataclass
@@ -114,10 +117,15 @@ class Scheduler:
         return out
 
     def _run(self, req: Request, out: SchedulerOutput) -> None:
-        """Schedule a running request for as much of its gap as the budget allows, preempting
-        the latest arrivals not yet scheduled this step (possibly itself) until it fits."""
-        n = min(req.num_tokens - req.num_computed_tokens, self._budget)
+        """Schedule a running request for as much of its gap as the budget allows (drafts
+        that do not fit are dropped), preempting the latest arrivals not yet scheduled this
+        step (possibly itself) until it fits; drafts go before anyone is preempted."""
+        n = min(req.num_tokens_with_drafts - req.num_computed_tokens, self._budget)
         while not self.kv.allocate_slots(req, n):
+            if req.draft_token_ids:
+                req.clear_drafts()
+                n = min(req.num_tokens - req.num_computed_tokens, self._budget)
+                continue
             victim = max((r for r in self.running if r.request_id not in self._granted),
                          key=lambda r: r.arrival_time)
             self.running.remove(victim)
@@ -157,9 +165,15 @@ class Scheduler:
     def _grant(self, req: Request, n: int, now: float) -> ScheduledRequest:
         if req.timeline.first_scheduled is None:
             req.timeline.first_scheduled = now
-        return ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens)
+        num_drafts = req.num_computed_tokens + n - req.num_tokens
+        if num_drafts < len(req.draft_token_ids):  # the budget cut some drafts off
+            req.draft_token_ids = req.draft_token_ids[:max(num_drafts, 0)]
+            if req.draft_probs is not None:
+                req.draft_probs = req.draft_probs[:max(num_drafts, 0)]
+        return ScheduledRequest(req, n, num_drafts >= 0, max(num_drafts, 0))
 
     def _preempt(self, req: Request) -> None:
+        req.clear_drafts()
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -168,9 +182,19 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance the counters of what ran; called before new tokens are appended."""
+        """Advance the counters of what ran; called before new tokens are appended. Drafts
+        count as computed here; `rollback` takes the rejected ones back out."""
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+
+    def rollback(self, req: Request) -> None:
+        """After verification appended the accepted tokens: K/V is valid only up to the
+        token before the newest (the newest has not been through the model), so rejected
+        drafts leave num_computed_tokens, and blocks held only for them go back."""
+        req.clear_drafts()
+        if req.num_computed_tokens >= req.num_tokens:
+            req.num_computed_tokens = req.num_tokens - 1
+        self.kv.trim(req, req.num_tokens)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Remove a request (finished or aborted) wherever it is and release its blocks."""

@@ -21,6 +21,7 @@ from kvserve.config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    SpecConfig,
     parse_size,
     resolve_dtype,
 )
@@ -34,6 +35,7 @@ from kvserve.request import Request, RequestStatus
 from kvserve.sampler import make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
+from kvserve.spec_decode import build_drafter
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvserve.worker.model_runner import ModelRunner
 
@@ -86,7 +88,23 @@ class EngineArgs:
     kv_cache_dir: str | None = None  # disk tier of the prefix cache, kept across restarts
     kv_cache_disk_size: int | str = "8GiB"
     kv_cache_write_policy: str = "write-back"  # or "write-through"
+    # speculative decoding: JSON string or dict, vLLM's --speculative-config (SpecConfig)
+    speculative_config: str | dict | None = None
     seed: int = 0
+
+
+@dataclass
+class SpecStats:
+    """Running totals of speculative decoding, for metrics and benchmarks."""
+
+    num_drafts: int = 0  # draft tokens verified
+    num_accepted: int = 0  # of those, accepted
+    num_rounds: int = 0  # request-steps that verified at least one draft
+    num_steps_off: int = 0  # steps where the batch was too large to speculate
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafts if self.num_drafts else 0.0
 
 
 class LLMEngine:
@@ -124,7 +142,12 @@ class LLMEngine:
                             args.num_kv_blocks, args.kv_cache_dtype)
         sched = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len)
         self.config = EngineConfig(str(path), dtype, device, cache, sched, args.seed)
-        num_blocks = plan_num_blocks(cfg, cache, dtype)
+        self.spec = SpecConfig.parse(args.speculative_config)
+        self.spec_stats = SpecStats()
+        self.drafter = (build_drafter(self.spec, loaded.model, path, dtype, device, sched)
+                        if self.spec is not None else None)
+        extra = self.drafter.kv_bytes_per_token() if self.drafter is not None else 0
+        num_blocks = plan_num_blocks(cfg, cache, dtype, extra)
         self.runner = ModelRunner(loaded.model, cache, num_blocks, dtype, device)
         store = None
         host_bytes = parse_size(args.host_kv_cache_memory)
@@ -141,6 +164,10 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cache.block_size, args.enable_prefix_caching,
                                  store)
         self.scheduler = Scheduler(sched, self.kv)
+        if self.drafter is not None:
+            self.drafter.allocate(self.kv)
+            self.runner.keep_hidden = self.drafter.needs_hidden
+            log.info("speculative decoding: %s", self.spec)
         per_tok = kv_token_bytes(cfg, cache.kv_cache_dtype, dtype).total
         log.info("loaded %s (%s, %d layers, %s weights, %s; quantized copies for small "
                  "batches: %s) in %.1fs", path.name, cfg.architecture, cfg.num_layers,
@@ -241,6 +268,8 @@ class LLMEngine:
         raises, every request in that batch fails (the others keep going); if handling one
         request's new token raises, only that request fails. Failed requests come out
         finished with `error` set."""
+        if self.drafter is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return self._take_pending()
@@ -259,17 +288,25 @@ class LLMEngine:
         self.kv.after_step()
         now = time.perf_counter()
         touched: dict[str, _Group] = {}
-        sampled = iter(zip(result.token_ids, result.logprobs, strict=True))
+        hidden = result.hidden or [None] * len(result.token_ids)
+        sampled = iter(zip(result.token_ids, result.logprobs, hidden, strict=True))
         for s in sched.scheduled:
             if not s.samples:
                 continue
-            token, logprobs = next(sampled)
-            entry = self._samples.get(s.request.request_id)
+            tokens, logprobs, h = next(sampled)
+            req = s.request
+            if s.num_drafts:
+                self._count_round(req, s.num_drafts, len(tokens) - 1)
+            entry = self._samples.get(req.request_id)
             if entry is None:
                 continue  # its request failed earlier in this loop
             group, sample = entry
             try:
-                self._append(sample, token, logprobs, now)
+                self._append(sample, tokens, logprobs, now)
+                if not req.status.finished:
+                    req.spec_hidden = h
+                    if s.num_drafts:
+                        self.scheduler.rollback(req)
             except Exception as e:
                 log.exception("request %s failed", group.request_id)
                 self.abort_request(group.request_id, f"{type(e).__name__}: {e}")
@@ -284,23 +321,67 @@ class LLMEngine:
                 self._forget(group)
         return outputs
 
-    def _append(self, sample: _Sample, token: int, logprobs, now: float) -> None:
-        """Add a sampled token to a request, stream its text and check every stop rule."""
+    def _append(self, sample: _Sample, tokens: list[int], logprobs: list, now: float) -> None:
+        """Add a step's tokens (several after speculation) to a request one at a time,
+        streaming text and checking every stop rule after each; tokens after a stop are
+        dropped, exactly as if they had been generated one per step."""
         req = sample.request
-        req.append_token(token)
-        if req.sampling_params.logprobs is not None:
-            req.logprobs.append(logprobs)
-        if req.timeline.first_token is None:
-            req.timeline.first_token = now
-        sample.detok.add_tokens([token])
-        status = req.check_stop_token()
-        if status is RequestStatus.FINISHED_STOPPED:
-            sample.stop_reason = token if token not in req.eos_token_ids else None
-        if sample.detok.stopped:
-            status = RequestStatus.FINISHED_STOPPED
-            sample.stop_reason = sample.detok.stop_reason
-        if status is not None:
-            self._finish(sample, status, now)
+        for token, lp in zip(tokens, logprobs, strict=True):
+            req.append_token(token)
+            if req.sampling_params.logprobs is not None:
+                req.logprobs.append(lp)
+            if req.timeline.first_token is None:
+                req.timeline.first_token = now
+            sample.detok.add_tokens([token])
+            status = req.check_stop_token()
+            if status is RequestStatus.FINISHED_STOPPED:
+                sample.stop_reason = token if token not in req.eos_token_ids else None
+            if sample.detok.stopped:
+                status = RequestStatus.FINISHED_STOPPED
+                sample.stop_reason = sample.detok.stop_reason
+            if status is not None:
+                self._finish(sample, status, now)
+                return
+
+    # ------------------------------------------------------------------ speculative decoding
+
+    def _propose(self) -> None:
+        """Drafts for the requests that decode in the coming step, by the adaptive policy
+        of SpecConfig: none while the running batch is larger than max_batch_size, one for
+        a request whose recent acceptance is below min_acceptance, else up to
+        num_speculative_tokens (never past max_tokens)."""
+        assert self.spec is not None and self.drafter is not None
+        running = self.scheduler.running
+        decoding = [r for r in running if r.status == RequestStatus.RUNNING
+                    and r.num_computed_tokens == r.num_tokens - 1]
+        if not decoding:
+            return
+        if len(running) > self.spec.max_batch_size:
+            self.spec_stats.num_steps_off += 1
+            return
+        reqs, ks = [], []
+        for r in decoding:
+            k = min(self.spec.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1)
+            if r.spec_acceptance < self.spec.min_acceptance:
+                k = min(k, 1)
+            if k >= 1:
+                reqs.append(r)
+                ks.append(k)
+        if reqs:
+            self.drafter.propose(reqs, ks)
+
+    def _count_round(self, req: Request, drafted: int, accepted: int) -> None:
+        st = self.spec_stats
+        st.num_drafts += drafted
+        st.num_accepted += accepted
+        st.num_rounds += 1
+        req.num_drafted += drafted
+        req.num_accepted += accepted
+        # Moving average over about the last acceptance_window drafts: each draft token
+        # moves the rate 1/window of the way towards 1 (accepted) or 0.
+        assert self.spec is not None
+        keep = (1 - 1 / self.spec.acceptance_window) ** drafted
+        req.spec_acceptance = keep * req.spec_acceptance + (1 - keep) * accepted / drafted
 
     def _take_pending(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
@@ -315,6 +396,8 @@ class LLMEngine:
 
     def _finish(self, sample: _Sample, status: RequestStatus, now: float | None = None) -> None:
         req = sample.request
+        if self.drafter is not None:
+            self.drafter.forget(req)
         if not sample.detok.stopped:
             sample.detok.finish()
         req.timeline.finished = time.perf_counter() if now is None else now

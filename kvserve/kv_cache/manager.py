@@ -215,6 +215,34 @@ class KVCacheManager:
         keyed = [(b.block_id, b.key) for b in self.pool.cached.values()]
         return self.store.flush(keyed)  # type: ignore[arg-type]
 
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Make `req`'s block table cover `num_tokens` token positions without registering
+        anything in the prefix cache: room for a drafter to write K/V of tokens that are not
+        verified yet. False, with nothing changed, when the pool is short."""
+        blocks = self._blocks.setdefault(req.request_id, [])
+        need = cdiv(num_tokens, self.block_size) - len(blocks)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free_blocks:
+            return False
+        fresh = self.pool.allocate(need)
+        blocks.extend(fresh)
+        req.block_ids.extend(b.block_id for b in fresh)
+        return True
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Give back the blocks after the first cdiv(num_tokens, block_size): those held only
+        for rejected drafts. They hold no verified token, so none of them is hashed."""
+        blocks = self._blocks.get(req.request_id, [])
+        keep = cdiv(num_tokens, self.block_size)
+        if len(blocks) <= keep:
+            return
+        assert keep >= self._num_cached.get(req.request_id, 0)
+        tail = blocks[keep:]
+        del blocks[keep:]
+        del req.block_ids[keep:]
+        self.pool.free(reversed(tail))
+
     def free(self, req: Request) -> None:
         """Return every block of `req` to the pool, tail first so tails are evicted first."""
         blocks = self._blocks.pop(req.request_id, [])

@@ -77,12 +77,15 @@ def num_blocks_in(budget: int, block_size: int, bytes_per_token: int) -> int:
     return budget // (block_size * bytes_per_token)
 
 
-def plan_num_blocks(cfg: ModelConfig, cache: CacheConfig, compute_dtype: torch.dtype) -> int:
+def plan_num_blocks(cfg: ModelConfig, cache: CacheConfig, compute_dtype: torch.dtype,
+                    extra_bytes_per_token: int = 0) -> int:
     """Blocks the engine allocates: those that fit in the KV memory budget, or the explicit
-    override. Raises ValueError when the budget holds no block."""
+    override. `extra_bytes_per_token` is state kept per token slot beside the target's K/V
+    (a draft model's cache), paid from the same budget. Raises ValueError when the budget
+    holds no block."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    per_tok = kv_bytes_per_token(cfg, cache.kv_cache_dtype, compute_dtype)
+    per_tok = kv_bytes_per_token(cfg, cache.kv_cache_dtype, compute_dtype) + extra_bytes_per_token
     num = num_blocks_in(cache.kv_cache_memory, cache.block_size, per_tok)
     if num < 1:
         raise ValueError(f"--kv-cache-memory {cache.kv_cache_memory} bytes holds no block "

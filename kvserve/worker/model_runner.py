@@ -19,15 +19,64 @@ from kvserve.config import CacheConfig
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.sampler import Sampler, SamplingMetadata, TokenLogprobs
 from kvserve.scheduler import SchedulerOutput
+from kvserve.spec_decode.rejection import verify
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class ModelRunnerOutput:
-    # One entry per scheduled request that samples, in scheduling order.
+class ForwardItem:
+    """One request's share of a forward pass: `token_ids` at positions start, start+1, ...,
+    their K/V written into the slots of `block_ids`; hidden states are returned for the last
+    `num_outputs` of them."""
+
     token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
+    start: int
+    block_ids: list[int]
+    num_outputs: int
+
+
+def run_forward(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
+                items: list[ForwardItem], device: torch.device) -> torch.Tensor:
+    """One forward pass over a batch of items -> final hidden states [sum(num_outputs), H],
+    item after item. Shared by the target and by draft models (with their own caches)."""
+    bs = block_size
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    out_idx: list[int] = []
+    query_lens, context_lens, tables = [], [], []
+    for it in items:
+        n = len(it.token_ids)
+        input_ids.extend(it.token_ids)
+        pos = range(it.start, it.start + n)
+        positions.extend(pos)
+        table = it.block_ids
+        slots.extend(table[p // bs] * bs + p % bs for p in pos)
+        query_lens.append(n)
+        context_lens.append(it.start + n)
+        tables.append(table)
+        out_idx.extend(range(len(input_ids) - it.num_outputs, len(input_ids)))
+    backend = model.layers[0].self_attn.backend
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    meta = backend.build_metadata(
+        AttentionBatch(query_lens, context_lens, tables, slot_mapping, bs))
+    hidden = model(torch.tensor(input_ids, dtype=torch.long, device=device),
+                   torch.tensor(positions, dtype=torch.long, device=device), kv_caches, meta)
+    if len(out_idx) == len(input_ids):
+        return hidden
+    return hidden[torch.tensor(out_idx, dtype=torch.long, device=device)]
+
+
+@dataclass
+class ModelRunnerOutput:
+    # One entry per scheduled request that samples, in scheduling order: the tokens it gets
+    # this step (one, or with drafts the accepted ones and one more) and their logprobs.
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs | None]]
+    # Per entry, the final hidden state of the row its last token was sampled from; kept
+    # only when a drafter drafts from it (MTP).
+    hidden: list[torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -45,11 +94,9 @@ class ModelRunner:
             raise ValueError(f"the model's attention backend stores a "
                              f"{self.backend.kv_cache_dtype} KV cache but the cache config "
                              f"asks for {cache.kv_cache_dtype}")
-        shape = self.backend.kv_cache_shape(num_blocks * cache.block_size)
-        kv_dtype = self.backend.kv_cache_tensor_dtype(dtype)
-        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device)
-                          for _ in range(self.cfg.num_layers)]
+        self.kv_caches = allocate_kv_caches(model, num_blocks * cache.block_size, dtype, device)
         self.sampler = Sampler()
+        self.keep_hidden = False  # set by a drafter that drafts from the target's states
         if device.type == "cpu":
             cpu_ops.ops()  # build or load the C++ kernels now rather than in the first request
 
@@ -59,37 +106,40 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_idx: list[int] = []
-        rows = []
-        query_lens, context_lens, tables = [], [], []
+        items, rows = [], []
         for s in sched.scheduled:
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
-            input_ids.extend(req.all_token_ids[start:start + n])
-            pos = range(start, start + n)
-            positions.extend(pos)
-            table = req.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            query_lens.append(n)
-            context_lens.append(start + n)
-            tables.append(table)
+            tokens = [req.token_at(i) for i in range(start, start + n)]
+            items.append(ForwardItem(tokens, start, req.block_ids,
+                                     s.num_drafts + 1 if s.samples else 0))
             if s.samples:
-                logits_idx.append(len(input_ids) - 1)
-                rows.append(req)
-        dev = self.device
-        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
-        meta = self.backend.build_metadata(
-            AttentionBatch(query_lens, context_lens, tables, slot_mapping, bs))
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                            torch.tensor(positions, dtype=torch.long, device=dev),
-                            self.kv_caches, meta)
+                rows.append(s)
+        hidden = run_forward(self.model, self.kv_caches, self.block_size, items, self.device)
         if not rows:
             return ModelRunnerOutput([], [])
-        logits = self.model.compute_logits(
-            hidden[torch.tensor(logits_idx, dtype=torch.long, device=dev)])
-        out = self.sampler(logits, SamplingMetadata.build(rows, logits.shape[-1], dev))
-        return ModelRunnerOutput(out.token_ids, out.logprobs)
+        logits = self.model.compute_logits(hidden)
+        if not any(s.num_drafts for s in rows):
+            reqs = [s.request for s in rows]
+            out = self.sampler(logits, SamplingMetadata.build(reqs, logits.shape[-1],
+                                                              self.device))
+            return ModelRunnerOutput([[t] for t in out.token_ids], [[lp] for lp in out.logprobs],
+                                     list(hidden) if self.keep_hidden else None)
+        verified = verify(self.sampler, logits, [s.request for s in rows], self.device)
+        kept = None
+        if self.keep_hidden:
+            kept, offset = [], 0
+            for s, toks in zip(rows, verified.token_ids, strict=True):
+                kept.append(hidden[offset + len(toks) - 1])
+                offset += s.num_drafts + 1
+        return ModelRunnerOutput(verified.token_ids, verified.logprobs, kept)
+
+
+def allocate_kv_caches(model: LlamaForCausalLM, num_slots: int, dtype: torch.dtype,
+                       device: torch.device) -> list[torch.Tensor]:
+    """One K/V tensor per layer, in the layout the model's attention backend stores."""
+    backend = model.layers[0].self_attn.backend
+    shape = backend.kv_cache_shape(num_slots)
+    kv_dtype = backend.kv_cache_tensor_dtype(dtype)
+    return [torch.zeros(shape, dtype=kv_dtype, device=device)
+            for _ in range(model.config.num_layers)]

@@ -1,0 +1,39 @@
+"""Speculative decoding: drafters (ngram, draft_model, mtp) and exact verification."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.config import SchedulerConfig, SpecConfig
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.spec_decode.base import Drafter
+
+
+def build_drafter(spec: SpecConfig, target: LlamaForCausalLM, target_path, dtype: torch.dtype,
+                  device: torch.device, sched: SchedulerConfig) -> Drafter:
+    """The drafter `spec` names, loaded and checked against the target."""
+    if spec.method == "ngram":
+        from kvserve.spec_decode.ngram import NgramDrafter
+
+        return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "draft_model":
+        from kvserve.attention.torch_paged import TorchPagedAttention
+        from kvserve.layers.quant import check_quantization
+        from kvserve.models.loader import load_model, resolve_model
+        from kvserve.spec_decode.draft_model import DraftModelDrafter
+
+        path = resolve_model(spec.model) if spec.model else target_path
+        loaded = load_model(path, dtype, device,
+                            lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads,
+                                                          c.head_dim, "auto"))
+        if loaded.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"draft model {path.name} has a vocabulary of "
+                             f"{loaded.config.vocab_size} tokens, the target "
+                             f"{target.config.vocab_size}: they must share a tokenizer")
+        if check_quantization(spec.quantization) != "none":
+            loaded.model.quantize_(spec.quantization)
+        return DraftModelDrafter(loaded.model, dtype, device, sched.max_num_batched_tokens)
+    from kvserve.spec_decode.mtp import MTPDrafter
+
+    assert spec.model is not None
+    return MTPDrafter.load(spec.model, target, device)

@@ -1,0 +1,127 @@
+"""Drafting with a smaller (or cheaper) model that shares the target's tokenizer.
+
+The draft model keeps its own paged KV cache, indexed by the target's block tables: slot s
+of the draft cache holds the draft's K/V for the token the target keeps in slot s. So it
+needs no block accounting of its own, is preempted and freed with the target's blocks, and
+its rollback is the target's: the draft K/V of a request is valid for a prefix of its
+tokens, which shrinks to what verification kept. A request whose blocks changed
+(preemption) or that is new starts from position 0; a long gap is caught up in chunks of
+at most `max_catchup_tokens` per step before the request drafts again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.kv_cache.planner import kv_bytes_per_token
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.request import Request
+from kvserve.spec_decode.base import Drafter
+from kvserve.spec_decode.sampling import sample_drafts
+from kvserve.worker.model_runner import ForwardItem, allocate_kv_caches, run_forward
+
+
+@dataclass
+class _State:
+    preemptions: int  # the request's count when this state was made
+    base: int = 0  # draft K/V valid for all_token_ids[:base] ...
+    chain: list[int] = field(default_factory=list)  # ... and for these tokens after it
+
+    def valid(self, req: Request) -> int:
+        n = self.base
+        for t in self.chain:
+            if n >= req.num_tokens - 1 or req.all_token_ids[n] != t:
+                break
+            n += 1
+        return min(n, req.num_tokens - 1)
+
+
+class DraftModelDrafter(Drafter):
+    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device,
+                 max_catchup_tokens: int) -> None:
+        self.model = model
+        self.dtype = dtype
+        self.device = device
+        self.max_catchup = max_catchup_tokens
+        self.kv: KVCacheManager | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_size = 0
+        self._state: dict[str, _State] = {}
+
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.model.config, "auto", self.dtype)
+
+    def allocate(self, kv: KVCacheManager) -> None:
+        self.kv, self.block_size = kv, kv.block_size
+        self.kv_caches = allocate_kv_caches(self.model, kv.num_blocks * kv.block_size,
+                                            self.dtype, self.device)
+
+    def forget(self, req: Request) -> None:
+        self._state.pop(req.request_id, None)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_drafts: list[int]) -> None:
+        assert self.kv is not None, "allocate() first"
+        budget = self.max_catchup
+        catchup: list[ForwardItem] = []
+        items: list[ForwardItem] = []
+        live: list[tuple[Request, int]] = []
+        for req, k in zip(requests, num_drafts, strict=True):
+            req.clear_drafts()
+            st = self._state.get(req.request_id)
+            if st is None or st.preemptions != req.timeline.num_preemptions:
+                st = self._state[req.request_id] = _State(req.timeline.num_preemptions)
+            valid = st.valid(req)
+            st.base, st.chain = valid, []
+            gap = req.num_tokens - valid  # tokens to run, the newest included
+            if gap > budget:
+                # Catch up on verified tokens (their slots exist) and draft in a later step.
+                n = min(budget, req.num_tokens - 1 - valid)
+                if n > 0:
+                    catchup.append(ForwardItem(req.all_token_ids[valid:valid + n], valid,
+                                               req.block_ids, 0))
+                    budget -= n
+                    st.base = valid + n
+                continue
+            if k < 1 or not self.kv.reserve(req, req.num_tokens + k - 1):
+                continue
+            budget -= gap
+            items.append(ForwardItem(req.all_token_ids[valid:], valid, req.block_ids, 1))
+            live.append((req, k))
+            st.base = req.num_tokens
+        if catchup and not items:
+            run_forward(self.model, self.kv_caches, self.block_size, catchup, self.device)
+        if not items:
+            return
+        items = catchup + items
+        drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in live}
+        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in live}
+        for step in range(max(k for _, k in live)):
+            hidden = run_forward(self.model, self.kv_caches, self.block_size, items,
+                                 self.device)
+            logits = self.model.compute_logits(hidden)
+            tokens, q = sample_drafts(logits, [r for r, _ in live], drafts, self.device)
+            nxt: list[tuple[Request, int]] = []
+            items = []
+            for i, ((req, k), t) in enumerate(zip(live, tokens, strict=True)):
+                drafts[req.request_id].append(t)
+                if q is not None:
+                    probs[req.request_id].append(q[i])
+                if step + 1 < k:
+                    pos = req.num_tokens + step
+                    items.append(ForwardItem([t], pos, req.block_ids, 1))
+                    self._state[req.request_id].chain.append(t)
+                    nxt.append((req, k))
+            live = nxt
+            if not live:
+                break
+        for req in requests:
+            d = drafts.get(req.request_id)
+            if d:
+                req.draft_token_ids = d
+                p = probs[req.request_id]
+                req.draft_probs = torch.stack(p) if p and not req.sampling_params.is_greedy \
+                    else None

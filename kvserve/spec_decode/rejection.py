@@ -1,0 +1,139 @@
+"""Verification of drafted tokens: greedy matching and exact rejection sampling.
+
+A request with drafts d_1..d_k gets k+1 rows of target logits: row j is the target's
+distribution for the token after the verified tokens and d_1..d_j. Each row is processed
+exactly as the sampler would process it if d_1..d_j were already output (penalties and
+min_tokens see them), so the target distribution p_j is the one plain decoding would sample.
+
+- Greedy requests accept d_{j+1} while it equals argmax p_j, then take argmax p_j at the
+  first mismatch (or argmax p_k when all match): the same tokens as greedy decoding.
+- Random requests accept d_{j+1} with probability min(1, p_j(d)/q_j(d)), where q_j is the
+  distribution the drafter sampled d_{j+1} from (one-hot when it gives tokens only). At the
+  first rejection the token is drawn from max(0, p_j - q_j), normalised; when all k are
+  accepted a bonus token is drawn from p_k. Every emitted token is then distributed exactly
+  as p (Leviathan et al., 2023; Chen et al., 2023).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.request import Request
+from kvserve.sampler import (
+    Sampler,
+    SamplingMetadata,
+    TokenLogprobs,
+    apply_processors,
+    apply_truncation,
+    inverse_cdf,
+)
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class Row:
+    """A request as the sampler sees it at one draft position (the SamplingRow protocol)."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    eos_token_ids: frozenset[int]
+
+
+@dataclass
+class VerifyOutput:
+    token_ids: list[list[int]]  # per request: accepted drafts, then one target token
+    logprobs: list[list[TokenLogprobs | None]]
+
+
+def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
+           device: torch.device) -> VerifyOutput:
+    """`logits` [sum(k_i + 1), V]: per request, in order, one row per draft and one more."""
+    rows: list[Row] = []
+    for req in requests:
+        out = req.output_token_ids
+        for j in range(len(req.draft_token_ids) + 1):
+            rows.append(Row(req.sampling_params, req.prompt_token_ids,
+                             out + req.draft_token_ids[:j], req.generator, req.eos_token_ids))
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"expected {len(rows)} rows of logits, got {logits.shape[0]}")
+    vocab = logits.shape[-1]
+    meta = SamplingMetadata.build(rows, vocab, device)
+    processed = apply_processors(logits.to(torch.float32, copy=True), meta)
+    greedy = processed.argmax(dim=-1)
+    probs = apply_truncation(processed, meta).softmax(dim=-1) if not meta.all_greedy else None
+
+    # Host copies of what the decisions need: greedy argmaxes, and p(d) of each draft.
+    draft_rows: list[int] = []
+    draft_ids: list[int] = []
+    offsets = []
+    o = 0
+    for req in requests:
+        offsets.append(o)
+        k = len(req.draft_token_ids)
+        if not req.sampling_params.is_greedy:
+            draft_rows.extend(range(o, o + k))
+            draft_ids.extend(req.draft_token_ids)
+        o += k + 1
+    greedy_h = greedy.tolist()
+    p_draft: list[float] = []
+    if draft_rows:
+        assert probs is not None
+        p_draft = probs[torch.tensor(draft_rows), torch.tensor(draft_ids)].tolist()
+
+    tokens: list[list[int]] = []
+    final: list[tuple[int, int, Request, int]] = []  # (request index, row, request, j)
+    pi = 0
+    for i, (req, o) in enumerate(zip(requests, offsets, strict=True)):
+        drafts = req.draft_token_ids
+        k = len(drafts)
+        if req.sampling_params.is_greedy:
+            a = 0
+            while a < k and drafts[a] == greedy_h[o + a]:
+                a += 1
+            tokens.append(drafts[:a] + [greedy_h[o + a]])
+            continue
+        u = _uniform(k, req.generator, device).tolist()
+        q = req.draft_probs
+        q_draft = ([1.0] * k if q is None else
+                   q[torch.arange(k), torch.tensor(drafts)].tolist())
+        a = 0
+        while a < k and u[a] * q_draft[a] < p_draft[pi + a]:
+            a += 1
+        pi += k
+        tokens.append(list(drafts[:a]))
+        final.append((i, o + a, req, a))
+
+    if final:
+        assert probs is not None
+        dist = []
+        for _, row, req, a in final:
+            p = probs[row]
+            if a < len(req.draft_token_ids):  # rejected at a: sample max(0, p - q)
+                if req.draft_probs is None:
+                    residual = p.clone()
+                    residual[req.draft_token_ids[a]] = 0.0
+                else:
+                    residual = (p - req.draft_probs[a].to(p.device, torch.float32)).clamp_(min=0)
+                p = residual if residual.sum() > 0 else p
+            dist.append(p)
+        u = torch.cat([_uniform(1, req.generator, device) for _, _, req, _ in final])
+        drawn = inverse_cdf(torch.stack(dist), u.unsqueeze(1)).tolist()
+        for (i, _, _, _), t in zip(final, drawn, strict=True):
+            tokens[i].append(t)
+
+    # Logprobs (raw model logprobs of each emitted token), through the sampler's own path.
+    chosen = torch.zeros(len(rows), dtype=torch.long)
+    for toks, o in zip(tokens, offsets, strict=True):
+        chosen[o:o + len(toks)] = torch.tensor(toks)
+    out = sampler.to_output(logits, chosen.to(device), meta)
+    logprobs = [out.logprobs[o:o + len(toks)] for toks, o in zip(tokens, offsets, strict=True)]
+    return VerifyOutput(tokens, logprobs)
+
+
+def _uniform(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    u = torch.empty(n, device=device)
+    return u.uniform_(generator=generator) if generator is not None else u.uniform_()

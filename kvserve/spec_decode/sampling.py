@@ -1,0 +1,37 @@
+"""Sampling of draft tokens, processed as the target will process them."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.request import Request
+from kvserve.sampler import SamplingMetadata, apply_processors, apply_truncation, inverse_cdf
+from kvserve.spec_decode.rejection import Row
+
+
+def sample_drafts(logits: torch.Tensor, requests: list[Request],
+                  drafts: dict[str, list[int]], device: torch.device
+                  ) -> tuple[list[int], torch.Tensor | None]:
+    """One draft token per request from draft-model `logits` [B, V], each row processed
+    with the request's own sampling settings (as if its drafts so far were output).
+    Greedy requests take the argmax; others sample. Returns the tokens and, when any
+    request samples, the distributions q [B, V] they were drawn from."""
+    rows = [Row(r.sampling_params, r.prompt_token_ids,
+                r.output_token_ids + drafts[r.request_id], r.generator, r.eos_token_ids)
+            for r in requests]
+    meta = SamplingMetadata.build(rows, logits.shape[-1], device)
+    processed = apply_processors(logits.to(torch.float32, copy=True), meta)
+    if meta.all_greedy:
+        return processed.argmax(dim=-1).tolist(), None
+    greedy = processed.argmax(dim=-1)
+    q = apply_truncation(processed, meta).softmax(dim=-1)
+    u = torch.empty(len(rows), 1, device=device)
+    for i, r in enumerate(requests):
+        if r.generator is not None:
+            u[i].uniform_(generator=r.generator)
+        else:
+            u[i].uniform_()
+    drawn = inverse_cdf(q, u)
+    if meta.greedy_mask is not None:
+        drawn = torch.where(meta.greedy_mask, greedy, drawn)
+    return drawn.tolist(), q
