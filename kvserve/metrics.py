@@ -70,6 +70,17 @@ class EngineMetrics:
                                    "lower tier", ["model_name", "tier"], registry=r)
         self._tier_saves = Counter("kvserve:kv_tier_saves", "KV blocks copied down into a "
                                    "lower tier", ["model_name", "tier"], registry=r)
+        self._spec_drafts = Counter("kvserve:spec_decode_num_draft_tokens", "Draft tokens "
+                                    "verified by the target", labels, registry=r)
+        self._spec_accepted = Counter("kvserve:spec_decode_num_accepted_tokens", "Draft "
+                                      "tokens accepted", labels, registry=r)
+        self._spec_off = Counter("kvserve:spec_decode_num_steps_off", "Steps without drafts "
+                                 "because the batch exceeded max_batch_size", labels,
+                                 registry=r)
+        self._spec_config = Gauge("kvserve:spec_decode_config", "Speculative decoding policy "
+                                  "(1 for the active config)",
+                                  ["model_name", "method", "num_speculative_tokens",
+                                   "max_batch_size", "min_acceptance"], registry=r)
         self.model_name = model_name
         self._last_token: dict[str, tuple[float, int]] = {}  # request -> (time, tokens seen)
         self._seen: dict[tuple[str, str], int] = {}  # last totals behind each counter
@@ -123,6 +134,21 @@ class EngineMetrics:
                 self._advance(self._tier_loads.labels(self.model_name, tier), ("load", tier), n)
             for tier, n in tiers.saves.items():
                 self._advance(self._tier_saves.labels(self.model_name, tier), ("save", tier), n)
+
+    def observe_spec(self, config, stats) -> None:
+        """Speculative decoding: the policy (SpecConfig) and running totals (SpecStats)."""
+        if ("spec", "config") not in self._seen:
+            self._spec_config.labels(self.model_name, config.method,
+                                     str(config.num_speculative_tokens),
+                                     str(config.max_batch_size),
+                                     str(config.min_acceptance)).set(1)
+            self._seen[("spec", "config")] = 1
+        self._advance(self._spec_drafts.labels(self.model_name), ("spec", "drafts"),
+                      stats.num_drafts)
+        self._advance(self._spec_accepted.labels(self.model_name), ("spec", "accepted"),
+                      stats.num_accepted)
+        self._advance(self._spec_off.labels(self.model_name), ("spec", "off"),
+                      stats.num_steps_off)
 
     def _advance(self, counter, key: tuple[str, str], total: int) -> None:
         seen = self._seen.get(key, 0)

@@ -272,3 +272,5 @@ class AsyncEngine:
             self.metrics.observe_engine(self.num_running, self.num_waiting, kv.usage,
                                         sched.num_preemptions, kv.stats,
                                         kv.store.stats if kv.store is not None else None)
+            if self.engine.spec is not None:
+                self.metrics.observe_spec(self.engine.spec, self.engine.spec_stats)

@@ -21,6 +21,8 @@ class RequestMetrics:
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request
+    num_accepted_tokens: int = 0  # ... and accepted
 
     @property
     def queue_time(self) -> float | None:
@@ -53,6 +55,9 @@ class RequestMetrics:
             "queue_time": self.queue_time, "prefill_time": self.prefill_time,
             "ttft": self.ttft, "decode_time": self.decode_time, "tpot": self.tpot,
             "e2e_time": self.e2e_time, "num_preemptions": self.num_preemptions,
+            **({"num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens}
+               if self.num_draft_tokens else {}),
         }
 
     @classmethod
@@ -68,6 +73,8 @@ class RequestMetrics:
             num_preemptions=sum(x.num_preemptions for x in t),
             num_prompt_tokens=reqs[0].num_prompt_tokens,
             num_generation_tokens=sum(r.num_output_tokens for r in reqs),
+            num_draft_tokens=sum(r.num_drafted for r in reqs),
+            num_accepted_tokens=sum(r.num_accepted for r in reqs),
         )
 
 

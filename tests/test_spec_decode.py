@@ -1,0 +1,316 @@
+"""Speculative decoding: greedy outputs identical with every drafter (alone, in mixed batches,
+under chunking and preemption), exact rejection sampling (chi-square against the target on a
+toy vocabulary), rollback of KV blocks, stop rules, the adaptive policy, and config errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvserve.config import SpecConfig
+from kvserve.engine.llm import LLM
+from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.request import Request
+from kvserve.sampler import Sampler
+from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.base import Drafter
+from kvserve.spec_decode.mtp import MTPModule, save_mtp
+from kvserve.spec_decode.ngram import NgramDrafter
+from kvserve.spec_decode.rejection import verify
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def make_llm(path, **kw) -> LLM:
+    args = dict(dtype="float32", block_size=4, num_kv_blocks=256, max_num_batched_tokens=64)
+    args.update(kw)
+    return LLM(str(path), **args)
+
+
+def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a random phrase, so prompt lookup finds matches."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(2, 300) for _ in range(rng.randrange(3, 12))]
+        out.append(phrase * rng.randrange(2, 5) + [rng.randrange(2, 300)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def other_tiny_dir(tmp_path_factory):
+    from tests.conftest import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-other"), "llama", seed=1)
+
+
+@pytest.fixture(scope="module")
+def random_mtp(tmp_path_factory):
+    """An untrained MTP module for the tiny model: its drafts are mostly wrong, which is
+    what a verification test wants."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("mtp") / "mtp.safetensors"
+    save_mtp(MTPModule(64, 128, 1e-5), path, {})
+    return path
+
+
+def spec_configs(tiny, other, mtp) -> dict[str, dict]:
+    return {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        "draft-same": {"method": "draft_model", "model": str(tiny), "quantization": "none",
+                       "num_speculative_tokens": 4},
+        "draft-int8": {"method": "draft_model", "model": str(tiny), "quantization": "int8"},
+        "draft-other": {"method": "draft_model", "model": str(other), "quantization": "none"},
+        "mtp": {"method": "mtp", "model": str(mtp), "num_speculative_tokens": 2},
+    }
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft-same", "draft-int8", "draft-other", "mtp"])
+def test_greedy_outputs_identical_with_speculation(tiny_llama_dir, other_tiny_dir, random_mtp,
+                                                   name):
+    cfg = spec_configs(tiny_llama_dir, other_tiny_dir, random_mtp)[name]
+    prompts = repetitive_prompts(12)
+    base = make_llm(tiny_llama_dir)
+    alone = [base.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+    # Mixed batch, small budget (chunked prompts next to verifying decodes) and a pool too
+    # small for all requests (preemption, with drafts in flight).
+    llm = make_llm(tiny_llama_dir, num_kv_blocks=70, max_num_batched_tokens=24,
+                   speculative_config=cfg)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0
+    if name == "draft-same":
+        assert stats.num_accepted == stats.num_drafts  # the target drafting for itself
+    llm.engine.check_integrity()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    # alone, one request at a time, too
+    single = make_llm(tiny_llama_dir, speculative_config=cfg)
+    assert single.generate([prompts[0]], GREEDY)[0].outputs[0].token_ids == alone[0]
+
+
+def test_stop_rules_and_logprobs_with_speculation(tiny_llama_dir):
+    cfg = {"method": "draft_model", "model": str(tiny_llama_dir), "quantization": "none",
+           "num_speculative_tokens": 5}
+    base = make_llm(tiny_llama_dir)
+    spec = make_llm(tiny_llama_dir, speculative_config=cfg)
+    prompt = repetitive_prompts(1, seed=3)[0]
+    full = base.generate([prompt], SamplingParams(temperature=0, max_tokens=30,
+                                                  ignore_eos=True))[0].outputs[0]
+    stop = full.text[10:13]
+    for params in (SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=2),
+                   SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
+                   SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                  stop_token_ids=[full.token_ids[9]])):
+        want = base.generate([prompt], params)[0].outputs[0]
+        got = spec.generate([prompt], params)[0].outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
+            (want.token_ids, want.text, want.finish_reason, want.stop_reason)
+        if params.logprobs:
+            assert len(got.logprobs) == len(got.token_ids)
+            for a, b in zip(got.logprobs, want.logprobs, strict=True):
+                assert a.token_id == b.token_id
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert spec.engine.spec_stats.num_accepted > 0
+    spec.engine.check_integrity()
+
+
+def test_sampled_requests_with_speculation_stay_consistent(tiny_llama_dir):
+    cfg = {"method": "draft_model", "model": str(tiny_llama_dir), "quantization": "int8"}
+    llm = make_llm(tiny_llama_dir, num_kv_blocks=80, speculative_config=cfg)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=i,
+                             ignore_eos=True, n=2 if i % 3 == 0 else 1) for i in range(8)]
+    outs = llm.generate(repetitive_prompts(8, seed=4), params)
+    for o, p in zip(outs, params, strict=True):
+        assert len(o.outputs) == p.n
+        assert all(len(c.token_ids) == 20 for c in o.outputs)
+    assert llm.engine.spec_stats.num_drafts > 0
+    llm.engine.check_integrity()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    # Seeded: the same workload gives the same tokens on a fresh engine. (Not across
+    # batches: how many drafts a step verifies, and so how many random numbers a request
+    # draws, depends on the budget the batch leaves.)
+    again = make_llm(tiny_llama_dir, num_kv_blocks=80, speculative_config=cfg)
+    outs2 = again.generate(repetitive_prompts(8, seed=4), params)
+    assert [[c.token_ids for c in o.outputs] for o in outs2] == \
+        [[c.token_ids for c in o.outputs] for o in outs]
+
+
+# ----------------------------------------------------------------------- rejection sampling
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of Pearson's chi-square test of `counts` against `probs` (cells with
+    expected count >= 5; the rest pooled)."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2), stat / 2))
+
+
+def _toy_requests(n: int, k: int, q: torch.Tensor | None, fixed: list[int] | None,
+                  gen: torch.Generator) -> list[Request]:
+    params = SamplingParams(temperature=1.0, max_tokens=100)
+    reqs = []
+    for i in range(n):
+        r = Request(str(i), [0], params, frozenset(), 100)
+        if q is None:
+            r.draft_token_ids = list(fixed or [])
+        else:
+            r.draft_token_ids = torch.multinomial(q, 1, generator=gen).squeeze(1).tolist()
+            r.draft_probs = q
+        reqs.append(r)
+    return reqs
+
+
+@pytest.mark.parametrize("draft", ["bad-q", "one-hot"])
+def test_rejection_sampling_preserves_target_distribution(draft):
+    torch.manual_seed(0)
+    vocab, k, n = 8, 2, 20000
+    gen = torch.Generator().manual_seed(1)
+    target = torch.randn(k + 1, vocab, generator=gen) * 1.5  # p_0, p_1, p_2 differ
+    p = target.softmax(-1)
+    if draft == "bad-q":
+        # a deliberately bad draft: most mass where the target has little
+        q = (-2.0 * target).softmax(-1)[:k]
+        reqs = _toy_requests(n, k, q, None, gen)
+    else:  # n-gram style: fixed tokens, no distribution
+        reqs = _toy_requests(n, k, None, [int(p[0].argmin()), int(p[1].argmax())], gen)
+    logits = target.repeat(n, 1)
+    out = verify(Sampler(), logits, reqs, torch.device("cpu"))
+    first = torch.tensor([t[0] for t in out.token_ids])
+    second = torch.tensor([t[1] for t in out.token_ids if len(t) > 1])
+    assert all(1 <= len(t) <= k + 1 for t in out.token_ids)
+    assert second.numel() > 500
+    for tokens, probs in ((first, p[0]), (second, p[1])):
+        counts = torch.bincount(tokens, minlength=vocab).float()
+        assert chi_square_p(counts, probs) > 1e-3
+    # The test has power: the draft's own tokens are far from the target distribution.
+    drafted = torch.tensor([r.draft_token_ids[0] for r in reqs])
+    if draft == "bad-q":
+        assert chi_square_p(torch.bincount(drafted, minlength=vocab).float(), p[0]) < 1e-6
+
+
+def test_greedy_verification_accepts_the_matching_prefix():
+    vocab = 10
+    logits = torch.full((4, vocab), -5.0)
+    for row, tok in enumerate([3, 7, 2, 9]):
+        logits[row, tok] = 5.0
+    params = SamplingParams(temperature=0)
+    r1 = Request("a", [1], params, frozenset(), 10)
+    r1.draft_token_ids = [3, 7, 4]  # two match, third does not
+    r2 = Request("b", [1], params, frozenset(), 10)
+    r2.draft_token_ids = [3, 7, 2]  # all match: the bonus token comes too
+    out = verify(Sampler(), torch.cat([logits, logits]), [r1, r2], torch.device("cpu"))
+    assert out.token_ids == [[3, 7, 2], [3, 7, 2, 9]]
+
+
+# ------------------------------------------------------------------------ rollback, policy
+
+
+def test_rollback_returns_blocks_held_only_for_drafts():
+    from kvserve.config import SchedulerConfig
+    from kvserve.scheduler import Scheduler
+
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv)
+    req = Request("r", list(range(2, 9)), SamplingParams(temperature=0), frozenset(), 20)
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update_after_step(out)
+    req.append_token(50)  # 8 tokens, 7 computed: 2 blocks
+    assert len(req.block_ids) == 2
+    req.draft_token_ids = [51, 52, 53, 54, 55]
+    out = sched.schedule()
+    assert out.scheduled[0].num_new_tokens == 6 and out.scheduled[0].num_drafts == 5
+    assert len(req.block_ids) == 4  # positions up to 12
+    free_before = kv.num_free_blocks
+    sched.update_after_step(out)
+    req.append_token(51)  # one draft accepted, then the target's own token
+    req.append_token(60)
+    sched.rollback(req)
+    assert req.num_computed_tokens == req.num_tokens - 1 == 9
+    assert req.draft_token_ids == []
+    assert len(req.block_ids) == 3 and kv.num_free_blocks == free_before + 1
+    kv.check_integrity()
+    # rejected drafts were never hashed: the cache knows exactly the two verified blocks
+    assert len(kv.pool.cached) == 2
+
+
+def test_ngram_lookup():
+    d = NgramDrafter(1, 3)
+    r = Request("r", [5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6, 7], SamplingParams(), frozenset(),
+                10)
+    d.propose([r], [3])
+    assert r.draft_token_ids == [1, 2, 5]  # after the most recent earlier "5 6 7"
+    r2 = Request("s", [1, 2, 3, 4], SamplingParams(), frozenset(), 10)
+    d.propose([r2], [3])
+    assert r2.draft_token_ids == []  # no earlier occurrence of any suffix
+    r2.append_token(2)
+    d.propose([r2], [3])
+    assert r2.draft_token_ids == [3, 4, 2]
+
+
+class _WrongDrafter(Drafter):
+    """Drafts tokens the target never picks, and records how many it was allowed."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+
+    def propose(self, requests, num_drafts) -> None:
+        self.calls.append(list(num_drafts))
+        for r, k in zip(requests, num_drafts, strict=True):
+            r.draft_token_ids = [(r.all_token_ids[-1] * 7 + 11 + i) % 300 for i in range(k)]
+
+
+def test_adaptive_policy(tiny_llama_dir):
+    cfg = {"method": "ngram", "num_speculative_tokens": 4, "max_batch_size": 2,
+           "min_acceptance": 0.5, "acceptance_window": 8}
+    llm = make_llm(tiny_llama_dir, speculative_config=cfg)
+    drafter = llm.engine.drafter = _WrongDrafter()
+    base = make_llm(tiny_llama_dir)
+    prompts = repetitive_prompts(4, seed=8)
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY)]
+    # Four requests > max_batch_size: no drafts at all.
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
+    assert llm.engine.spec_stats.num_steps_off > 0 and not drafter.calls
+    # Alone: drafts, all rejected, so the request falls back to one draft per step.
+    out = llm.generate([prompts[0]], GREEDY)[0]
+    assert out.outputs[0].token_ids == want[0]
+    ks = [c[0] for c in drafter.calls]
+    assert ks[0] == 4 and ks[-1] == 1
+    assert out.metrics.num_draft_tokens == sum(ks) and out.metrics.num_accepted_tokens == 0
+
+
+def test_spec_config_errors():
+    assert SpecConfig.parse(None) is None
+    assert SpecConfig.parse('{"method": "ngram"}').num_speculative_tokens == 3
+    for bad, msg in [('{"method": "eagle"}', "must be one of"),
+                     ('{"method": "ngram", "k": 3}', "unknown speculative-config field"),
+                     ("{not json", "not valid JSON"),
+                     ('{"num_speculative_tokens": 2}', "needs \"method\""),
+                     ('{"method": "mtp"}', "needs \"model\""),
+                     ('{"method": "ngram", "num_speculative_tokens": 0}', "in [1, 16]"),
+                     ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
+                      "prompt_lookup_min"),
+                     ("[1, 2]", "JSON object")]:
+        with pytest.raises(ValueError, match=msg.replace("[", r"\[")):
+            SpecConfig.parse(bad)
+
+
+def test_mtp_file_errors(tiny_llama_dir, tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        make_llm(tiny_llama_dir, speculative_config={"method": "mtp",
+                                                     "model": str(tmp_path / "none")})
+    wrong = tmp_path / "wrong.safetensors"
+    save_mtp(MTPModule(32, 64, 1e-5), wrong, {})
+    with pytest.raises(ValueError, match="hidden size 32"):
+        make_llm(tiny_llama_dir, speculative_config={"method": "mtp", "model": str(wrong)})
