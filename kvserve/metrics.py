@@ -74,6 +74,14 @@ class EngineMetrics:
                                     "verified by the target", labels, registry=r)
         self._spec_accepted = Counter("kvserve:spec_decode_num_accepted_tokens", "Draft "
                                       "tokens accepted", labels, registry=r)
+        self._spec_rounds = Counter("kvserve:spec_decode_num_drafts", "Drafts verified (a "
+                                    "request's draft tokens of one step)", labels, registry=r)
+        self._spec_drafts_at = Counter("kvserve:spec_decode_num_draft_tokens_per_pos",
+                                       "Draft tokens verified, by position in the draft",
+                                       ["model_name", "position"], registry=r)
+        self._spec_accepted_at = Counter("kvserve:spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by position in the draft",
+                                         ["model_name", "position"], registry=r)
         self._spec_off = Counter("kvserve:spec_decode_num_steps_off", "Steps without drafts "
                                  "because the batch exceeded max_batch_size", labels,
                                  registry=r)
@@ -149,6 +157,13 @@ class EngineMetrics:
                       stats.num_accepted)
         self._advance(self._spec_off.labels(self.model_name), ("spec", "off"),
                       stats.num_steps_off)
+        self._advance(self._spec_rounds.labels(self.model_name), ("spec", "rounds"),
+                      stats.num_rounds)
+        for i, (d, a) in enumerate(zip(stats.drafts_at, stats.accepted_at, strict=True)):
+            self._advance(self._spec_drafts_at.labels(self.model_name, str(i)),
+                          ("spec_drafts_at", str(i)), d)
+            self._advance(self._spec_accepted_at.labels(self.model_name, str(i)),
+                          ("spec_accepted_at", str(i)), a)
 
     def _advance(self, counter, key: tuple[str, str], total: int) -> None:
         seen = self._seen.get(key, 0)

@@ -367,3 +367,27 @@ def test_api_key_and_queue_limit(real_model_path):
                 _error(r, 429)
                 assert r.headers["retry-after"] == "1"
                 assert b.status_code == 200
+
+
+def test_streaming_with_speculative_decoding(client, real_model_path):
+    """Greedy text through a server that speculates (n-gram) equals the plain server's,
+    streamed or not, although one step may deliver several tokens."""
+    prompt = ("Copy this list exactly, then stop: red apple, green pear, red apple, "
+              "green pear, red apple, green pear.")
+    messages = [{"role": "user", "content": prompt}]
+    want = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
+                                          temperature=0).choices[0].message.content
+    args = EngineArgs(model=str(real_model_path), dtype="float32", kv_cache_memory="256MiB",
+                      quantization="none",
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    with run_server(args) as (url, _):
+        spec = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        got = spec.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
+                                           temperature=0)
+        assert got.choices[0].message.content == want
+        chunks = spec.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
+                                              temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+        assert metric(url, "kvserve:spec_decode_num_draft_tokens_total") > 0
+        assert metric(url, "kvserve:spec_decode_num_accepted_tokens_total") > 0
+        assert 'method="ngram"' in httpx.get(f"{url}/metrics").text

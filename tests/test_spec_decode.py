@@ -8,9 +8,12 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.config import SpecConfig
 from kvserve.engine.llm import LLM
+from kvserve.kv_cache.hashing import ROOT_HASH, BlockKey, hash_block
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request
 from kvserve.sampler import Sampler
@@ -243,6 +246,58 @@ def test_rollback_returns_blocks_held_only_for_drafts():
     kv.check_integrity()
     # rejected drafts were never hashed: the cache knows exactly the two verified blocks
     assert len(kv.pool.cached) == 2
+
+
+class _NoisyOracle(Drafter):
+    """Knows each prompt's greedy continuation: drafts a random number of its next tokens,
+    then random ones, so verification accepts a random prefix every step."""
+
+    def __init__(self, truth: dict[tuple[int, ...], list[int]], rng: random.Random) -> None:
+        self.truth, self.rng = truth, rng
+
+    def propose(self, requests, num_drafts) -> None:
+        for r, k in zip(requests, num_drafts, strict=True):
+            want = self.truth[tuple(r.prompt_token_ids)][r.num_output_tokens:]
+            good = self.rng.randrange(k + 1)
+            r.draft_token_ids = want[:good] + [self.rng.randrange(2, 300)
+                                               for _ in range(k - min(good, len(want)))]
+
+
+@pytest.fixture(scope="module")
+def oracle_setup(tiny_llama_dir):
+    prompts = repetitive_prompts(6, seed=11)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = make_llm(tiny_llama_dir).generate(prompts, params)
+    truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)}
+    return prompts, params, truth
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**16), num_blocks=st.integers(24, 80),
+       budget=st.sampled_from([8, 16, 64]), k=st.integers(1, 5))
+def test_rollback_integrity_under_random_acceptance(tiny_llama_dir, oracle_setup, seed,
+                                                    num_blocks, budget, k):
+    """Random accept/reject lengths, with chunking and preemption: outputs stay the greedy
+    ones, no block leaks, and every hashed block holds verified tokens under the right hash."""
+    prompts, params, truth = oracle_setup
+    llm = make_llm(tiny_llama_dir, num_kv_blocks=num_blocks, max_num_batched_tokens=budget,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    llm.engine.drafter = _NoisyOracle(truth, random.Random(seed))
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [truth[tuple(p)] for p in prompts]
+    llm.engine.check_integrity()
+    kv = llm.engine.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    valid = set()
+    for p in prompts:
+        seq, parent = p + truth[tuple(p)], ROOT_HASH
+        for i in range(len(seq) // kv.block_size):
+            tokens = tuple(seq[i * kv.block_size:(i + 1) * kv.block_size])
+            h = hash_block(parent, tokens)
+            valid.add(BlockKey(h, parent, tokens))
+            parent = h
+    assert all(b.key in valid for b in kv.pool.cached.values())
+    assert llm.engine.spec_stats.num_drafts > 0
 
 
 def test_ngram_lookup():

@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 from collections import Counter
@@ -400,16 +401,63 @@ async def fetch_model(client: httpx.AsyncClient, cfg: ServeBenchConfig) -> str |
                          f"pass --model") from exc
 
 
+_SPEC_RE = re.compile(r'^kvserve:spec_decode_(\w+?)(?:_total)?(?:\{([^}]*)\})? ([-0-9.e+]+)$',
+                      re.MULTILINE)
+
+
+async def fetch_spec_counters(client: httpx.AsyncClient, cfg: ServeBenchConfig
+                              ) -> dict[str, float] | None:
+    """kvserve's speculative-decoding counters from /metrics ("name" or "name@position");
+    None when the server has no such metrics (not kvserve, or no speculation)."""
+    try:
+        resp = await client.get(join_url(cfg.base_url, "/metrics"), headers=auth_headers(cfg))
+        if resp.status_code != 200:
+            return None
+    except httpx.HTTPError:
+        return None
+    out: dict[str, float] = {}
+    for name, labels, value in _SPEC_RE.findall(resp.text):
+        if name == "config" or name.endswith("_created"):
+            continue
+        pos = re.search(r'position="(\d+)"', labels or "")
+        out[name + (f"@{pos.group(1)}" if pos else "")] = float(value)
+    return out or None
+
+
+def spec_summary(before: dict[str, float] | None, after: dict[str, float] | None
+                 ) -> dict[str, Any] | None:
+    """What the run's speculation did: drafts, draft and accepted tokens, acceptance rate,
+    mean acceptance length (tokens per verifying step: accepted + 1), and the acceptance
+    rate at each draft position."""
+    if after is None:
+        return None
+    before = before or {}
+    d = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    drafts, tokens = d.get("num_drafts", 0.0), d.get("num_draft_tokens", 0.0)
+    accepted = d.get("num_accepted_tokens", 0.0)
+    positions = sorted(int(k.split("@")[1]) for k in d if k.startswith("num_draft_tokens_per_pos@"))
+    per_pos = [d.get(f"num_accepted_tokens_per_pos@{i}", 0.0)
+               / d[f"num_draft_tokens_per_pos@{i}"] if d[f"num_draft_tokens_per_pos@{i}"]
+               else None for i in positions]
+    return {"drafts": int(drafts), "draft_tokens": int(tokens), "accepted_tokens": int(accepted),
+            "acceptance_rate": accepted / tokens if tokens else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_rate_per_position": per_pos,
+            "steps_without_speculation": int(d.get("num_steps_off", 0.0))}
+
+
 @dataclass
 class BenchResult:
     config: dict[str, Any]
     model: str
     summary: Summary
     records: list[RequestRecord]
+    spec_decode: dict[str, Any] | None = None  # spec_summary of the timed run
 
     def as_json(self) -> dict[str, Any]:
         return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "model": self.model,
                 "config": self.config, "summary": asdict(self.summary),
+                "spec_decode": self.spec_decode,
                 "requests": [r.as_json() for r in self.records]}
 
 
@@ -433,14 +481,16 @@ async def benchmark(
             if not any(r.success for r in outcome.records):
                 raise BenchError(f"the warm-up request failed: {outcome.records[0].error} "
                                  f"(POST {cfg.url}, model {model!r})")
+        spec_before = await fetch_spec_counters(client, cfg)
         progress = Progress(len(requests), enabled=cfg.progress)
         try:
             outcome = await run_load(client, cfg, model, requests, headers, progress)
         finally:
             progress.close()
+        spec = spec_summary(spec_before, await fetch_spec_counters(client, cfg))
     summary = summarize(outcome.records, outcome.duration, cfg.goodput, outcome.peak_concurrency)
     return BenchResult(config=config_json(cfg), model=model, summary=summary,
-                       records=outcome.records)
+                       records=outcome.records, spec_decode=spec)
 
 
 def config_json(cfg: ServeBenchConfig) -> dict[str, Any]:
@@ -620,6 +670,18 @@ def format_report(result: BenchResult) -> str:
         row(f"P90 {short} (ms):", stats.p90)
         row(f"P99 {short} (ms):", stats.p99)
         row(f"Max {short} (ms):", stats.max)
+    sp = result.spec_decode
+    if sp is not None:
+        lines.append(" Speculative Decoding ".center(_WIDTH, "-"))
+        row("Drafts:", sp["drafts"])
+        row("Draft tokens:", sp["draft_tokens"])
+        row("Accepted tokens:", sp["accepted_tokens"])
+        if sp["acceptance_rate"] is not None:
+            row("Acceptance rate (%):", 100.0 * sp["acceptance_rate"])
+            row("Mean acceptance length:", sp["mean_acceptance_length"])
+            row("Per-position acceptance (%):", " ".join(
+                "-" if r is None else f"{100 * r:.1f}" for r in sp["acceptance_rate_per_position"]))
+        row("Steps without speculation:", sp["steps_without_speculation"])
     lines.append("=" * _WIDTH)
     if s.short_outputs:
         lines.append(f"note: {s.short_outputs} requests generated fewer tokens than max_tokens "

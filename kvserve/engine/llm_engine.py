@@ -101,10 +101,29 @@ class SpecStats:
     num_accepted: int = 0  # of those, accepted
     num_rounds: int = 0  # request-steps that verified at least one draft
     num_steps_off: int = 0  # steps where the batch was too large to speculate
+    # per draft position i (0-based): drafts verified there, and accepted there
+    drafts_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step yields per request on average: accepted drafts + 1."""
+        return 1 + self.num_accepted / self.num_rounds if self.num_rounds else 0.0
+
+    def count(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += drafted
+        self.num_accepted += accepted
+        self.num_rounds += 1
+        while len(self.drafts_at) < drafted:
+            self.drafts_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(drafted):
+            self.drafts_at[i] += 1
+            self.accepted_at[i] += i < accepted
 
 
 class LLMEngine:
@@ -371,10 +390,7 @@ class LLMEngine:
             self.drafter.propose(reqs, ks)
 
     def _count_round(self, req: Request, drafted: int, accepted: int) -> None:
-        st = self.spec_stats
-        st.num_drafts += drafted
-        st.num_accepted += accepted
-        st.num_rounds += 1
+        self.spec_stats.count(drafted, accepted)
         req.num_drafted += drafted
         req.num_accepted += accepted
         # Moving average over about the last acceptance_window drafts: each draft token
