@@ -6,9 +6,10 @@ result is already in the [Hkv, B, L, W] order the batched matmuls want (measured
 here than advanced indexing followed by a transpose, and than SDPA with a mask, for decode
 shapes).
 
-Decode tokens (one query per request) are attended in one batched call over a padded gather
-of their contexts; prompt chunks go one request at a time through SDPA, since padding a long
-chunk to the batch would waste more than the loop costs.
+Decode tokens (one query per request, or a few after context: speculative drafts) are
+attended in one batched call over a padded gather of their contexts; prompt chunks go one
+request at a time through SDPA, since padding a long chunk to the batch would waste more than
+the loop costs.
 
 With `kv_cache_dtype="int8"` rows are quantized on write (layout in `kv_quant`). Prompt
 chunks dequantize what they gather; decode applies the per-row scales to its scores and
@@ -37,6 +38,10 @@ from kvserve.attention.kv_quant import (
 # Decode batches with at most this many context tokens in all (batch x padded length) do their
 # attention math in float32.
 SMALL_DECODE_TOKENS = 1024
+# A request with up to this many new tokens after some context (a decode verifying speculative
+# drafts) is attended as that many decode rows, row j seeing the context up to its own token:
+# exact causal attention in the batched decode call instead of a per-request SDPA call.
+MAX_ROWS_AS_DECODES = 8
 
 
 @dataclass
@@ -95,11 +100,11 @@ class TorchPagedAttention(AttentionBackend):
     def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         device = batch.slot_mapping.device
         bs = batch.block_size
-        decode_rows, prefills = [], []
+        decode_rows, prefills = [], []  # decode rows: (flat position, request, context length)
         start = 0
         for i, (q, ctx) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
-            if q == 1:
-                decode_rows.append((start, i))
+            if q == 1 or (q <= MAX_ROWS_AS_DECODES and ctx > q):
+                decode_rows.extend((start + j, i, ctx - q + j + 1) for j in range(q))
             else:
                 span = PrefillSpan(start, start + q, None, ctx, None)
                 if ctx != q:
@@ -112,16 +117,16 @@ class TorchPagedAttention(AttentionBackend):
         meta = TorchAttentionMetadata(batch.slot_mapping, start, bs, None, not prefills, None,
                                       None, prefills)
         if decode_rows:
-            lens = [batch.context_lens[i] for _, i in decode_rows]
+            lens = [n for _, _, n in decode_rows]
             width = -(-max(lens) // bs)
             meta.decode_blocks = torch.tensor(
-                [b for (_, i), n in zip(decode_rows, lens, strict=True)
+                [b for _, i, n in decode_rows
                  for b in batch.block_tables[i][:-(-n // bs)] + [0] * (width - -(-n // bs))],
                 device=device)
             valid = (torch.arange(width * bs, device=device)[None, :]
                      < torch.tensor(lens, device=device)[:, None])
             meta.decode_lens = torch.tensor(lens, device=device)
-            meta.decode_idx = torch.tensor([s for s, _ in decode_rows], device=device)
+            meta.decode_idx = torch.tensor([s for s, _, _ in decode_rows], device=device)
             meta.decode_bias = torch.zeros(valid.shape, device=device).masked_fill_(
                 ~valid, float("-inf"))[None, :, None, :]
         return meta
