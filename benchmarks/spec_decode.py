@@ -4,9 +4,9 @@
                                      [--only baseline,ngram,...]
 
 For each configuration, with the offline API and greedy sampling:
-  - single stream: the prompts one after another; output tokens/s over all of them;
-  - batch of 8: the same prompts all at once; output tokens/s;
-  - draft tokens verified, accepted, acceptance rate, and tokens per target step;
+  - single stream, per prompt set: the prompts one after another; output tokens/s over all;
+    drafts, draft tokens, accepted tokens, mean acceptance length, per-position acceptance;
+  - concurrency 32: both sets twice over (32 prompts) submitted at once; output tokens/s;
   - whether every output is token-for-token the baseline's (the same target weights).
 Two prompt sets: "chat" (open questions) and "copy" (tasks that repeat their input, where
 prompt lookup shines). Configurations (the target in brackets):
@@ -20,9 +20,11 @@ prompt lookup shines). Configurations (the target in brackets):
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 from kvserve.engine.llm import LLM
+from kvserve.engine.llm_engine import SpecStats
 from kvserve.sampling_params import SamplingParams
 
 CHAT = [
@@ -50,27 +52,31 @@ COPY = [
 ]
 
 
-def run(name: str, llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
-    eng = llm.engine
+def spec_line(before: SpecStats, after: SpecStats) -> str:
+    rounds = after.num_rounds - before.num_rounds
+    drafts = after.num_drafts - before.num_drafts
+    accepted = after.num_accepted - before.num_accepted
+    if not drafts:
+        return "no drafts"
+    per_pos = []
+    for i, (d, a) in enumerate(zip(after.drafts_at, after.accepted_at, strict=True)):
+        d0 = before.drafts_at[i] if i < len(before.drafts_at) else 0
+        a0 = before.accepted_at[i] if i < len(before.accepted_at) else 0
+        per_pos.append(f"{100 * (a - a0) / (d - d0):.0f}%" if d > d0 else "-")
+    return (f"drafts {rounds} draft tokens {drafts} accepted {accepted} "
+            f"({100 * accepted / drafts:.1f}%) mean acceptance length "
+            f"{1 + accepted / rounds:.2f} per position {' '.join(per_pos)}")
+
+
+def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams, together: bool
+          ) -> tuple[list[list[int]], float, str]:
+    before = copy.deepcopy(llm.engine.spec_stats)
     t0 = time.perf_counter()
-    single = [llm.generate([p], params)[0] for p in prompts]
-    t_single = time.perf_counter() - t0
-    before = (eng.spec_stats.num_drafts, eng.spec_stats.num_accepted)
-    t0 = time.perf_counter()
-    batch = llm.generate(prompts, params)
-    t_batch = time.perf_counter() - t0
-    n_single = sum(len(o.outputs[0].token_ids) for o in single)
-    n_batch = sum(len(o.outputs[0].token_ids) for o in batch)
-    drafts = sum(o.metrics.num_draft_tokens for o in single)
-    accepted = sum(o.metrics.num_accepted_tokens for o in single)
-    return {
-        "name": name, "single_tps": n_single / t_single, "batch_tps": n_batch / t_batch,
-        "drafts": drafts, "accepted": accepted,
-        "batch_drafts": eng.spec_stats.num_drafts - before[0],
-        "batch_accepted": eng.spec_stats.num_accepted - before[1],
-        "tokens": [o.outputs[0].token_ids for o in single],
-        "batch_tokens": [o.outputs[0].token_ids for o in batch],
-    }
+    outs = (llm.generate(prompts, params) if together
+            else [llm.generate([p], params)[0] for p in prompts])
+    dt = time.perf_counter() - t0
+    tokens = [o.outputs[0].token_ids for o in outs]
+    return tokens, sum(map(len, tokens)) / dt, spec_line(before, llm.engine.spec_stats)
 
 
 def main() -> None:
@@ -90,29 +96,23 @@ def main() -> None:
     ]
     only = set(args.only.split(",")) if args.only else None
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    results: dict[tuple[str, str], dict] = {}
+    results: dict[tuple[str, str], tuple[list[list[int]], float]] = {}
     for name, quant, spec, ref in configs:
         if (only and name not in only) or (name == "mtp" and not args.mtp):
             continue
         llm = LLM(quantization=quant, speculative_config=spec)
-        for set_name, texts in (("chat", CHAT), ("copy", COPY)):
-            prompts = [llm.render_chat([{"role": "user", "content": t}]) for t in texts]
-            llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))  # warm up
-            r = run(name, llm, prompts, params)
-            base = results.get((ref, set_name))
-            r["same_single"] = None if base is None else r["tokens"] == base["tokens"]
-            r["same_batch"] = None if base is None else r["batch_tokens"] == base["tokens"]
-            r["speedup_single"] = None if base is None else r["single_tps"] / base["single_tps"]
-            r["speedup_batch"] = None if base is None else r["batch_tps"] / base["batch_tps"]
-            results[(name, set_name)] = r
-            acc = f"{100 * r['accepted'] / r['drafts']:.1f}%" if r["drafts"] else "-"
-            bacc = (f"{100 * r['batch_accepted'] / r['batch_drafts']:.1f}%"
-                    if r["batch_drafts"] else "-")
-            print(f"{name:14s} {set_name:5s} single {r['single_tps']:6.1f} tok/s "
-                  f"(x{r['speedup_single'] or 1:.2f})  batch-8 {r['batch_tps']:6.1f} tok/s "
-                  f"(x{r['speedup_batch'] or 1:.2f})  drafts {r['drafts']:5d} accepted "
-                  f"{acc:>6s} (batch {bacc:>6s})  identical to {ref}: single "
-                  f"{r['same_single']} batch {r['same_batch']}", flush=True)
+        chat = [llm.render_chat([{"role": "user", "content": t}]) for t in CHAT]
+        copy_ = [llm.render_chat([{"role": "user", "content": t}]) for t in COPY]
+        llm.generate(chat[:1], SamplingParams(temperature=0, max_tokens=8))  # warm up
+        for run, prompts, together in (("chat", chat, False), ("copy", copy_, False),
+                                       ("c32", (chat + copy_) * 2, True)):
+            tokens, tps, line = timed(llm, prompts, params, together)
+            results[(name, run)] = (tokens, tps)
+            base = results.get((ref, run))
+            same = "-" if base is None or ref == name else str(tokens == base[0])
+            speed = "" if base is None or ref == name else f" (x{tps / base[1]:.2f} {ref})"
+            print(f"{name:14s} {run:5s} {tps:6.1f} tok/s{speed}  identical: {same:5s}  "
+                  f"{line}", flush=True)
         del llm
 
 

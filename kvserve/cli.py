@@ -277,14 +277,18 @@ def cmd_train_mtp(args: argparse.Namespace) -> int:
     for name in ("num_prompts", "max_tokens", "epochs", "batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.draft_vocab < 0:
+        raise ValueError("--draft-vocab must be >= 0 (0: the whole vocabulary)")
     report = train_mtp(args.model, Path(args.output), args.num_prompts, args.max_tokens,
-                       args.epochs, args.batch_size, args.lr, seed=args.seed,
-                       progress=not args.no_progress)
+                       args.epochs, args.batch_size, args.lr, draft_vocab=args.draft_vocab,
+                       seed=args.seed, progress=not args.no_progress)
     last = report["history"][-1]
     print(f"saved {args.output}: {report['train_positions']} training positions from "
-          f"{report['sequences']} generations, {report['total_seconds']:.0f}s; held-out "
-          f"agreement with the target's greedy token: depth 1 "
-          f"{100 * last['val_agree_depth1']:.1f}%, depth 2 {100 * last['val_agree_depth2']:.1f}%")
+          f"{report['sequences']} generations, {report['total_seconds']:.0f}s; draft vocabulary "
+          f"{report['draft_vocab']} tokens ({100 * report['draft_vocab_coverage']:.1f}% of "
+          f"the target's choices); on answers about held-out topics, agreement with the "
+          f"target's greedy token: depth 1 {100 * last['val_agree_depth1']:.1f}%, depth 2 "
+          f"{100 * last['val_agree_depth2']:.1f}%")
     print(f'use it with --speculative-config \'{{"method": "mtp", "model": "{args.output}"}}\'')
     return 0
 
@@ -411,11 +415,14 @@ def build_parser() -> argparse.ArgumentParser:
                                          "model's own generations")
     t.add_argument("--model", default=None, help="target model (default: the default model)")
     t.add_argument("--output", default="mtp.safetensors", help="where to save the module")
-    t.add_argument("--num-prompts", type=int, default=320)
+    t.add_argument("--num-prompts", type=int, default=1024)
     t.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
     t.add_argument("--epochs", type=int, default=6)
     t.add_argument("--batch-size", type=int, default=256)
     t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--draft-vocab", type=int, default=8192,
+                   help="tokens the draft head scores, the most frequent in the data "
+                        "(0: the whole vocabulary)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--no-progress", action="store_true")
     t.add_argument("--no-download", action="store_true",

@@ -49,9 +49,28 @@ class VerifyOutput:
     logprobs: list[list[TokenLogprobs | None]]
 
 
+def plain_greedy(req: Request) -> bool:
+    """Greedy on the raw logits: no bias, no penalties, no min_tokens bans pending, no
+    logprobs to compute."""
+    p = req.sampling_params
+    return (p.is_greedy and not p.logit_bias and not p.has_penalties and p.logprobs is None
+            and (p.min_tokens == 0 or req.num_output_tokens >= p.min_tokens))
+
+
 def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
            device: torch.device) -> VerifyOutput:
     """`logits` [sum(k_i + 1), V]: per request, in order, one row per draft and one more."""
+    if all(plain_greedy(r) for r in requests):  # the common case, without the machinery
+        greedy_h = logits.argmax(dim=-1).tolist()
+        tokens, o = [], 0
+        for req in requests:
+            drafts = req.draft_token_ids
+            a = 0
+            while a < len(drafts) and drafts[a] == greedy_h[o + a]:
+                a += 1
+            tokens.append(drafts[:a] + [greedy_h[o + a]])
+            o += len(drafts) + 1
+        return VerifyOutput(tokens, [[None] * len(t) for t in tokens])
     rows: list[Row] = []
     for req in requests:
         out = req.output_token_ids

@@ -6,7 +6,7 @@ import torch
 
 from kvserve.request import Request
 from kvserve.sampler import SamplingMetadata, apply_processors, apply_truncation, inverse_cdf
-from kvserve.spec_decode.rejection import Row
+from kvserve.spec_decode.rejection import Row, plain_greedy
 
 
 def sample_drafts(logits: torch.Tensor, requests: list[Request],
@@ -16,6 +16,8 @@ def sample_drafts(logits: torch.Tensor, requests: list[Request],
     with the request's own sampling settings (as if its drafts so far were output).
     Greedy requests take the argmax; others sample. Returns the tokens and, when any
     request samples, the distributions q [B, V] they were drawn from."""
+    if all(plain_greedy(r) for r in requests):
+        return logits.argmax(dim=-1).tolist(), None
     rows = [Row(r.sampling_params, r.prompt_token_ids,
                 r.output_token_ids + drafts[r.request_id], r.generator, r.eos_token_ids)
             for r in requests]
