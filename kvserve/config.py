@@ -109,11 +109,14 @@ class SpecConfig:
     """Speculative decoding, as `--speculative-config` takes it (JSON, vLLM's field names).
 
     Per step, every decoding request may carry up to `num_speculative_tokens` drafts, which
-    the target verifies in the same forward as the rest of the batch. The adaptive policy
-    drafts nothing while more than `max_batch_size` requests run (a large batch is already
-    compute-bound, so verifying rejected drafts costs real time), and drafts only one token
-    for a request whose measured acceptance (accepted / drafted over its last
-    `acceptance_window` drafts) is below `min_acceptance`, so that it keeps probing.
+    the target verifies in the same forward as the rest of the batch. The adaptive policy:
+    - no drafts while more than `max_batch_size` requests run: a large batch is already
+      compute-bound, so verifying drafts that get rejected costs real time;
+    - at most `max_draft_tokens` drafts per step in all, handed out to the requests with
+      the best recent acceptance first, so a step stays small enough to be memory-bound;
+    - a request whose recent acceptance (a moving average over about `acceptance_window`
+      drafts) is below `min_acceptance` drafts nothing, except one probe token every
+      `probe_interval` steps, so it can recover when the text turns predictable.
     """
 
     method: str
@@ -122,9 +125,11 @@ class SpecConfig:
     prompt_lookup_max: int = 4  # ngram: longest suffix to match
     model: str | None = None  # draft_model: model name/path; mtp: safetensors file
     quantization: str = "int4"  # draft_model: weights of the draft
-    max_batch_size: int = 16
+    max_batch_size: int = 8
+    max_draft_tokens: int = 12
     min_acceptance: float = 0.3
     acceptance_window: int = 32
+    probe_interval: int = 8
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -139,8 +144,10 @@ class SpecConfig:
         if self.method == "mtp" and not self.model:
             raise ValueError('method "mtp" needs "model": the MTP safetensors file '
                              "(written by `kvserve train-mtp`)")
-        if self.max_batch_size < 1 or self.acceptance_window < 1:
-            raise ValueError("max_batch_size and acceptance_window must be >= 1")
+        for name in ("max_batch_size", "max_draft_tokens", "acceptance_window",
+                     "probe_interval"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not 0.0 <= self.min_acceptance <= 1.0:
             raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
 

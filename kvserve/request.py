@@ -72,6 +72,7 @@ class Request:
     num_drafted: int = 0
     num_accepted: int = 0
     spec_acceptance: float = 1.0  # recent acceptance rate, for the adaptive policy
+    spec_idle_steps: int = 0  # decode steps without drafts since the last probe
     # Target's final hidden state at the row that sampled the newest token (MTP drafting).
     spec_hidden: torch.Tensor | None = None
     timeline: RequestTimeline = field(init=False)

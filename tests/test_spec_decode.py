@@ -327,21 +327,28 @@ class _WrongDrafter(Drafter):
 
 
 def test_adaptive_policy(tiny_llama_dir):
-    cfg = {"method": "ngram", "num_speculative_tokens": 4, "max_batch_size": 2,
-           "min_acceptance": 0.5, "acceptance_window": 8}
+    cfg = {"method": "ngram", "num_speculative_tokens": 4, "max_batch_size": 3,
+           "max_draft_tokens": 6, "min_acceptance": 0.5, "acceptance_window": 8,
+           "probe_interval": 4}
     llm = make_llm(tiny_llama_dir, speculative_config=cfg)
     drafter = llm.engine.drafter = _WrongDrafter()
     base = make_llm(tiny_llama_dir)
     prompts = repetitive_prompts(4, seed=8)
     want = [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY)]
-    # Four requests > max_batch_size: no drafts at all.
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
-    assert llm.engine.spec_stats.num_steps_off > 0 and not drafter.calls
-    # Alone: drafts, all rejected, so the request falls back to one draft per step.
+    # Four requests > max_batch_size: no drafts until one finishes.
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.engine.spec_stats.num_steps_off > 0
+    # With three running, at most max_draft_tokens drafts per step in all.
+    assert all(sum(ks) <= 6 for ks in drafter.calls)
+    # Alone: drafts, all rejected, so the request stops drafting but for a one-token probe
+    # every probe_interval steps.
+    drafter.calls.clear()
     out = llm.generate([prompts[0]], GREEDY)[0]
     assert out.outputs[0].token_ids == want[0]
     ks = [c[0] for c in drafter.calls]
     assert ks[0] == 4 and ks[-1] == 1
+    assert len(ks) < GREEDY.max_tokens // 2  # most steps drafted nothing
     assert out.metrics.num_draft_tokens == sum(ks) and out.metrics.num_accepted_tokens == 0
 
 

@@ -366,28 +366,33 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Drafts for the requests that decode in the coming step, by the adaptive policy
-        of SpecConfig: none while the running batch is larger than max_batch_size, one for
-        a request whose recent acceptance is below min_acceptance, else up to
-        num_speculative_tokens (never past max_tokens)."""
-        assert self.spec is not None and self.drafter is not None
+        of SpecConfig (see there), never past a request's max_tokens."""
+        spec, drafter = self.spec, self.drafter
+        assert spec is not None and drafter is not None
         running = self.scheduler.running
         decoding = [r for r in running if r.status == RequestStatus.RUNNING
                     and r.num_computed_tokens == r.num_tokens - 1]
         if not decoding:
             return
-        if len(running) > self.spec.max_batch_size:
+        if len(running) > spec.max_batch_size:
             self.spec_stats.num_steps_off += 1
             return
         reqs, ks = [], []
-        for r in decoding:
-            k = min(self.spec.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1)
-            if r.spec_acceptance < self.spec.min_acceptance:
+        budget = spec.max_draft_tokens
+        for r in sorted(decoding, key=lambda r: -r.spec_acceptance):
+            k = min(spec.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1, budget)
+            if r.spec_acceptance < spec.min_acceptance:
+                r.spec_idle_steps += 1
+                if r.spec_idle_steps < spec.probe_interval:
+                    continue
                 k = min(k, 1)
             if k >= 1:
+                r.spec_idle_steps = 0
                 reqs.append(r)
                 ks.append(k)
+                budget -= k
         if reqs:
-            self.drafter.propose(reqs, ks)
+            drafter.propose(reqs, ks)
 
     def _count_round(self, req: Request, drafted: int, accepted: int) -> None:
         self.spec_stats.count(drafted, accepted)
