@@ -116,7 +116,7 @@ def test_int4_keeps_q4_1_weights(tiny_llama_dir):
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_engine_with_quantization_batches_consistently(tiny_llama_dir, method):
-    # A 16-token step budget keeps every step on the quantized kernels (SMALL_BATCH rows),
+    # A SMALL_BATCH-token step budget keeps every step on the quantized kernels,
     # so numerics do not depend on batch composition; bigger steps switch to the bf16 matmul.
     llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, num_kv_blocks=128,
               quantization=method, max_num_batched_tokens=SMALL_BATCH)
