@@ -12,7 +12,7 @@ Two prompt sets: "chat" (open questions) and "copy" (tasks that repeat their inp
 prompt lookup shines). Configurations (the target in brackets):
   baseline           [int4, the default]   no speculation
   ngram              [int4]                prompt lookup, k=3
-  mtp                [int4]                trained MTP module, k=2 (needs --mtp)
+  mtp                [int4]                trained MTP module, k=--mtp-k (needs --mtp)
   baseline-bf16      [bf16 weights]        no speculation
   draft-int4         [bf16 weights]        the same model with int4 weights as draft, k=3
 """
@@ -68,6 +68,15 @@ def spec_line(before: SpecStats, after: SpecStats) -> str:
             f"{1 + accepted / rounds:.2f} per position {' '.join(per_pos)}")
 
 
+def _same(tokens: list[list[int]], base: list[list[int]]) -> str:
+    """How many outputs equal the reference's, and where the others first differ."""
+    diverge = [next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                    min(len(a), len(b)))
+               for a, b in zip(tokens, base, strict=True) if a != b]
+    text = f"{len(tokens) - len(diverge)}/{len(tokens)}"
+    return text + (f" (others differ from token {diverge})" if diverge else "")
+
+
 def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams, together: bool
           ) -> tuple[list[list[int]], float, str]:
     before = copy.deepcopy(llm.engine.spec_stats)
@@ -82,13 +91,14 @@ def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams, together: 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mtp", default=None, help="MTP module from `kvserve train-mtp`")
+    p.add_argument("--mtp-k", type=int, default=1, help="MTP drafts per step")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--only", default=None, help="comma-separated configuration names")
     args = p.parse_args()
     configs = [
         ("baseline", "auto", None, "baseline"),
         ("ngram", "auto", {"method": "ngram", "num_speculative_tokens": 3}, "baseline"),
-        ("mtp", "auto", {"method": "mtp", "model": args.mtp, "num_speculative_tokens": 2},
+        ("mtp", "auto", {"method": "mtp", "model": args.mtp, "num_speculative_tokens": args.mtp_k},
          "baseline"),
         ("baseline-bf16", "none", None, "baseline-bf16"),
         ("draft-int4", "none", {"method": "draft_model", "quantization": "int4",
@@ -109,9 +119,9 @@ def main() -> None:
             tokens, tps, line = timed(llm, prompts, params, together)
             results[(name, run)] = (tokens, tps)
             base = results.get((ref, run))
-            same = "-" if base is None or ref == name else str(tokens == base[0])
+            same = "-" if base is None or ref == name else _same(tokens, base[0])
             speed = "" if base is None or ref == name else f" (x{tps / base[1]:.2f} {ref})"
-            print(f"{name:14s} {run:5s} {tps:6.1f} tok/s{speed}  identical: {same:5s}  "
+            print(f"{name:14s} {run:5s} {tps:6.1f} tok/s{speed}  identical: {same}  "
                   f"{line}", flush=True)
         del llm
 
