@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from kvserve.bench.datasets import (
     DatasetConfig,
@@ -69,8 +69,13 @@ class FakeServer:
     peak: int = 0
     bodies: list[dict] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)
+    # /metrics with kvserve's speculative-decoding counters (404 when False); per request
+    # served: 2 drafts of 3 tokens, accepted 2, 1 and 0 at positions 0, 1 and 2.
+    spec_metrics: bool = False
+    served: int = 0
 
     def reset(self) -> None:
+        self.spec_metrics, self.served = False, 0
         self.first_delay, self.gap, self.send_usage = FIRST_DELAY, GAP, True
         self.in_flight = self.peak = 0
         self.bodies.clear()
@@ -118,11 +123,30 @@ def make_app(fake: FakeServer) -> FastAPI:
                 yield chunk(None, "length")
                 if fake.send_usage and body.get("stream_options", {}).get("include_usage"):
                     yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
+                fake.served += 1
                 yield "data: [DONE]\n\n"
             finally:
                 fake.in_flight -= 1
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @app.get("/metrics")
+    async def metrics():
+        if not fake.spec_metrics:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        n, m = fake.served, 'model_name="fake-model"'
+        lines = [f"kvserve:spec_decode_num_drafts_total{{{m}}} {2.0 * n}",
+                 f"kvserve:spec_decode_num_drafts_created{{{m}}} 1.7e9",
+                 f"kvserve:spec_decode_num_draft_tokens_total{{{m}}} {6.0 * n}",
+                 f"kvserve:spec_decode_num_accepted_tokens_total{{{m}}} {3.0 * n}",
+                 f"kvserve:spec_decode_num_steps_off_total{{{m}}} 0.0",
+                 f'kvserve:spec_decode_config{{{m},method="ngram"}} 1.0']
+        for pos, acc in enumerate((2, 1, 0)):
+            lines.append(f'kvserve:spec_decode_num_draft_tokens_per_pos_total{{{m},'
+                         f'position="{pos}"}} {2.0 * n}')
+            lines.append(f'kvserve:spec_decode_num_accepted_tokens_per_pos_total{{{m},'
+                         f'position="{pos}"}} {float(acc * n)}')
+        return PlainTextResponse("\n".join(lines) + "\n")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -553,3 +577,22 @@ def test_jsonl_errors_name_the_line(tmp_path, content, message):
 def test_missing_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(DatasetError, match="--tokenizer"):
         load_tokenizer(str(tmp_path / "nope.gguf"))
+
+
+def test_reports_speculative_decoding_from_server_metrics(fake):
+    fake.served = 5  # counts before the run must not leak into its figures
+    fake.spec_metrics = True
+    result = run_bench(fake, prompts(4))
+    assert result.spec_decode == {
+        "drafts": 8, "draft_tokens": 24, "accepted_tokens": 12, "acceptance_rate": 0.5,
+        "mean_acceptance_length": 2.5, "acceptance_rate_per_position": [1.0, 0.5, 0.0],
+        "steps_without_speculation": 0}
+    report = format_report(result)
+    assert "Speculative Decoding" in report and "100.0 50.0 0.0" in report
+    assert "Mean acceptance length:" in report
+
+
+def test_no_speculation_section_without_server_metrics(fake):
+    result = run_bench(fake, prompts(2))
+    assert result.spec_decode is None
+    assert "Speculative Decoding" not in format_report(result)
