@@ -55,6 +55,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 3}\'; methods ngram, draft_model, mtp')
+    g.add_argument("--timeline-buffer-size", type=int, default=1000,
+                   help="finished requests whose timelines stay available (0: none)")
+    g.add_argument("--step-buffer-size", type=int, default=1000,
+                   help="recent engine steps kept by the step profiler (0: none)")
     g.add_argument("--no-download", action="store_true",
                    help="fail instead of installing the default model when it is missing")
 
@@ -115,7 +119,8 @@ def engine_args_from(args: argparse.Namespace):
         host_kv_cache_memory=args.host_kv_cache_memory, kv_cache_dir=args.kv_cache_dir,
         kv_cache_disk_size=args.kv_cache_disk_size,
         kv_cache_write_policy=args.kv_cache_write_policy,
-        speculative_config=args.speculative_config)
+        speculative_config=args.speculative_config,
+        timeline_buffer_size=args.timeline_buffer_size, step_buffer_size=args.step_buffer_size)
 
 
 def engine_from(args: argparse.Namespace):

@@ -20,6 +20,9 @@ _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
 _TOKEN_LATENCY = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
                   0.3, 0.5, 0.75, 1.0, 2.5)
 _LENGTHS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+_STEP = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0,
+         2.0, 5.0)
+STEP_PHASES = ("draft", "schedule", "prepare", "forward", "sample", "output", "total")
 
 
 class EngineMetrics:
@@ -89,6 +92,14 @@ class EngineMetrics:
                                   "(1 for the active config)",
                                   ["model_name", "method", "num_speculative_tokens",
                                    "max_batch_size", "min_acceptance"], registry=r)
+        self._step_phase = Histogram("kvserve:engine_step_seconds", "Engine step time by "
+                                     "phase (draft, schedule, prepare, forward, sample, "
+                                     "output, total)", ["model_name", "phase"],
+                                     buckets=_STEP, registry=r)
+        self._step_phases = {p: self._step_phase.labels(model_name, p) for p in STEP_PHASES}
+        self.step_tokens = hist("engine_step_tokens", "Tokens computed per engine step",
+                                _LENGTHS)
+        self._last_step = 0
         self.model_name = model_name
         self._last_token: dict[str, tuple[float, int]] = {}  # request -> (time, tokens seen)
         self._seen: dict[tuple[str, str], int] = {}  # last totals behind each counter
@@ -142,6 +153,16 @@ class EngineMetrics:
                 self._advance(self._tier_loads.labels(self.model_name, tier), ("load", tier), n)
             for tier, n in tiers.saves.items():
                 self._advance(self._tier_saves.labels(self.model_name, tier), ("save", tier), n)
+
+    def observe_steps(self, steps) -> None:
+        """Engine StepRecords not seen yet (the engine keeps a bounded window of them)."""
+        for rec in steps:
+            if rec.step <= self._last_step:
+                continue
+            self._last_step = rec.step
+            for phase, h in self._step_phases.items():
+                h.observe(getattr(rec, phase))
+            self.step_tokens.observe(rec.prefill_tokens + rec.decode_tokens)
 
     def observe_spec(self, config, stats) -> None:
         """Speculative decoding: the policy (SpecConfig) and running totals (SpecStats)."""

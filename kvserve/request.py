@@ -36,14 +36,61 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class RequestTimeline:
-    """Instants (time.perf_counter seconds) of one request's life; RequestMetrics derives
-    the durations."""
+    """What happened to one request and when (time.perf_counter seconds).
+
+    The instants give the breakdown (RequestMetrics): queue = arrival -> first_scheduled,
+    prefill = first_scheduled -> first_token, decode = first_token -> finished. `events` is
+    the full story, in order: [t, kind, data] with kind one of arrival, prefix_hit (tokens,
+    per tier), prefill (a chunk: tokens, batch), decode (a run of consecutive decode steps
+    merged into one event: steps, tokens, batch sizes, drafted/accepted), first_token,
+    preempted (tokens of K/V lost), resumed, finished (reason). Merging decode steps keeps a
+    long generation's timeline a handful of entries.
+    """
 
     arrival: float
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
     num_preemptions: int = 0
+    preempted_time: float = 0.0  # seconds spent waiting between preemption and resume
+    events: list[list] = field(default_factory=list)
+
+    def add(self, t: float, kind: str, **data) -> None:
+        self.events.append([t, kind, data])
+
+    def add_step(self, t: float, prefill: bool, tokens: int, batch: int) -> None:
+        """One engine step that ran `tokens` of this request among `batch` requests."""
+        last = self.events[-1] if self.events else None
+        if prefill or last is None or last[1] != "decode":
+            self.add(t, "prefill" if prefill else "decode", tokens=tokens, batch=batch,
+                     **({} if prefill else {"steps": 1, "end": t, "batch_max": batch,
+                                            "batch_min": batch, "drafted": 0,
+                                            "accepted": 0}))
+            return
+        d = last[2]
+        d["steps"] += 1
+        d["tokens"] += tokens
+        d["end"] = t
+        d["batch"] += batch  # summed here, a mean in the JSON
+        d["batch_max"] = max(d["batch_max"], batch)
+        d["batch_min"] = min(d["batch_min"], batch)
+
+    def add_spec(self, drafted: int, accepted: int) -> None:
+        """Verification result of the newest decode step."""
+        if self.events and self.events[-1][1] == "decode":
+            self.events[-1][2]["drafted"] += drafted
+            self.events[-1][2]["accepted"] += accepted
+
+    def as_json(self) -> list[dict]:
+        """Events with times in seconds after arrival."""
+        out = []
+        for t, kind, data in self.events:
+            e = {"t": round(t - self.arrival, 6), "event": kind, **data}
+            if kind == "decode":
+                e["end"] = round(data["end"] - self.arrival, 6)
+                e["batch"] = round(data["batch"] / data["steps"], 2)
+            out.append(e)
+        return out
 
 
 @dataclass(eq=False)
@@ -82,6 +129,7 @@ class Request:
             raise ValueError("prompt must contain at least one token")
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.timeline = RequestTimeline(arrival=self.arrival_time)
+        self.timeline.add(self.arrival_time, "arrival", prompt_tokens=len(self.prompt_token_ids))
 
     @property
     def num_prompt_tokens(self) -> int:

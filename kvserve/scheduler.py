@@ -31,6 +31,7 @@ class ScheduledRequest:
     samples: bool
     # Of the new tokens, how many are drafts to verify (the last ones).
     num_drafts: int = 0
+    prefill: bool = False  # prompt work (or recompute), not a decode
 
 
 @dataclass
@@ -114,6 +115,11 @@ class Scheduler:
                     and self._budget > 0):
                 self._run(req, out)
         self._admit(out)
+        batch = len(out.scheduled)
+        for s in out.scheduled:
+            req = s.request
+            s.prefill = req.num_tokens - req.num_computed_tokens > 1
+            req.timeline.add_step(self._now, s.prefill, s.num_new_tokens, batch)
         return out
 
     def _run(self, req: Request, out: SchedulerOutput) -> None:
@@ -156,6 +162,13 @@ class Scheduler:
                 return
             self.waiting.remove(req)
             req.num_computed_tokens += num_hit
+            if req.status == RequestStatus.PREEMPTED:
+                since = next(e[0] for e in reversed(req.timeline.events) if e[1] == "preempted")
+                req.timeline.preempted_time += self._now - since
+                req.timeline.add(self._now, "resumed")
+            if num_hit:
+                req.timeline.add(self._now, "prefix_hit", tokens=num_hit,
+                                 tiers=hit.tokens_by_tier(self.kv.block_size))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(self._grant(req, n, self._now))
@@ -173,6 +186,7 @@ class Scheduler:
         return ScheduledRequest(req, n, num_drafts >= 0, max(num_drafts, 0))
 
     def _preempt(self, req: Request) -> None:
+        req.timeline.add(self._now, "preempted", tokens_lost=req.num_computed_tokens)
         req.clear_drafts()
         self.kv.free(req)
         req.num_computed_tokens = 0

@@ -391,3 +391,22 @@ def test_streaming_with_speculative_decoding(client, real_model_path):
         assert metric(url, "kvserve:spec_decode_num_draft_tokens_total") > 0
         assert metric(url, "kvserve:spec_decode_num_accepted_tokens_total") > 0
         assert 'method="ngram"' in httpx.get(f"{url}/metrics").text
+
+
+def test_request_timeline_and_engine_steps(server, client):
+    url = server[0]
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
+                                  temperature=0)
+    t = httpx.get(f"{url}/v1/requests/{r.id}/timeline").json()
+    assert t["id"] == r.id and t["finished"] and t["object"] == "request.timeline"
+    kinds = [e["event"] for e in t["samples"][0]["events"]]
+    assert kinds[0] == "arrival" and kinds[-1] == "finished" and "first_token" in kinds
+    assert t["breakdown"] == pytest.approx(r.model_extra["timings"])
+    missing = httpx.get(f"{url}/v1/requests/cmpl-nope/timeline")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["param"] == "request_id"
+    steps = httpx.get(f"{url}/v1/engine/steps", params={"limit": 3}).json()["data"]
+    assert 1 <= len(steps) <= 3
+    assert {"schedule", "prepare", "forward", "sample", "output", "total"} <= steps[-1].keys()
+    assert httpx.get(f"{url}/v1/engine/steps", params={"limit": 0}).status_code == 400
+    assert metric(url, "kvserve:engine_step_seconds_count") > 0

@@ -12,7 +12,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -90,7 +91,33 @@ class EngineArgs:
     kv_cache_write_policy: str = "write-back"  # or "write-through"
     # speculative decoding: JSON string or dict, vLLM's --speculative-config (SpecConfig)
     speculative_config: str | dict | None = None
+    timeline_buffer_size: int = 1000  # finished requests whose timelines are kept
+    step_buffer_size: int = 1000  # recent engine steps kept by the step profiler
     seed: int = 0
+
+
+@dataclass
+class StepRecord:
+    """One engine step: what ran and where its time went (seconds). On a GPU, forward and
+    sample are only separated where the sampler copies results to the host."""
+
+    step: int
+    time: float  # unix time at the start of the step
+    num_requests: int
+    prefill_tokens: int
+    decode_tokens: int  # decode tokens including drafts being verified
+    draft_tokens: int
+    preempted: int
+    draft: float  # proposing speculative drafts
+    schedule: float
+    prepare: float  # input tensors and attention metadata
+    forward: float
+    sample: float  # logits, sampling or verification
+    output: float  # appending tokens, detokenizing, stop checks, outputs
+    total: float
+
+    def as_json(self) -> dict:
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
 @dataclass
@@ -198,6 +225,14 @@ class LLMEngine:
         if cache.kv_cache_dtype == "int8":
             log.info("int8 KV: %.2fx the tokens of %s", capacity_gain(cfg, "int8", dtype),
                      dtype_name(dtype))
+        if args.timeline_buffer_size < 0 or args.step_buffer_size < 0:
+            raise ValueError("timeline and step buffer sizes must be >= 0")
+        self._timelines: OrderedDict[str, dict] = OrderedDict()  # finished, newest last
+        self._timeline_limit = args.timeline_buffer_size
+        self.steps: deque[StepRecord] = deque(maxlen=max(args.step_buffer_size, 1))
+        self._keep_steps = args.step_buffer_size > 0
+        self._num_steps = 0
+        self._wall_offset = time.time() - time.perf_counter()  # perf_counter -> unix time
         self._groups: dict[str, _Group] = {}
         self._samples: dict[str, tuple[_Group, _Sample]] = {}  # by scheduler request id
         self._pending: list[RequestOutput] = []
@@ -287,9 +322,12 @@ class LLMEngine:
         raises, every request in that batch fails (the others keep going); if handling one
         request's new token raises, only that request fails. Failed requests come out
         finished with `error` set."""
+        t0 = time.perf_counter()
         if self.drafter is not None:
             self._propose()
+        t1 = time.perf_counter()
         sched = self.scheduler.schedule()
+        t2 = time.perf_counter()
         if sched.is_empty:
             return self._take_pending()
         try:
@@ -338,7 +376,24 @@ class LLMEngine:
             outputs.append(self._output(group))
             if group.finished:
                 self._forget(group)
+        self._record_step(sched, result.timings, t0, t1, t2)
         return outputs
+
+    def _record_step(self, sched, timings: dict[str, float], t0: float, t1: float,
+                     t2: float) -> None:
+        self._num_steps += 1
+        if not self._keep_steps:
+            return
+        t_end = time.perf_counter()
+        t3 = t2 + sum(timings.values())
+        prefill = sum(s.num_new_tokens for s in sched.scheduled if s.prefill)
+        decode = sum(s.num_new_tokens for s in sched.scheduled if not s.prefill)
+        drafts = sum(s.num_drafts for s in sched.scheduled)
+        self.steps.append(StepRecord(
+            self._num_steps, t0 + self._wall_offset, len(sched.scheduled), prefill, decode,
+            drafts, len(sched.preempted), t1 - t0, t2 - t1, timings.get("prepare", 0.0),
+            timings.get("forward", 0.0), timings.get("sample", 0.0), max(t_end - t3, 0.0),
+            t_end - t0))
 
     def _append(self, sample: _Sample, tokens: list[int], logprobs: list, now: float) -> None:
         """Add a step's tokens (several after speculation) to a request one at a time,
@@ -351,6 +406,7 @@ class LLMEngine:
                 req.logprobs.append(lp)
             if req.timeline.first_token is None:
                 req.timeline.first_token = now
+                req.timeline.add(now, "first_token")
             sample.detok.add_tokens([token])
             status = req.check_stop_token()
             if status is RequestStatus.FINISHED_STOPPED:
@@ -398,6 +454,7 @@ class LLMEngine:
         self.spec_stats.count(drafted, accepted)
         req.num_drafted += drafted
         req.num_accepted += accepted
+        req.timeline.add_spec(drafted, accepted)
         # Moving average over about the last acceptance_window drafts: each draft token
         # moves the rate 1/window of the way towards 1 (accepted) or 0.
         assert self.spec is not None
@@ -414,6 +471,37 @@ class LLMEngine:
         del self._groups[group.request_id]
         for s in group.samples:
             del self._samples[s.request.request_id]
+        if self._timeline_limit:
+            self._timelines[group.request_id] = self._timeline_json(group)
+            while len(self._timelines) > self._timeline_limit:
+                self._timelines.popitem(last=False)
+
+    def request_timeline(self, request_id: str) -> dict | None:
+        """The timeline of a running request or of one of the last `timeline_buffer_size`
+        finished ones (JSON-ready), None when unknown or expired. Safe to call from another
+        thread than the one stepping the engine (it reads, never writes)."""
+        group = self._groups.get(request_id)
+        if group is not None:
+            try:
+                return self._timeline_json(group)
+            except (RuntimeError, KeyError, IndexError):  # changed under us; ask again
+                return self._timeline_json(group)
+        return self._timelines.get(request_id)
+
+    def _timeline_json(self, group: _Group) -> dict:
+        reqs = [s.request for s in group.samples]
+        metrics = RequestMetrics.from_requests(reqs)
+        return {
+            "id": group.request_id,
+            "object": "request.timeline",
+            "arrival_unix": round(metrics.arrival_time + self._wall_offset, 6),
+            "finished": group.finished,
+            "prompt_tokens": len(group.prompt_token_ids),
+            "breakdown": metrics.as_dict(),
+            "samples": [{"index": s.index, "status": s.request.status.value,
+                         "output_tokens": s.request.num_output_tokens,
+                         "events": s.request.timeline.as_json()} for s in group.samples],
+        }
 
     def _finish(self, sample: _Sample, status: RequestStatus, now: float | None = None) -> None:
         req = sample.request
@@ -422,6 +510,7 @@ class LLMEngine:
         if not sample.detok.stopped:
             sample.detok.finish()
         req.timeline.finished = time.perf_counter() if now is None else now
+        req.timeline.add(req.timeline.finished, "finished", reason=status.finish_reason)
         self.scheduler.finish(req, status)
 
     def _output(self, group: _Group) -> RequestOutput:

@@ -23,6 +23,9 @@ class RequestMetrics:
     num_generation_tokens: int
     num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request
     num_accepted_tokens: int = 0  # ... and accepted
+    num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
+    preempted_time: float = 0.0  # waiting between preemption and resume (within decode or
+    # prefill time, whichever it interrupted)
 
     @property
     def queue_time(self) -> float | None:
@@ -55,6 +58,9 @@ class RequestMetrics:
             "queue_time": self.queue_time, "prefill_time": self.prefill_time,
             "ttft": self.ttft, "decode_time": self.decode_time, "tpot": self.tpot,
             "e2e_time": self.e2e_time, "num_preemptions": self.num_preemptions,
+            "preempted_time": self.preempted_time,
+            "prompt_tokens_computed": self.num_prompt_tokens - self.num_cached_prompt_tokens,
+            "prompt_tokens_cached": self.num_cached_prompt_tokens,
             **({"num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens}
                if self.num_draft_tokens else {}),
@@ -75,6 +81,8 @@ class RequestMetrics:
             num_generation_tokens=sum(r.num_output_tokens for r in reqs),
             num_draft_tokens=sum(r.num_drafted for r in reqs),
             num_accepted_tokens=sum(r.num_accepted for r in reqs),
+            num_cached_prompt_tokens=reqs[0].num_cached_tokens or 0,
+            preempted_time=sum(x.preempted_time for x in t),
         )
 
 

@@ -49,6 +49,14 @@ class PrefixHit:
     def num_blocks(self) -> int:
         return len(self.entries)
 
+    def tokens_by_tier(self, block_size: int) -> dict[str, int]:
+        """Tokens of the hit per tier it came from ("device" is the fast pool)."""
+        out: dict[str, int] = {}
+        for e in self.entries:
+            tier = "device" if isinstance(e, KVBlock) else e.tier
+            out[tier] = out.get(tier, 0) + block_size
+        return out
+
 
 @dataclass
 class PrefixCacheStats:

@@ -235,6 +235,22 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
     async def metrics() -> Response:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/v1/requests/{request_id}/timeline")
+    async def request_timeline(request_id: str) -> dict:
+        timeline = state.llm_engine.request_timeline(request_id)
+        if timeline is None:
+            raise APIError(404, f"no timeline for request {request_id!r}: unknown, or older "
+                           f"than the last {state.engine_args.timeline_buffer_size} finished "
+                           "requests", "request_id")
+        return timeline
+
+    @app.get("/v1/engine/steps")
+    async def engine_steps(limit: int = 100) -> dict:
+        if limit < 1:
+            raise APIError(400, "limit must be >= 1", "limit")
+        steps = list(state.llm_engine.steps)[-limit:]
+        return {"object": "list", "data": [s.as_json() for s in steps]}
+
     @app.get("/v1/models")
     async def models() -> dict:
         state.ready()

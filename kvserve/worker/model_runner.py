@@ -9,7 +9,8 @@ blocks fit a memory budget is `kv_cache.planner.plan_num_blocks`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,9 +38,12 @@ class ForwardItem:
 
 
 def run_forward(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
-                items: list[ForwardItem], device: torch.device) -> torch.Tensor:
+                items: list[ForwardItem], device: torch.device,
+                timings: dict[str, float] | None = None) -> torch.Tensor:
     """One forward pass over a batch of items -> final hidden states [sum(num_outputs), H],
-    item after item. Shared by the target and by draft models (with their own caches)."""
+    item after item. Shared by the target and by draft models (with their own caches).
+    `timings`, when given, receives the seconds spent in "prepare" and "forward"."""
+    t0 = time.perf_counter()
     bs = block_size
     input_ids: list[int] = []
     positions: list[int] = []
@@ -61,11 +65,16 @@ def run_forward(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_si
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
     meta = backend.build_metadata(
         AttentionBatch(query_lens, context_lens, tables, slot_mapping, bs))
-    hidden = model(torch.tensor(input_ids, dtype=torch.long, device=device),
-                   torch.tensor(positions, dtype=torch.long, device=device), kv_caches, meta)
-    if len(out_idx) == len(input_ids):
-        return hidden
-    return hidden[torch.tensor(out_idx, dtype=torch.long, device=device)]
+    ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+    pos = torch.tensor(positions, dtype=torch.long, device=device)
+    t1 = time.perf_counter()
+    hidden = model(ids, pos, kv_caches, meta)
+    if len(out_idx) != len(input_ids):
+        hidden = hidden[torch.tensor(out_idx, dtype=torch.long, device=device)]
+    if timings is not None:
+        timings["prepare"] = timings.get("prepare", 0.0) + t1 - t0
+        timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t1
+    return hidden
 
 
 @dataclass
@@ -77,6 +86,8 @@ class ModelRunnerOutput:
     # Per entry, the final hidden state of the row its last token was sampled from; kept
     # only when a drafter drafts from it (MTP).
     hidden: list[torch.Tensor] | None = None
+    # Seconds spent in "prepare" (inputs, metadata), "forward" and "sample".
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -115,16 +126,20 @@ class ModelRunner:
                                      s.num_drafts + 1 if s.samples else 0))
             if s.samples:
                 rows.append(s)
-        hidden = run_forward(self.model, self.kv_caches, self.block_size, items, self.device)
+        timings: dict[str, float] = {}
+        hidden = run_forward(self.model, self.kv_caches, self.block_size, items, self.device,
+                             timings)
         if not rows:
-            return ModelRunnerOutput([], [])
+            return ModelRunnerOutput([], [], timings=timings)
+        t0 = time.perf_counter()
         logits = self.model.compute_logits(hidden)
         if not any(s.num_drafts for s in rows):
             reqs = [s.request for s in rows]
             out = self.sampler(logits, SamplingMetadata.build(reqs, logits.shape[-1],
                                                               self.device))
+            timings["sample"] = time.perf_counter() - t0
             return ModelRunnerOutput([[t] for t in out.token_ids], [[lp] for lp in out.logprobs],
-                                     list(hidden) if self.keep_hidden else None)
+                                     list(hidden) if self.keep_hidden else None, timings)
         verified = verify(self.sampler, logits, [s.request for s in rows], self.device)
         kept = None
         if self.keep_hidden:
@@ -132,7 +147,8 @@ class ModelRunner:
             for s, toks in zip(rows, verified.token_ids, strict=True):
                 kept.append(hidden[offset + len(toks) - 1])
                 offset += s.num_drafts + 1
-        return ModelRunnerOutput(verified.token_ids, verified.logprobs, kept)
+        timings["sample"] = time.perf_counter() - t0
+        return ModelRunnerOutput(verified.token_ids, verified.logprobs, kept, timings)
 
 
 def allocate_kv_caches(model: LlamaForCausalLM, num_slots: int, dtype: torch.dtype,
