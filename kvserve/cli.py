@@ -298,6 +298,43 @@ def cmd_train_mtp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_roofline(args: argparse.Namespace) -> int:
+    """Measure the machine's ceilings and where the model's steps sit against them."""
+    import torch
+
+    from kvserve import roofline
+    from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+    from kvserve.kv_cache.planner import dtype_name
+
+    ensure_default_model(args)
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        raise ValueError(f"--batches wants comma-separated integers, got {args.batches!r}") \
+            from None
+    if not batches or min(batches) < 1 or args.prefill < 0 or args.steps < 1 \
+            or args.repeats < 1:
+        raise ValueError("--batches must be >= 1, --prefill >= 0, --steps and --repeats >= 1")
+    engine = LLMEngine(EngineArgs(
+        model=args.model, dtype=args.dtype, quantization=args.quantization,
+        enable_prefix_caching=False, max_num_seqs=max(batches),
+        max_num_batched_tokens=max(512, max(batches), args.prefill),
+        kv_cache_memory=args.kv_cache_memory, step_buffer_size=0))
+    machine, points, ridge = roofline.run(engine, batches, args.prefill, args.steps,
+                                          args.repeats)
+    print(f"machine ({args.repeats} runs, median): {dtype_name(machine.dtype)} matmul "
+          f"{machine.peak_gflops:.0f} GFLOP/s, read bandwidth {machine.read_gbs:.1f} GB/s; "
+          f"threads {torch.get_num_threads()}; quantized copies: {engine.quantization} "
+          f"(steps of up to {roofline.SMALL_BATCH} tokens)")
+    print(roofline.HEADER)
+    for p in points:
+        print(p.row())
+    ctx = roofline.PROMPT_LEN + args.steps // 2
+    print(f"decode at ~{ctx} tokens of context turns compute-bound at batch "
+          f"{ridge if ridge is not None else '> 4096'} by this cost model")
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print what the KV budget holds for the model, per KV dtype, from its config alone."""
     import torch
@@ -415,6 +452,20 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-model-len", type=int, default=None,
                     help="longest sequence (default: the model's context length)")
     pl.set_defaults(func=cmd_plan)
+
+    r = sub.add_parser("roofline", help="this machine's ceilings and where the model's "
+                                        "decode and prefill steps sit against them")
+    r.add_argument("--model", default=None, help="model (default: the default model)")
+    r.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    r.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
+    r.add_argument("--batches", default="1,8,32,128", help="decode batch sizes")
+    r.add_argument("--prefill", type=int, default=512, help="prefill chunk (0: none)")
+    r.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
+    r.add_argument("--repeats", type=int, default=5)
+    r.add_argument("--kv-cache-memory", default="1GiB")
+    r.add_argument("--no-download", action="store_true",
+                   help="fail instead of installing a missing default model")
+    r.set_defaults(func=cmd_roofline)
 
     t = sub.add_parser("train-mtp", help="train a multi-token-prediction drafter on the "
                                          "model's own generations")
