@@ -2,6 +2,9 @@
 
     python benchmarks/ceilings.py [--batches 1,8,16,32,64,128] [--steps 24] [--quantization auto]
 
+(`kvserve roofline` does the same for any model with a fuller cost model; this script keeps
+the figures issue 5 quoted comparable.)
+
 Measures, in one process with the engine's thread settings:
 
 1. The machine: a large bf16 and fp32 matrix product (GFLOP/s), and read bandwidth (GB/s,
@@ -19,37 +22,19 @@ Measures, in one process with the engine's thread settings:
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from kvserve.engine.llm_engine import EngineArgs, LLMEngine
 from kvserve.layers.linear import LinearBase
-from kvserve.sampling_params import SamplingParams
-
-PROMPT_LEN = 16
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+from kvserve.roofline import PROMPT_LEN, measure_machine, time_decode
 
 
 def machine(repeats: int) -> dict[str, float]:
-    out = {}
-    n = 2048
-    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        out[f"{name}_gflops"] = 2 * n**3 / timed(lambda a=a, b=b: a @ b, repeats) / 1e9
-    big = torch.ones(2**28, dtype=torch.float32)  # 1 GiB
-    out["read_gbs"] = big.numel() * 4 / timed(big.sum, repeats) / 1e9
-    return out
+    bf16 = measure_machine(torch.bfloat16, repeats)
+    fp32 = measure_machine(torch.float32, repeats)
+    return {"bf16_gflops": bf16.peak_gflops, "fp32_gflops": fp32.peak_gflops,
+            "read_gbs": bf16.read_gbs}
 
 
 def decode_bytes(engine: LLMEngine, context: int) -> tuple[int, int]:
@@ -68,28 +53,6 @@ def decode_bytes(engine: LLMEngine, context: int) -> tuple[int, int]:
     kv = engine.runner.kv_caches
     per_token = sum(c[:, :, 0].numel() * c.element_size() for c in kv)
     return nbytes + per_token * context, params
-
-
-def decode_steps(engine: LLMEngine, batch: int, steps: int, seed: int) -> float:
-    """Median decode-step seconds with `batch` sequences of PROMPT_LEN prompt tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
-    for i in range(batch):
-        prompt = torch.randint(100, vocab, (PROMPT_LEN,), generator=gen).tolist()
-        engine.add_request(f"b{batch}-{i}", prompt, params)
-    sched = engine.scheduler
-    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                               for r in sched.running):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -115,7 +78,7 @@ def main() -> None:
     print("\nbatch  step ms  tok/s   GFLOP/s  % bf16 ceiling   (decode at ~"
           f"{PROMPT_LEN + args.steps // 2} tokens of context)")
     for i, b in enumerate(batches):
-        step = decode_steps(engine, b, args.steps, seed=i)
+        step = time_decode(engine, b, args.steps, seed=i)
         ctx = PROMPT_LEN + args.steps // 2
         nbytes, params = decode_bytes(engine, ctx)
         flops = b * (2 * params + attn_per_ctx * ctx)
