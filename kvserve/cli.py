@@ -298,6 +298,36 @@ def cmd_train_mtp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    """Fetch one request's timeline from a server, print it and draw its waterfall."""
+    import httpx
+
+    url = f"{args.url.rstrip('/')}/v1/requests/{args.request_id}/timeline"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        resp = httpx.get(url, headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot reach {url}: {e}") from None
+    if resp.status_code != 200:
+        try:
+            message = resp.json()["error"]["message"]
+        except Exception:
+            message = resp.text[:200]
+        raise ValueError(f"{url}: HTTP {resp.status_code}: {message}")
+    timeline = resp.json()
+    for sample in timeline["samples"]:
+        print(f"sample {sample['index']} ({sample['status']}, {sample['output_tokens']} tokens)")
+        for e in sample["events"]:
+            extra = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("t", "event"))
+            print(f"  {1e3 * e['t']:10.2f} ms  {e['event']:12s} {extra}")
+    print("breakdown: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                    for k, v in timeline["breakdown"].items()))
+    from kvserve.bench.plots import plot_timeline
+
+    print(f"waterfall written to {plot_timeline(timeline, args.output)}")
+    return 0
+
+
 def cmd_roofline(args: argparse.Namespace) -> int:
     """Measure the machine's ceilings and where the model's steps sit against them."""
     import torch
@@ -452,6 +482,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-model-len", type=int, default=None,
                     help="longest sequence (default: the model's context length)")
     pl.set_defaults(func=cmd_plan)
+
+    tr = sub.add_parser("trace", help="one request's timeline from a server, as text and a "
+                                      "waterfall PNG")
+    tr.add_argument("request_id", help="the id in the API response")
+    tr.add_argument("--url", default="http://127.0.0.1:8000", help="the server")
+    tr.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"))
+    tr.add_argument("--output", default="trace.png", help="PNG to write")
+    tr.set_defaults(func=cmd_trace)
 
     r = sub.add_parser("roofline", help="this machine's ceilings and where the model's "
                                         "decode and prefill steps sit against them")

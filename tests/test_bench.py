@@ -122,7 +122,9 @@ def make_app(fake: FakeServer) -> FastAPI:
                         return
                 yield chunk(None, "length")
                 if fake.send_usage and body.get("stream_options", {}).get("include_usage"):
-                    yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
+                    timings = {"queue_time": fake.first_delay / 2, "num_preemptions": 0}
+                    yield "data: " + json.dumps({"choices": [], "usage": usage,
+                                                 "timings": timings}) + "\n\n"
                 fake.served += 1
                 yield "data: [DONE]\n\n"
             finally:
@@ -596,3 +598,38 @@ def test_no_speculation_section_without_server_metrics(fake):
     result = run_bench(fake, prompts(2))
     assert result.spec_decode is None
     assert "Speculative Decoding" not in format_report(result)
+
+
+def test_cli_plots(fake, tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(f'{{"prompt": "p {i}", "output_len": {3 + i}}}\n' for i in range(6)))
+    rc = main(["bench", "serve", "--base-url", fake.url, "--dataset", "jsonl", "--dataset-path",
+               str(data), "--max-concurrency", "3", "--no-progress", "--plot",
+               str(tmp_path / "plots")])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    for name in ("latency.png", "throughput.png", "waterfall.png"):
+        path = tmp_path / "plots" / name
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+        assert f"plot written to {path}" in err
+
+
+def test_server_timings_are_recorded(fake):
+    result = run_bench(fake, prompts(2))
+    assert all(r.server_timings == {"queue_time": FIRST_DELAY / 2, "num_preemptions": 0}
+               for r in result.records)
+
+
+def test_timeline_segments():
+    from kvserve.bench.plots import timeline_segments
+
+    t = {"samples": [{"events": [
+        {"t": 0.0, "event": "arrival"}, {"t": 0.1, "event": "prefill", "tokens": 8},
+        {"t": 0.2, "event": "prefill", "tokens": 3}, {"t": 0.3, "event": "first_token"},
+        {"t": 0.3, "event": "decode", "end": 0.5}, {"t": 0.55, "event": "preempted"},
+        {"t": 0.7, "event": "resumed"}, {"t": 0.7, "event": "prefill", "tokens": 14},
+        {"t": 0.8, "event": "decode", "end": 0.9}, {"t": 0.95, "event": "finished"}]}]}
+    assert timeline_segments(t) == [
+        ("queue", 0.0, 0.1), ("prefill", 0.1, 0.2), ("prefill", 0.2, 0.3),
+        ("decode", 0.3, 0.55), ("preempted", 0.55, 0.7), ("prefill", 0.7, 0.8),
+        ("decode", 0.8, 0.95)]

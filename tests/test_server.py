@@ -410,3 +410,18 @@ def test_request_timeline_and_engine_steps(server, client):
     assert {"schedule", "prepare", "forward", "sample", "output", "total"} <= steps[-1].keys()
     assert httpx.get(f"{url}/v1/engine/steps", params={"limit": 0}).status_code == 400
     assert metric(url, "kvserve:engine_step_seconds_count") > 0
+
+
+def test_trace_command(server, client, tmp_path, capsys):
+    from kvserve.cli import main
+
+    url = server[0]
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5,
+                                  temperature=0)
+    out = tmp_path / "trace.png"
+    assert main(["trace", r.id, "--url", url, "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "arrival" in text and "first_token" in text and "breakdown:" in text
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert main(["trace", "cmpl-unknown", "--url", url, "--output", str(out)]) == 2
+    assert "HTTP 404" in capsys.readouterr().err

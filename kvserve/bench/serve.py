@@ -132,6 +132,7 @@ class RequestRecord:
     content_chunks: int = 0
     usage_reported: bool = False
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if sent
+    server_timings: dict[str, Any] | None = None  # kvserve's "timings" (queue, prefill, ...)
     finish_reason: str | None = None
     error: str | None = None
 
@@ -154,6 +155,7 @@ class RequestRecord:
             "finish_reason": self.finish_reason,
             "start_s": round(self.start, 6), "ttft_ms": ms(self.ttft), "tpot_ms": ms(self.tpot),
             "e2el_ms": ms(self.e2el), "itl_ms": [ms(x) for x in self.itl],
+            "server_timings": self.server_timings,
         }
 
 
@@ -236,6 +238,8 @@ async def send_request(
                 if obj.get("error"):
                     rec.error = f"error event: {_short(json.dumps(obj['error']))}"
                     return rec
+                if isinstance(obj.get("timings"), dict):  # kvserve's server-side breakdown
+                    rec.server_timings = obj["timings"]
                 usage = obj.get("usage")
                 if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
                     rec.usage_reported = True
@@ -798,6 +802,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     o = p.add_argument_group("output")
     o.add_argument("--goodput", nargs="+", type=_goodput_arg, default=None, metavar="METRIC:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
+    o.add_argument("--plot", default=None, metavar="DIR",
+                   help="write PNG plots there: TTFT and ITL distributions, throughput and "
+                        "requests in flight over time, a waterfall of sampled requests")
     o.add_argument("--save-result", default=None, metavar="PATH",
                    help="write config, summary and per-request records as JSON")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -849,4 +856,9 @@ def cmd_bench_serve(args: argparse.Namespace, transport: httpx.AsyncBaseTranspor
     print(format_report(result))
     if args.save_result:
         print(f"results written to {save_result(result, args.save_result)}", file=sys.stderr)
+    if args.plot:
+        from kvserve.bench.plots import plot_bench
+
+        for path in plot_bench(result.records, args.plot):
+            print(f"plot written to {path}", file=sys.stderr)
     return 0 if result.summary.completed else 1
