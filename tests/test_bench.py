@@ -51,6 +51,9 @@ from tests.conftest import byte_level_tokenizer_json
 FIRST_DELAY = 0.05
 GAP = 0.01
 SLACK = 0.15  # scheduling noise we tolerate on a loaded machine, in seconds
+# Single measurements (not medians) can catch one stall of a shared machine (a 0.26 s one was
+# seen); their upper bounds only guard against gross errors, the lower bounds stay exact.
+LOOSE = 1.0
 
 
 # ------------------------------------------------------------------------------ fake server
@@ -217,11 +220,12 @@ def test_measures_what_the_server_did(fake, endpoint):
     for r in result.records:
         assert r.usage_reported and r.output_tokens == n_tok and r.content_chunks == n_tok
         assert r.finish_reason == "length"
-        assert FIRST_DELAY <= r.ttft < FIRST_DELAY + SLACK
+        assert FIRST_DELAY <= r.ttft < FIRST_DELAY + LOOSE
         assert len(r.itl) == n_tok - 1
         assert GAP * 0.9 <= float(np.median(r.itl)) < GAP + SLACK / 3
         expected_e2e = FIRST_DELAY + (n_tok - 1) * GAP
-        assert expected_e2e <= r.e2el < expected_e2e + SLACK
+        assert expected_e2e <= r.e2el < expected_e2e + LOOSE
+        assert r.ttft + sum(r.itl) <= r.e2el  # the parts fit in the whole
         assert GAP * 0.9 <= r.tpot < GAP + SLACK / 3
     # usage.prompt_tokens (words of the prompt, in the fake) replaces the dataset's 99
     words = 5  # "be brief. one two three"
