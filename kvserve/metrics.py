@@ -8,6 +8,7 @@ tokens), time per output token (decode time / (tokens - 1)) and end to end.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -100,6 +101,10 @@ class EngineMetrics:
         self.step_tokens = hist("engine_step_tokens", "Tokens computed per engine step",
                                 _LENGTHS)
         self._last_step = 0
+        # Recent samples for the dashboard's percentiles and throughput (bounded windows).
+        self.recent_ttft: deque[float] = deque(maxlen=500)
+        self.recent_itl: deque[float] = deque(maxlen=4000)
+        self.recent_tokens: deque[tuple[float, int]] = deque(maxlen=4000)  # (time, tokens)
         self.model_name = model_name
         self._last_token: dict[str, tuple[float, int]] = {}  # request -> (time, tokens seen)
         self._seen: dict[tuple[str, str], int] = {}  # last totals behind each counter
@@ -112,15 +117,19 @@ class EngineMetrics:
         new = tokens - (last[1] if last else 0)
         if new > 0:
             self.generation_tokens.inc(new)
+            self.recent_tokens.append((now, new))
             if last is not None:
                 gap = (now - last[0]) / new
                 for _ in range(new):
                     self.itl.observe(gap)
+                    self.recent_itl.append(gap)
             self._last_token[out.request_id] = (now, tokens)
         if not out.finished:
             return
         self._last_token.pop(out.request_id, None)
         m = out.metrics
+        if m.ttft is not None:
+            self.recent_ttft.append(m.ttft)
         for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e_time),
                             (self.queue, m.queue_time), (self.prefill, m.prefill_time),
                             (self.decode, m.decode_time)):
@@ -153,6 +162,22 @@ class EngineMetrics:
                 self._advance(self._tier_loads.labels(self.model_name, tier), ("load", tier), n)
             for tier, n in tiers.saves.items():
                 self._advance(self._tier_saves.labels(self.model_name, tier), ("save", tier), n)
+
+    def dashboard(self, now: float | None = None, window: float = 10.0) -> dict:
+        """Recent figures: output tokens/s over the last `window` seconds, and TTFT / ITL
+        percentiles (ms) over the last 500 requests / 4000 token gaps."""
+        now = time.perf_counter() if now is None else now
+        tokens = sum(n for t, n in list(self.recent_tokens) if t >= now - window)
+
+        def pct(values) -> dict[str, float] | None:
+            v = sorted(values)
+            if not v:
+                return None
+            return {f"p{q}": round(1e3 * v[min(len(v) - 1, int(q / 100 * len(v)))], 3)
+                    for q in (50, 90, 99)}
+
+        return {"output_tokens_per_s": round(tokens / window, 2),
+                "ttft_ms": pct(list(self.recent_ttft)), "itl_ms": pct(list(self.recent_itl))}
 
     def observe_steps(self, steps) -> None:
         """Engine StepRecords not seen yet (the engine keeps a bounded window of them)."""

@@ -93,6 +93,25 @@ class RequestTimeline:
         return out
 
 
+def timeline_segments(events: list[dict]) -> list[tuple[str, float, float]]:
+    """(kind, start, end) segments of a timeline's JSON events (RequestTimeline.as_json):
+    queue until first scheduled; each prefill chunk until the next event; decode runs; waits
+    between preemption and resume."""
+    segments = []
+    for i, e in enumerate(events):
+        nxt = events[i + 1]["t"] if i + 1 < len(events) else e["t"]
+        kind = e["event"]
+        if kind == "arrival":
+            segments.append(("queue", e["t"], nxt))
+        elif kind == "prefill":
+            segments.append(("prefill", e["t"], nxt))
+        elif kind == "decode":
+            segments.append(("decode", e["t"], max(e["end"], nxt)))
+        elif kind == "preempted":
+            segments.append(("preempted", e["t"], nxt))
+    return [s for s in segments if s[2] >= s[1]]
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str

@@ -118,7 +118,8 @@ class Scheduler:
         batch = len(out.scheduled)
         for s in out.scheduled:
             req = s.request
-            s.prefill = req.num_tokens - req.num_computed_tokens > 1
+            s.prefill = (req.num_computed_tokens < req.num_prompt_tokens
+                         or req.num_tokens - req.num_computed_tokens > 1)
             req.timeline.add_step(self._now, s.prefill, s.num_new_tokens, batch)
         return out
 

@@ -625,7 +625,7 @@ def test_server_timings_are_recorded(fake):
 
 
 def test_timeline_segments():
-    from kvserve.bench.plots import timeline_segments
+    from kvserve.request import timeline_segments
 
     t = {"samples": [{"events": [
         {"t": 0.0, "event": "arrival"}, {"t": 0.1, "event": "prefill", "tokens": 8},
@@ -633,7 +633,7 @@ def test_timeline_segments():
         {"t": 0.3, "event": "decode", "end": 0.5}, {"t": 0.55, "event": "preempted"},
         {"t": 0.7, "event": "resumed"}, {"t": 0.7, "event": "prefill", "tokens": 14},
         {"t": 0.8, "event": "decode", "end": 0.9}, {"t": 0.95, "event": "finished"}]}]}
-    assert timeline_segments(t) == [
+    assert timeline_segments(t["samples"][0]["events"]) == [
         ("queue", 0.0, 0.1), ("prefill", 0.1, 0.2), ("prefill", 0.2, 0.3),
         ("decode", 0.3, 0.55), ("preempted", 0.55, 0.7), ("prefill", 0.7, 0.8),
         ("decode", 0.8, 0.95)]

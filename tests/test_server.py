@@ -353,6 +353,11 @@ def test_api_key_and_queue_limit(real_model_path):
         auth = {"Authorization": "Bearer sesame"}
         assert httpx.get(f"{url}/v1/models", headers=auth).status_code == 200
         assert httpx.get(f"{url}/health").status_code == 200  # health needs no key
+        # The web UI page is public and never carries the key; its data needs the key.
+        page = httpx.get(f"{url}/")
+        assert page.status_code == 200 and "sesame" not in page.text
+        _error(httpx.get(f"{url}/v1/engine/stats"), 401)
+        assert httpx.get(f"{url}/v1/engine/stats", headers=auth).status_code == 200
         body = {"prompt": "Go", "max_tokens": 1500, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth) as a:
             lines = a.iter_lines()  # keep a reference: dropping it closes the stream
@@ -425,3 +430,18 @@ def test_trace_command(server, client, tmp_path, capsys):
     assert out.read_bytes()[:4] == b"\x89PNG"
     assert main(["trace", "cmpl-unknown", "--url", url, "--output", str(out)]) == 2
     assert "HTTP 404" in capsys.readouterr().err
+
+
+def test_web_ui_and_dashboard_stats(server, client):
+    url = server[0]
+    page = httpx.get(f"{url}/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/v1/chat/completions" in page.text and "/v1/engine/stats" in page.text
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
+    s = httpx.get(f"{url}/v1/engine/stats").json()
+    assert s["model"] == MODEL and s["running"] >= 0 and s["waiting"] >= 0
+    assert 0 <= s["kv"]["usage"] <= 1 and s["kv"]["blocks"] > 0
+    assert s["output_tokens_per_s"] >= 0 and s["ttft_ms"]["p50"] > 0
+    assert s["recent"] and {"id", "arrival_unix", "breakdown", "segments"} <= s["recent"][-1].keys()
+    kinds = {seg[0] for seg in s["recent"][-1]["segments"]}
+    assert {"queue", "prefill", "decode"} <= kinds

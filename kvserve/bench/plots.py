@@ -16,6 +16,8 @@ from typing import Any
 
 import matplotlib
 
+from kvserve.request import timeline_segments
+
 matplotlib.use("Agg")  # files only; never a window
 
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend choice)
@@ -90,29 +92,9 @@ def plot_bench(records: Sequence[Any], outdir: str | Path, sample: int = 40,
     return paths
 
 
-def timeline_segments(timeline: dict) -> list[tuple[str, float, float]]:
-    """(kind, start, end) segments of the first sample of a timeline, seconds after
-    arrival: queue until first scheduled; each prefill chunk until the next event; decode
-    runs; waits between preemption and resume."""
-    events = timeline["samples"][0]["events"]
-    segments = []
-    for i, e in enumerate(events):
-        nxt = events[i + 1]["t"] if i + 1 < len(events) else e["t"]
-        kind = e["event"]
-        if kind == "arrival":
-            segments.append(("queue", e["t"], nxt))
-        elif kind == "prefill":
-            segments.append(("prefill", e["t"], nxt))
-        elif kind == "decode":
-            segments.append(("decode", e["t"], max(e["end"], nxt)))
-        elif kind == "preempted":
-            segments.append(("preempted", e["t"], nxt))
-    return [s for s in segments if s[2] >= s[1]]
-
-
 def plot_timeline(timeline: dict, path: str | Path) -> Path:
     """One request's waterfall from its timeline JSON."""
-    segs = timeline_segments(timeline)
+    segs = timeline_segments(timeline["samples"][0]["events"])
     fig, ax = plt.subplots(figsize=(11, 2.6))
     for kind, start, end in segs:
         ax.barh(0, max(end - start, 1e-4), left=start, color=COLORS[kind], label=kind)

@@ -32,7 +32,7 @@ from kvserve.kv_cache.planner import capacity_gain, dtype_name, kv_token_bytes, 
 from kvserve.kv_cache.tiers import build_store, cache_fingerprint
 from kvserve.layers.quant import check_quantization
 from kvserve.models.loader import auto_quantization, load_model, resolve_model
-from kvserve.request import Request, RequestStatus
+from kvserve.request import Request, RequestStatus, timeline_segments
 from kvserve.sampler import make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
@@ -487,6 +487,48 @@ class LLMEngine:
             except (RuntimeError, KeyError, IndexError):  # changed under us; ask again
                 return self._timeline_json(group)
         return self._timelines.get(request_id)
+
+    def dashboard_state(self, recent: int = 20) -> dict:
+        """The engine's side of the dashboard (JSON-ready): batch, KV pool and tiers, prefix
+        cache, speculation, and the newest requests' waterfall segments. Read-only, safe to
+        call from another thread."""
+        sched, kv = self.scheduler, self.kv
+        tiers = []
+        if kv.store is not None:
+            for t in kv.store.tiers:
+                tiers.append({"name": t.name, "blocks": len(t),
+                              "capacity_blocks": getattr(t, "capacity", None),
+                              "loads": kv.store.stats.loads.get(t.name, 0),
+                              "saves": kv.store.stats.saves.get(t.name, 0)})
+        hits = dict(kv.stats.hits)
+        queried = kv.stats.queries
+        spec = None
+        if self.spec is not None:
+            st = self.spec_stats
+            spec = {"method": self.spec.method, "draft_tokens": st.num_drafts,
+                    "accepted_tokens": st.num_accepted,
+                    "acceptance_rate": round(st.acceptance_rate, 4),
+                    "mean_acceptance_length": round(st.mean_acceptance_length, 3)}
+        timelines = list(self._timelines.values())[-recent:]
+        for group in list(self._groups.values())[:recent]:
+            try:
+                timelines.append(self._timeline_json(group))
+            except (RuntimeError, KeyError, IndexError):
+                continue  # changed under us; it shows up next time
+        return {
+            "running": len(sched.running), "waiting": len(sched.waiting),
+            "kv": {"usage": round(kv.usage, 4), "blocks": kv.num_blocks,
+                   "free_blocks": kv.num_free_blocks, "block_size": kv.block_size,
+                   "tiers": tiers},
+            "prefix_cache": {"queried_tokens": queried, "hit_tokens": hits,
+                             "hit_rate": round(sum(hits.values()) / queried, 4) if queried
+                             else None},
+            "spec_decode": spec,
+            "recent": [{"id": t["id"], "arrival_unix": t["arrival_unix"],
+                        "finished": t["finished"], "breakdown": t["breakdown"],
+                        "segments": timeline_segments(t["samples"][0]["events"])}
+                       for t in timelines],
+        }
 
     def _timeline_json(self, group: _Group) -> dict:
         reqs = [s.request for s in group.samples]

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from pathlib import Path
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 import kvserve
@@ -40,6 +41,7 @@ from kvserve.server.responses import Formatter, sse
 from kvserve.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.server")
+_WEB_UI = Path(__file__).parent / "static" / "index.html"  # chat playground + dashboard
 
 
 @dataclass
@@ -243,6 +245,18 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
                            f"than the last {state.engine_args.timeline_buffer_size} finished "
                            "requests", "request_id")
         return timeline
+
+    @app.get("/v1/engine/stats")
+    async def engine_stats() -> dict:
+        """Everything the dashboard shows, in one poll."""
+        out = state.llm_engine.dashboard_state()
+        out.update(state.metrics.dashboard())
+        out["model"] = state.model_name
+        return out
+
+    @app.get("/", include_in_schema=False)
+    async def web_ui() -> Response:
+        return HTMLResponse(_WEB_UI.read_text(encoding="utf-8"))
 
     @app.get("/v1/engine/steps")
     async def engine_steps(limit: int = 100) -> dict:
