@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from pathlib import Path
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
