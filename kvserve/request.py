@@ -53,13 +53,18 @@ class RequestTimeline:
     finished: float | None = None
     num_preemptions: int = 0
     preempted_time: float = 0.0  # seconds spent waiting between preemption and resume
+    preempted_at: float | None = None  # the latest preemption
     events: list[list] = field(default_factory=list)
+    record: bool = True  # False: keep the instants only, no events (timelines off)
 
     def add(self, t: float, kind: str, **data) -> None:
-        self.events.append([t, kind, data])
+        if self.record:
+            self.events.append([t, kind, data])
 
     def add_step(self, t: float, prefill: bool, tokens: int, batch: int) -> None:
         """One engine step that ran `tokens` of this request among `batch` requests."""
+        if not self.record:
+            return
         last = self.events[-1] if self.events else None
         if prefill or last is None or last[1] != "decode":
             self.add(t, "prefill" if prefill else "decode", tokens=tokens, batch=batch,
@@ -148,7 +153,6 @@ class Request:
             raise ValueError("prompt must contain at least one token")
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.timeline = RequestTimeline(arrival=self.arrival_time)
-        self.timeline.add(self.arrival_time, "arrival", prompt_tokens=len(self.prompt_token_ids))
 
     @property
     def num_prompt_tokens(self) -> int:

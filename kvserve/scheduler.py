@@ -164,8 +164,8 @@ class Scheduler:
             self.waiting.remove(req)
             req.num_computed_tokens += num_hit
             if req.status == RequestStatus.PREEMPTED:
-                since = next(e[0] for e in reversed(req.timeline.events) if e[1] == "preempted")
-                req.timeline.preempted_time += self._now - since
+                assert req.timeline.preempted_at is not None
+                req.timeline.preempted_time += self._now - req.timeline.preempted_at
                 req.timeline.add(self._now, "resumed")
             if num_hit:
                 req.timeline.add(self._now, "prefix_hit", tokens=num_hit,
@@ -187,6 +187,7 @@ class Scheduler:
         return ScheduledRequest(req, n, num_drafts >= 0, max(num_drafts, 0))
 
     def _preempt(self, req: Request) -> None:
+        req.timeline.preempted_at = self._now
         req.timeline.add(self._now, "preempted", tokens_lost=req.num_computed_tokens)
         req.clear_drafts()
         self.kv.free(req)

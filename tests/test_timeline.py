@@ -141,3 +141,13 @@ def test_step_profiler(tiny_llama_dir):
     first = make_llm(tiny_llama_dir)
     first.generate(ps, PARAMS)
     assert sum(s.prefill_tokens for s in first.engine.steps) == sum(map(len, ps))
+
+
+def test_timelines_off(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir, timeline_buffer_size=0, step_buffer_size=0,
+                   num_kv_blocks=40)
+    outs = llm.generate(prompts(8, seed=1), PARAMS)
+    assert llm.engine.scheduler.num_preemptions > 0  # resuming works without events
+    assert llm.engine.request_timeline(outs[0].request_id) is None
+    assert not llm.engine.steps
+    assert all(o.metrics.ttft is not None and o.metrics.e2e_time for o in outs)

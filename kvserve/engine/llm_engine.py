@@ -91,8 +91,8 @@ class EngineArgs:
     kv_cache_write_policy: str = "write-back"  # or "write-through"
     # speculative decoding: JSON string or dict, vLLM's --speculative-config (SpecConfig)
     speculative_config: str | dict | None = None
-    timeline_buffer_size: int = 1000  # finished requests whose timelines are kept
-    step_buffer_size: int = 1000  # recent engine steps kept by the step profiler
+    timeline_buffer_size: int = 1000  # finished requests whose timelines are kept; 0: off
+    step_buffer_size: int = 1000  # recent engine steps kept by the step profiler; 0: off
     seed: int = 0
 
 
@@ -277,6 +277,8 @@ class LLMEngine:
             sp = params.child(i) if params.n > 1 else params
             req = Request(f"{request_id}#{i}" if params.n > 1 else request_id, ids, sp,
                           eos, max_tokens, arrival, cache_salt=cache_salt)
+            req.timeline.record = self._timeline_limit > 0
+            req.timeline.add(arrival, "arrival", prompt_tokens=len(ids))
             if sp.seed is not None:
                 req.generator = make_generator(sp.seed, self.config.device)
             group.samples.append(_Sample(req, IncrementalDetokenizer(
