@@ -362,6 +362,8 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     ctx = roofline.PROMPT_LEN + args.steps // 2
     print(f"decode at ~{ctx} tokens of context turns compute-bound at batch "
           f"{ridge if ridge is not None else '> 4096'} by this cost model")
+    if args.plot:
+        print(f"plot written to {roofline.plot(machine, points, args.plot)}")
     return 0
 
 
@@ -501,6 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
     r.add_argument("--repeats", type=int, default=5)
     r.add_argument("--kv-cache-memory", default="1GiB")
+    r.add_argument("--plot", default=None, metavar="PNG", help="also draw the roofline there")
     r.add_argument("--no-download", action="store_true",
                    help="fail instead of installing a missing default model")
     r.set_defaults(func=cmd_roofline)

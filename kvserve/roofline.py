@@ -11,7 +11,8 @@ What a step is counted to need (`StepCost`):
 - weights: every projection in the format the step uses (the quantized copy up to
   SMALL_BATCH rows, the compute-dtype weight above), the LM head for the sampled rows only,
   the norms;
-- KV: the cache rows the step's queries attend to (read) and its new rows (written);
+- KV: the cache rows the step reads (each decode query its whole context; a prefill chunk
+  its earlier context once) and its new rows (written);
 - activations: per token and layer, the hidden state and MLP intermediate read and written
   once (a lower bound: real kernels touch them a few times);
 - FLOPs: 2 per weight per token (LM head per sampled row) plus attention, 4 x heads x head
@@ -24,6 +25,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -97,19 +99,19 @@ class CostModel:
                               if "norm" in n)
         self.act_size = model.embed_tokens.weight.element_size()
 
-    def step(self, tokens: int, sampled: int, attended: int) -> StepCost:
+    def step(self, tokens: int, sampled: int, attended: int, kv_rows: int | None = None
+             ) -> StepCost:
         """A step computing `tokens` new tokens, sampling `sampled` rows, whose queries
-        attend to `attended` (query, key) pairs in all."""
+        attend to `attended` (query, key) pairs in all, reading `kv_rows` cached K/V rows
+        (default `attended`: every query reads its own context, as decode does)."""
         cfg = self.cfg
         small = tokens <= SMALL_BATCH
         weights = (self.small_bytes if small else self.big_bytes) + self.norm_bytes
         weights += self.head_bytes_small if sampled <= SMALL_BATCH else self.head_bytes_big
         attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * attended
         flops = 2 * self.params * tokens + 2 * self.head_params * sampled + attn_flops
-        # K/V read: each attended position's row, once per KV head group (queries of one
-        # request share them) - counted per query here, an upper bound for prefill.
-        kv_read = self.kv_per_token * attended / max(cfg.num_heads // cfg.num_kv_heads, 1)
-        kv = kv_read + self.kv_per_token * tokens
+        # K/V: the rows read (all KV heads of a row: kv_per_token), and the new rows written.
+        kv = self.kv_per_token * ((attended if kv_rows is None else kv_rows) + tokens)
         act = 2 * tokens * cfg.num_layers * (2 * cfg.hidden_size + cfg.intermediate_size) \
             * self.act_size
         return StepCost(flops, weights, kv, act)
@@ -118,8 +120,9 @@ class CostModel:
         return self.step(batch, batch, batch * context)
 
     def prefill(self, chunk: int, context_before: int = 0) -> StepCost:
+        """A chunk read its context once (one attention call over the request)."""
         attended = sum(context_before + i + 1 for i in range(chunk))
-        return self.step(chunk, 1, attended)
+        return self.step(chunk, 1, attended, kv_rows=context_before)
 
     def ridge_batch(self, machine: Machine, context: int, limit: int = 4096) -> int | None:
         """Smallest decode batch whose compute time reaches its memory time."""
@@ -229,3 +232,31 @@ def run(engine, batches: list[int], prefill: int, steps: int, repeats: int,
         seconds = time_prefill(engine, prefill, repeats, seed=99)
         points.append(Point(f"prefill {prefill}", seconds, model.prefill(prefill), machine))
     return machine, points, model.ridge_batch(machine, context)
+
+
+def plot(machine: Machine, points: list[Point], path) -> Path:
+    """The roofline (log-log: FLOP per byte against GFLOP/s) with the measured steps on it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    intensities = [p.cost.flops / p.cost.bytes for p in points]
+    lo, hi = min(intensities + [1.0]) / 2, max(intensities + [1000.0]) * 2
+    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.plot(xs, [min(machine.peak_gflops, machine.read_gbs * x) for x in xs], color="#333",
+            label=f"roof: {machine.read_gbs:.0f} GB/s, {machine.peak_gflops:.0f} GFLOP/s")
+    for p, x in zip(points, intensities, strict=True):
+        ax.plot(x, p.cost.flops / p.seconds / 1e9, "o")
+        ax.annotate(p.name, (x, p.cost.flops / p.seconds / 1e9), textcoords="offset points",
+                    xytext=(5, -12), fontsize=8)
+    ax.set(xscale="log", yscale="log", xlabel="FLOP per byte", ylabel="GFLOP/s",
+           title="Measured steps against this machine's roofline")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

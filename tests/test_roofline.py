@@ -46,15 +46,18 @@ def test_points_against_the_ceilings():
     assert comp.bound == "compute" and "50.0% of the compute ceiling" in comp.row()
 
 
-def test_roofline_command(tiny_llama_dir, capsys):
+def test_roofline_command(tiny_llama_dir, capsys, tmp_path):
+    png = tmp_path / "roofline.png"
     rc = main(["roofline", "--model", str(tiny_llama_dir), "--dtype", "float32",
-               "--batches", "1,2", "--prefill", "16", "--steps", "2", "--repeats", "1"])
+               "--batches", "1,2", "--prefill", "16", "--steps", "2", "--repeats", "1",
+               "--plot", str(png)])
     out = capsys.readouterr().out
     assert rc == 0
     assert "matmul" in out and "GB/s" in out
     for name in ("decode b=1", "decode b=2", "prefill 16"):
         assert name in out
     assert "turns compute-bound at batch" in out
+    assert png.read_bytes()[:4] == b"\x89PNG" and f"plot written to {png}" in out
 
 
 @pytest.mark.parametrize("bad", [["--batches", "1,x"], ["--batches", "0"], ["--steps", "0"]])
