@@ -133,6 +133,7 @@ class RequestRecord:
     usage_reported: bool = False
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if sent
     server_timings: dict[str, Any] | None = None  # kvserve's "timings" (queue, prefill, ...)
+    response_id: str | None = None  # the stream's "id" (kvserve trace ID shows its timeline)
     finish_reason: str | None = None
     error: str | None = None
 
@@ -155,7 +156,7 @@ class RequestRecord:
             "finish_reason": self.finish_reason,
             "start_s": round(self.start, 6), "ttft_ms": ms(self.ttft), "tpot_ms": ms(self.tpot),
             "e2el_ms": ms(self.e2el), "itl_ms": [ms(x) for x in self.itl],
-            "server_timings": self.server_timings,
+            "server_timings": self.server_timings, "response_id": self.response_id,
         }
 
 
@@ -238,6 +239,8 @@ async def send_request(
                 if obj.get("error"):
                     rec.error = f"error event: {_short(json.dumps(obj['error']))}"
                     return rec
+                if rec.response_id is None and isinstance(obj.get("id"), str):
+                    rec.response_id = obj["id"]
                 if isinstance(obj.get("timings"), dict):  # kvserve's server-side breakdown
                     rec.server_timings = obj["timings"]
                 usage = obj.get("usage")
