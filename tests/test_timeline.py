@@ -151,3 +151,21 @@ def test_timelines_off(tiny_llama_dir):
     assert llm.engine.request_timeline(outs[0].request_id) is None
     assert not llm.engine.steps
     assert all(o.metrics.ttft is not None and o.metrics.e2e_time for o in outs)
+
+
+def test_abort_and_failure_reasons_in_the_timeline(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir)
+    eng = llm.engine
+    eng.add_request("a", prompts(1, seed=6)[0], PARAMS)
+    eng.add_request("b", prompts(1, seed=7)[0], PARAMS)
+    eng.step()
+    eng.abort_request("a")
+    eng.abort_request("b", "RuntimeError: boom")
+    while eng.has_unfinished_requests():
+        eng.step()
+    a, b = eng.request_timeline("a"), eng.request_timeline("b")
+    assert events(a, "finished") == [{"t": events(a, "finished")[0]["t"], "event": "finished",
+                                      "reason": "abort"}]
+    assert events(b, "finished")[0]["error"] == "RuntimeError: boom"
+    times = [e["t"] for e in a["samples"][0]["events"]]
+    assert times == sorted(times)

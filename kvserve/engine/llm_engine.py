@@ -304,6 +304,8 @@ class LLMEngine:
         for s in group.samples:
             if not s.request.status.finished:
                 self._finish(s, RequestStatus.FINISHED_ABORTED)
+                if error and s.request.timeline.events:
+                    s.request.timeline.events[-1][2]["error"] = error
         out = self._output(group)
         out.error = error
         self._pending.append(out)
