@@ -328,6 +328,33 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    """An OpenAI-compatible router in front of replicas given as URLs or started here."""
+    import uvicorn
+
+    from kvserve.router import RouterConfig, build_router_app
+
+    urls = list(args.replica or [])
+    procs: list[subprocess.Popen] = []
+    if args.spawn < 0:
+        raise ValueError("--spawn must be >= 0")
+    for i in range(args.spawn):
+        port = args.replica_base_port + i
+        procs.append(subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--port",
+                                       str(port), *args.serve_args.split()]))
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        config = RouterConfig(urls, args.policy, health_interval=args.health_interval)
+        uvicorn.run(build_router_app(config), host=args.host, port=args.port,
+                    log_level="warning")
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(60)
+    return 0
+
+
 def cmd_roofline(args: argparse.Namespace) -> int:
     """Measure the machine's ceilings and where the model's steps sit against them."""
     import torch
@@ -484,6 +511,20 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-model-len", type=int, default=None,
                     help="longest sequence (default: the model's context length)")
     pl.set_defaults(func=cmd_plan)
+
+    ro = sub.add_parser("router", help="one OpenAI endpoint in front of several kvserve "
+                                       "serve replicas")
+    ro.add_argument("--replica", action="append", metavar="URL",
+                    help="a running replica (repeatable)")
+    ro.add_argument("--spawn", type=int, default=0, help="start this many replicas here")
+    ro.add_argument("--serve-args", default="", help="extra `kvserve serve` flags for them")
+    ro.add_argument("--replica-base-port", type=int, default=8100)
+    ro.add_argument("--policy", default="prefix-aware",
+                    choices=["round-robin", "least-outstanding", "prefix-aware"])
+    ro.add_argument("--health-interval", type=float, default=2.0)
+    ro.add_argument("--host", default="127.0.0.1")
+    ro.add_argument("--port", type=int, default=8000)
+    ro.set_defaults(func=cmd_router)
 
     tr = sub.add_parser("trace", help="one request's timeline from a server, as text and a "
                                       "waterfall PNG")

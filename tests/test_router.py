@@ -1,0 +1,207 @@
+"""`kvserve router` in front of two tiny-model replicas: the three policies, streaming passed
+through, and a replica killed and restarted under load."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from kvserve.engine.llm_engine import EngineArgs
+from kvserve.router import Router, RouterConfig, build_router_app
+from kvserve.server.app import ServerArgs, build_app
+from tests.server_utils import free_port
+
+
+class Replica:
+    """A kvserve server in a thread that can be stopped and started again on its port."""
+
+    def __init__(self, model_dir) -> None:
+        self.args = EngineArgs(model=str(model_dir), dtype="float32", max_num_seqs=8)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server: uvicorn.Server | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        app = build_app(self.args, ServerArgs(port=self.port))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        _wait(f"{self.url}/health")
+
+    def stop(self) -> None:
+        assert self.server is not None and self.thread is not None
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def _wait(url: str, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} never answered 200")
+
+
+class RouterServer:
+    def __init__(self, urls: list[str], policy: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        app = build_router_app(RouterConfig(urls, policy, health_interval=0.2))
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        _wait(f"{self.url}/health")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def sent(self) -> dict[str, float]:
+        """Requests sent per replica URL, from the router's own metrics."""
+        out: dict[str, float] = {}
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line.startswith("kvserve_router:requests_total{"):
+                url = line.split('replica="')[1].split('"')[0]
+                out[url] = out.get(url, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_llama_dir):
+    reps = [Replica(tiny_llama_dir), Replica(tiny_llama_dir)]
+    for r in reps:
+        r.start()
+    yield reps
+    for r in reps:
+        r.stop()
+
+
+def complete(url: str, prompt: str, max_tokens: int = 4) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+
+
+def test_round_robin_and_streaming(replicas):
+    router = RouterServer([r.url for r in replicas], "round-robin")
+    try:
+        for i in range(4):
+            assert complete(router.url, f"hello {i}").status_code == 200
+        assert router.sent() == {replicas[0].url: 2.0, replicas[1].url: 2.0}
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
+        direct = openai.OpenAI(base_url=f"{replicas[0].url}/v1", api_key="x", max_retries=0)
+        want = direct.completions.create(model=client.models.list().data[0].id,
+                                         prompt="abc", max_tokens=6, temperature=0)
+        chunks = list(client.completions.create(model=want.model, prompt="abc", max_tokens=6,
+                                                temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.choices[0].text
+        assert complete(router.url, "x").json()["object"] == "text_completion"
+        bad = httpx.post(f"{router.url}/v1/completions", content=b"{nope", timeout=10)
+        assert bad.status_code == 400 and "error" in bad.json()
+    finally:
+        router.stop()
+
+
+def test_least_outstanding_avoids_the_busy_replica(replicas):
+    router = RouterServer([r.url for r in replicas], "least-outstanding")
+    try:
+        body = {"prompt": "long one", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as s:
+            lines = s.iter_lines()
+            next(lines)  # in flight on one replica now
+            busy = next(u for u, n in router.sent().items() if n == 1)
+            for i in range(3):
+                assert complete(router.url, f"short {i}").status_code == 200
+            sent = router.sent()
+            assert sent[busy] == 1  # every short request went to the other one
+            assert sum(sent.values()) == 4
+    finally:
+        router.stop()
+
+
+def test_prefix_aware_keeps_a_prefix_on_one_replica(replicas):
+    router = RouterServer([r.url for r in replicas], "prefix-aware")
+    try:
+        system_a = "You are a helpful assistant for gardening questions. " * 5  # > 256 chars
+        system_b = "You answer questions about the history of trains in detail. " * 5
+        for i in range(3):
+            assert complete(router.url, system_a + f"question {i}").status_code == 200
+        first = router.sent()
+        assert len(first) == 1  # all three on one replica
+        # Other prefixes spread over the (idle) replicas by their hash.
+        for topic in ("trains", "boats", "bread", "stars", "rivers", "chess"):
+            prompt = system_b.replace("trains", topic) + "question"
+            assert complete(router.url, prompt).status_code == 200
+        assert len(router.sent()) == 2
+        # and prefix A still goes where it went
+        owner = next(iter(first))
+        before = router.sent()[owner]
+        assert complete(router.url, system_a + "question 9").status_code == 200
+        assert router.sent()[owner] == before + 1
+        text = httpx.get(f"{router.url}/metrics").text
+        assert 'reason="prefix hit"' in text and 'reason="new prefix"' in text
+    finally:
+        router.stop()
+
+
+def test_replica_killed_and_restarted_under_load(replicas):
+    router = RouterServer([r.url for r in replicas], "round-robin")
+    victim = replicas[1]
+    try:
+        def one(i: int) -> int:
+            return complete(router.url, f"load {i}", max_tokens=8).status_code
+
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(one, i) for i in range(8)]
+            assert [f.result() for f in futures] == [200] * 8
+            victim.stop()
+            # Requests sent after the kill all succeed on the other replica, whether the
+            # router has noticed yet (failover) or not (health check).
+            futures = [pool.submit(one, i) for i in range(8, 24)]
+            assert [f.result() for f in futures] == [200] * 16
+            state = httpx.get(f"{router.url}/router/replicas").json()["replicas"]
+            assert [r["healthy"] for r in state] == [True, False]
+            victim.start()
+            deadline = time.time() + 10
+            while not httpx.get(f"{router.url}/router/replicas").json()["replicas"][1]["healthy"]:
+                assert time.time() < deadline, "the restarted replica never came back"
+                time.sleep(0.1)
+            before = router.sent().get(victim.url, 0)
+            futures = [pool.submit(one, i) for i in range(24, 32)]
+            assert [f.result() for f in futures] == [200] * 8
+            assert router.sent()[victim.url] > before  # back in rotation
+    finally:
+        router.stop()
+
+
+def test_router_unit_choices():
+    r = Router(RouterConfig(["http://a", "http://b"], "prefix-aware", prefix_chunk_chars=8,
+                            balance_slack=1))
+    for rep in r.replicas:
+        rep.healthy = True
+    a, why = r.pick({"prompt": "x" * 40})
+    assert why == "new prefix"
+    assert r.pick({"prompt": "x" * 40 + "tail"}) == (a, "prefix hit")
+    a.outstanding = 5  # too busy for its prefix: balance wins
+    other, why = r.pick({"prompt": "x" * 40})
+    assert other is not a and why == "prefix owner busy"
+    a.outstanding = 0
+    a.healthy = False
+    assert r.pick({"prompt": "y"}, exclude={"http://b"}) == (None, "none healthy")
+    with pytest.raises(ValueError, match="policy"):
+        RouterConfig(["http://a"], "random")
+    with pytest.raises(ValueError, match="http"):
+        RouterConfig(["a:80"])
