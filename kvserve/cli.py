@@ -344,7 +344,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                                        str(port), *args.serve_args.split()]))
         urls.append(f"http://127.0.0.1:{port}")
     try:
-        config = RouterConfig(urls, args.policy, health_interval=args.health_interval)
+        config = RouterConfig(urls, args.policy, health_interval=args.health_interval,
+                              balance_slack=args.balance_slack)
         uvicorn.run(build_router_app(config), host=args.host, port=args.port,
                     log_level="warning")
     finally:
@@ -522,6 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--policy", default="prefix-aware",
                     choices=["round-robin", "least-outstanding", "prefix-aware"])
     ro.add_argument("--health-interval", type=float, default=2.0)
+    ro.add_argument("--balance-slack", type=int, default=4,
+                    help="prefix-aware: in-flight requests a prefix's replica may have beyond "
+                         "the least loaded before a request goes elsewhere")
     ro.add_argument("--host", default="127.0.0.1")
     ro.add_argument("--port", type=int, default=8000)
     ro.set_defaults(func=cmd_router)
