@@ -100,7 +100,7 @@ class EngineMetrics:
         self._step_phases = {p: self._step_phase.labels(model_name, p) for p in STEP_PHASES}
         self.step_tokens = hist("engine_step_tokens", "Tokens computed per engine step",
                                 _LENGTHS)
-        self._last_step = 0
+        self.last_step = 0  # newest StepRecord.step observed
         # Recent samples for the dashboard's percentiles and throughput (bounded windows).
         self.recent_ttft: deque[float] = deque(maxlen=500)
         self.recent_itl: deque[float] = deque(maxlen=4000)
@@ -182,9 +182,9 @@ class EngineMetrics:
     def observe_steps(self, steps) -> None:
         """Engine StepRecords not seen yet (the engine keeps a bounded window of them)."""
         for rec in steps:
-            if rec.step <= self._last_step:
+            if rec.step <= self.last_step:
                 continue
-            self._last_step = rec.step
+            self.last_step = rec.step
             for phase, h in self._step_phases.items():
                 h.observe(getattr(rec, phase))
             self.step_tokens.observe(rec.prefill_tokens + rec.decode_tokens)

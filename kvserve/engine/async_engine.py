@@ -275,5 +275,5 @@ class AsyncEngine:
             if self.engine.spec is not None:
                 self.metrics.observe_spec(self.engine.spec, self.engine.spec_stats)
             steps = self.engine.steps
-            if steps and steps[-1].step > self.metrics._last_step:
+            if steps and steps[-1].step > self.metrics.last_step:
                 self.metrics.observe_steps(list(steps)[-64:])

@@ -485,11 +485,13 @@ class LLMEngine:
         finished ones (JSON-ready), None when unknown or expired. Safe to call from another
         thread than the one stepping the engine (it reads, never writes)."""
         group = self._groups.get(request_id)
-        if group is not None:
+        for _ in range(3):
+            if group is None:
+                break
             try:
                 return self._timeline_json(group)
             except (RuntimeError, KeyError, IndexError):  # changed under us; ask again
-                return self._timeline_json(group)
+                group = self._groups.get(request_id)
         return self._timelines.get(request_id)
 
     def dashboard_state(self, recent: int = 20) -> dict:
