@@ -129,8 +129,9 @@ def test_dashboard_updates_while_requests_run(server, browser):
     wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#cards .card"),
              what="the dashboard cards")
 
-    def rects() -> int:
-        return len(browser.find_elements(By.CSS_SELECTOR, "#waterfall rect"))
+    def rects() -> int:  # read in one script: the page re-renders every second
+        return browser.execute_script("return document.querySelectorAll('#waterfall rect')"
+                                      ".length")
 
     start = rects()
     done = threading.Event()
@@ -159,12 +160,13 @@ def test_dashboard_updates_while_requests_run(server, browser):
 
 
 def _card(driver, label: str) -> str:
-    from selenium.webdriver.common.by import By
-
-    for card in driver.find_elements(By.CSS_SELECTOR, "#cards .card"):
-        if card.find_element(By.CLASS_NAME, "label").text == label:
-            return card.find_element(By.CLASS_NAME, "value").text
-    return ""
+    """A dashboard card's value, read in one script (the page re-renders the cards every
+    second, so element handles go stale)."""
+    return driver.execute_script(
+        "for (const c of document.querySelectorAll('#cards .card'))"
+        "  if (c.querySelector('.label').textContent === arguments[0])"
+        "    return c.querySelector('.value').textContent;"
+        "return '';", label)
 
 
 def _auth() -> dict[str, str]:
