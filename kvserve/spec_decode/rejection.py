@@ -57,6 +57,26 @@ def plain_greedy(req: Request) -> bool:
             and (p.min_tokens == 0 or req.num_output_tokens >= p.min_tokens))
 
 
+def process_rows(logits: torch.Tensor, rows: list[Row], device: torch.device
+                 ) -> tuple[SamplingMetadata, torch.Tensor, torch.Tensor | None]:
+    """Rows of logits processed as the sampler processes them: (metadata, the greedy token
+    of each row, and the distribution of each row when any row samples, else None)."""
+    meta = SamplingMetadata.build(rows, logits.shape[-1], device)
+    processed = apply_processors(logits.to(torch.float32, copy=True), meta)
+    greedy = processed.argmax(dim=-1)
+    probs = None if meta.all_greedy else apply_truncation(processed, meta).softmax(dim=-1)
+    return meta, greedy, probs
+
+
+def _accept_greedy(drafts: list[int], greedy: list[int], row: int) -> list[int]:
+    """The drafts that match the target's greedy tokens (rows row, row+1, ...), then the
+    target's token where they stop matching."""
+    a = 0
+    while a < len(drafts) and drafts[a] == greedy[row + a]:
+        a += 1
+    return drafts[:a] + [greedy[row + a]]
+
+
 def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
            device: torch.device) -> VerifyOutput:
     """`logits` [sum(k_i + 1), V]: per request, in order, one row per draft and one more."""
@@ -64,12 +84,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
         greedy_h = logits.argmax(dim=-1).tolist()
         tokens, o = [], 0
         for req in requests:
-            drafts = req.draft_token_ids
-            a = 0
-            while a < len(drafts) and drafts[a] == greedy_h[o + a]:
-                a += 1
-            tokens.append(drafts[:a] + [greedy_h[o + a]])
-            o += len(drafts) + 1
+            tokens.append(_accept_greedy(req.draft_token_ids, greedy_h, o))
+            o += len(req.draft_token_ids) + 1
         return VerifyOutput(tokens, [[None] * len(t) for t in tokens])
     rows: list[Row] = []
     for req in requests:
@@ -79,11 +95,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
                              out + req.draft_token_ids[:j], req.generator, req.eos_token_ids))
     if logits.shape[0] != len(rows):
         raise ValueError(f"expected {len(rows)} rows of logits, got {logits.shape[0]}")
-    vocab = logits.shape[-1]
-    meta = SamplingMetadata.build(rows, vocab, device)
-    processed = apply_processors(logits.to(torch.float32, copy=True), meta)
-    greedy = processed.argmax(dim=-1)
-    probs = apply_truncation(processed, meta).softmax(dim=-1) if not meta.all_greedy else None
+    meta, greedy, probs = process_rows(logits, rows, device)
 
     # Host copies of what the decisions need: greedy argmaxes, and p(d) of each draft.
     draft_rows: list[int] = []
@@ -110,12 +122,9 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
         drafts = req.draft_token_ids
         k = len(drafts)
         if req.sampling_params.is_greedy:
-            a = 0
-            while a < k and drafts[a] == greedy_h[o + a]:
-                a += 1
-            tokens.append(drafts[:a] + [greedy_h[o + a]])
+            tokens.append(_accept_greedy(drafts, greedy_h, o))
             continue
-        u = _uniform(k, req.generator, device).tolist()
+        u = uniform(k, req.generator, device).tolist()
         q = req.draft_probs
         q_draft = ([1.0] * k if q is None else
                    q[torch.arange(k), torch.tensor(drafts)].tolist())
@@ -139,7 +148,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
                     residual = (p - req.draft_probs[a].to(p.device, torch.float32)).clamp_(min=0)
                 p = residual if residual.sum() > 0 else p
             dist.append(p)
-        u = torch.cat([_uniform(1, req.generator, device) for _, _, req, _ in final])
+        u = torch.cat([uniform(1, req.generator, device) for _, _, req, _ in final])
         drawn = inverse_cdf(torch.stack(dist), u.unsqueeze(1)).tolist()
         for (i, _, _, _), t in zip(final, drawn, strict=True):
             tokens[i].append(t)
@@ -153,6 +162,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
     return VerifyOutput(tokens, logprobs)
 
 
-def _uniform(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+def uniform(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """n uniform numbers from the request's own generator when it is seeded."""
     u = torch.empty(n, device=device)
     return u.uniform_(generator=generator) if generator is not None else u.uniform_()

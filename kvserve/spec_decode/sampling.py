@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from kvserve.request import Request
-from kvserve.sampler import SamplingMetadata, apply_processors, apply_truncation, inverse_cdf
-from kvserve.spec_decode.rejection import Row, plain_greedy
+from kvserve.sampler import inverse_cdf
+from kvserve.spec_decode.rejection import Row, plain_greedy, process_rows, uniform
 
 
 def sample_drafts(logits: torch.Tensor, requests: list[Request],
@@ -21,18 +21,10 @@ def sample_drafts(logits: torch.Tensor, requests: list[Request],
     rows = [Row(r.sampling_params, r.prompt_token_ids,
                 r.output_token_ids + drafts[r.request_id], r.generator, r.eos_token_ids)
             for r in requests]
-    meta = SamplingMetadata.build(rows, logits.shape[-1], device)
-    processed = apply_processors(logits.to(torch.float32, copy=True), meta)
-    if meta.all_greedy:
-        return processed.argmax(dim=-1).tolist(), None
-    greedy = processed.argmax(dim=-1)
-    q = apply_truncation(processed, meta).softmax(dim=-1)
-    u = torch.empty(len(rows), 1, device=device)
-    for i, r in enumerate(requests):
-        if r.generator is not None:
-            u[i].uniform_(generator=r.generator)
-        else:
-            u[i].uniform_()
+    meta, greedy, q = process_rows(logits, rows, device)
+    if q is None:
+        return greedy.tolist(), None
+    u = torch.cat([uniform(1, r.generator, device) for r in requests]).unsqueeze(1)
     drawn = inverse_cdf(q, u)
     if meta.greedy_mask is not None:
         drawn = torch.where(meta.greedy_mask, greedy, drawn)
