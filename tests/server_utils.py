@@ -22,30 +22,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def run_server(engine_args: EngineArgs, **server_kw) -> Iterator[tuple[str, object]]:
-    """Yields (base URL, app) once /health answers 200; stops the server afterwards."""
-    port = free_port()
-    args = ServerArgs(host="127.0.0.1", port=port, **server_kw)
-    app = build_app(engine_args, args)
+def start_in_thread(app, port: int, timeout: float = 120) -> tuple[uvicorn.Server,
+                                                                  threading.Thread]:
+    """Serve `app` on 127.0.0.1:`port` in a daemon thread; returns once /health answers 200
+    (stop with `server.should_exit = True` and join the thread)."""
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
+    deadline = time.time() + timeout
     while True:
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return server, thread
         except httpx.TransportError:
             pass
         if time.time() > deadline or not thread.is_alive():
             server.should_exit = True
             raise RuntimeError("server did not become healthy")
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def run_server(engine_args: EngineArgs, **server_kw) -> Iterator[tuple[str, object]]:
+    """Yields (base URL, app) once /health answers 200; stops the server afterwards."""
+    port = free_port()
+    args = ServerArgs(host="127.0.0.1", port=port, **server_kw)
+    app = build_app(engine_args, args)
+    server, thread = start_in_thread(app, port)
     try:
-        yield url, app
+        yield f"http://127.0.0.1:{port}", app
     finally:
         server.should_exit = True
         thread.join(30)

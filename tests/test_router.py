@@ -15,7 +15,7 @@ import uvicorn
 from kvserve.engine.llm_engine import EngineArgs
 from kvserve.router import Router, RouterConfig, build_router_app
 from kvserve.server.app import ServerArgs, build_app
-from tests.server_utils import free_port
+from tests.server_utils import free_port, start_in_thread
 
 
 class Replica:
@@ -30,11 +30,7 @@ class Replica:
 
     def start(self) -> None:
         app = build_app(self.args, ServerArgs(port=self.port))
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        _wait(f"{self.url}/health")
+        self.server, self.thread = start_in_thread(app, self.port)
 
     def stop(self) -> None:
         assert self.server is not None and self.thread is not None
@@ -42,29 +38,12 @@ class Replica:
         self.thread.join(30)
 
 
-def _wait(url: str, timeout: float = 60) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} never answered 200")
-
-
 class RouterServer:
     def __init__(self, urls: list[str], policy: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         app = build_router_app(RouterConfig(urls, policy, health_interval=0.2))
-        self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        _wait(f"{self.url}/health")
+        self.server, self.thread = start_in_thread(app, self.port)
 
     def stop(self) -> None:
         self.server.should_exit = True
