@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
+from kvserve_procs import KVSERVE, start, stop
 
-KVSERVE = [sys.executable, "-m", "kvserve.cli"]
 RUNS = {
     "long-prompts": ["--dataset", "random", "--random-input-len", "2000",
                      "--random-output-len", "32", "--num-prompts", "8", "--max-concurrency", "4"],
@@ -40,19 +37,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen([*KVSERVE, "serve", "--port", str(args.port), "--max-num-seqs",
-                               "16"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = start(["serve", "--port", str(args.port), "--max-num-seqs", "16"], url)
     try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.5)
         for name, flags in RUNS.items():
             result = out / f"{name}.json"
             report = subprocess.run(
@@ -87,8 +73,7 @@ def main() -> None:
                                                        "Median E2EL"))))
             result.unlink()  # the per-request JSON is large; the report and plots stay
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
+        stop(server)
 
 
 if __name__ == "__main__":

@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
+from kvserve_procs import KVSERVE, start, stop
 
 from kvserve.bench.datasets import RandomText, load_tokenizer
-
-KVSERVE = [sys.executable, "-m", "kvserve.cli"]
 
 
 class Server:
@@ -35,25 +31,16 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.log = log_path
         with open(log_path, "a") as log:
-            self.proc = subprocess.Popen([*KVSERVE, "serve", "--port", str(port), *flags],
-                                         stdout=log, stderr=log)
-        deadline = time.time() + 300
-        while True:
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"server failed; log in {self.log}")
-            time.sleep(0.5)
+                self.proc = start(["serve", "--port", str(port), *flags], self.url, log)
+            except RuntimeError as e:
+                raise RuntimeError(f"{e}; log in {self.log}") from None
         # Warm kernels with an unrelated short request, so the first measured one is fair.
         httpx.post(f"{self.url}/v1/completions", timeout=120,
                    json={"prompt": "Hello there", "max_tokens": 4})
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(300)
+        stop(self.proc)
 
 
 def bench(url: str, out: Path, *flags: str) -> dict:

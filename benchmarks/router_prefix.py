@@ -13,35 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
-
-KVSERVE = [sys.executable, "-m", "kvserve.cli"]
-
-
-def wait(url: str, proc: subprocess.Popen) -> None:
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None:
-            break
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not become healthy")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(120)
+from kvserve_procs import KVSERVE, start, stop
 
 
 def main() -> None:
@@ -49,22 +26,16 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8320)
     args = p.parse_args()
     ports = [args.port + 1, args.port + 2]
-    replicas = [subprocess.Popen([*KVSERVE, "serve", "--port", str(q)],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                for q in ports]
+    replicas = [start(["serve", "--port", str(q)], f"http://127.0.0.1:{q}") for q in ports]
     try:
-        for q, proc in zip(ports, replicas, strict=True):
-            wait(f"http://127.0.0.1:{q}", proc)
         runs = [("round-robin", "4"), ("prefix-aware", "4"), ("prefix-aware", "1")]
         for seed, (policy, slack) in enumerate(runs):
-            router = subprocess.Popen(
-                [*KVSERVE, "router", "--port", str(args.port), "--policy", policy,
-                 "--balance-slack", slack,
-                 *[a for q in ports for a in ("--replica", f"http://127.0.0.1:{q}")]],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            url = f"http://127.0.0.1:{args.port}"
+            router = start(["router", "--port", str(args.port), "--policy", policy,
+                            "--balance-slack", slack,
+                            *[a for q in ports for a in ("--replica", f"http://127.0.0.1:{q}")]],
+                           url)
             try:
-                url = f"http://127.0.0.1:{args.port}"
-                wait(url, router)
                 with tempfile.TemporaryDirectory() as tmp:
                     out = Path(tmp) / "r.json"
                     subprocess.run(
