@@ -26,8 +26,7 @@ import argparse
 import torch
 
 from kvserve.engine.llm_engine import EngineArgs, LLMEngine
-from kvserve.layers.linear import LinearBase
-from kvserve.roofline import PROMPT_LEN, measure_machine, time_decode
+from kvserve.roofline import PROMPT_LEN, CostModel, measure_machine, time_decode
 
 
 def machine(repeats: int) -> dict[str, float]:
@@ -38,21 +37,14 @@ def machine(repeats: int) -> dict[str, float]:
 
 
 def decode_bytes(engine: LLMEngine, context: int) -> tuple[int, int]:
-    """(bytes a batch-1 decode step reads, parameters it multiplies per token)."""
-    model = engine.runner.model
-    nbytes = params = 0
-    for module in model.modules():
-        if isinstance(module, LinearBase):
-            w = module.weight
-            params += w.numel()
-            q = module.quantized
-            nbytes += q.nbytes if q is not None else w.numel() * w.element_size()
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            nbytes += p.numel() * p.element_size()
+    """(bytes a batch-1 decode step reads: weights in the batch-1 format, LM head, norms and
+    the K/V of `context` tokens; parameters it multiplies per token), from the roofline's
+    cost model."""
     kv = engine.runner.kv_caches
     per_token = sum(c[:, :, 0].numel() * c.element_size() for c in kv)
-    return nbytes + per_token * context, params
+    m = CostModel(engine.runner.model, per_token)
+    nbytes = m.small_bytes + m.head_bytes_small + m.norm_bytes + per_token * context
+    return int(nbytes), m.params + m.head_params
 
 
 def main() -> None:
