@@ -7,6 +7,7 @@ tokens), time per output token (decode time / (tokens - 1)) and end to end.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 
@@ -180,10 +181,10 @@ class EngineMetrics:
                 "ttft_ms": pct(list(self.recent_ttft)), "itl_ms": pct(list(self.recent_itl))}
 
     def observe_steps(self, steps) -> None:
-        """Engine StepRecords not seen yet (the engine keeps a bounded window of them)."""
-        for rec in steps:
-            if rec.step <= self.last_step:
-                continue
+        """The engine's StepRecords (a bounded deque, oldest first) not seen yet; walks back
+        from the newest only as far as the last one seen."""
+        new = list(itertools.takewhile(lambda r: r.step > self.last_step, reversed(steps)))
+        for rec in reversed(new):
             self.last_step = rec.step
             for phase, h in self._step_phases.items():
                 h.observe(getattr(rec, phase))

@@ -274,6 +274,4 @@ class AsyncEngine:
                                         kv.store.stats if kv.store is not None else None)
             if self.engine.spec is not None:
                 self.metrics.observe_spec(self.engine.spec, self.engine.spec_stats)
-            steps = self.engine.steps
-            if steps and steps[-1].step > self.metrics.last_step:
-                self.metrics.observe_steps(list(steps)[-64:])
+            self.metrics.observe_steps(self.engine.steps)
