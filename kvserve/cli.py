@@ -59,6 +59,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="finished requests whose timelines stay available (0: none)")
     g.add_argument("--step-buffer-size", type=int, default=1000,
                    help="recent engine steps kept by the step profiler (0: none)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N ranks (processes on CPU, GPUs on CUDA) with "
+                        "torch.distributed; --kv-cache-memory is then per rank")
+    g.add_argument("--tp-timeout", type=float, default=60.0,
+                   help="seconds a tensor-parallel collective waits for a rank before the "
+                        "engine fails (a dead or hung rank)")
     g.add_argument("--no-download", action="store_true",
                    help="fail instead of installing the default model when it is missing")
 
@@ -120,7 +126,8 @@ def engine_args_from(args: argparse.Namespace):
         kv_cache_disk_size=args.kv_cache_disk_size,
         kv_cache_write_policy=args.kv_cache_write_policy,
         speculative_config=args.speculative_config,
-        timeline_buffer_size=args.timeline_buffer_size, step_buffer_size=args.step_buffer_size)
+        timeline_buffer_size=args.timeline_buffer_size, step_buffer_size=args.step_buffer_size,
+        tensor_parallel_size=args.tensor_parallel_size, tp_timeout=args.tp_timeout)
 
 
 def engine_from(args: argparse.Namespace):

@@ -25,6 +25,8 @@ _LENGTHS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 _STEP = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0,
          2.0, 5.0)
 STEP_PHASES = ("draft", "schedule", "prepare", "forward", "sample", "output", "total")
+# Observed only under tensor parallelism: time in collectives, a part of forward and sample.
+TP_PHASE = "all_reduce"
 
 
 class EngineMetrics:
@@ -96,7 +98,8 @@ class EngineMetrics:
                                    "max_batch_size", "min_acceptance"], registry=r)
         self._step_phase = Histogram("kvserve:engine_step_seconds", "Engine step time by "
                                      "phase (draft, schedule, prepare, forward, sample, "
-                                     "output, total)", ["model_name", "phase"],
+                                     "output, total; all_reduce under tensor parallelism, "
+                                     "part of forward and sample)", ["model_name", "phase"],
                                      buckets=_STEP, registry=r)
         self._step_phases = {p: self._step_phase.labels(model_name, p) for p in STEP_PHASES}
         self.step_tokens = hist("engine_step_tokens", "Tokens computed per engine step",
@@ -188,6 +191,8 @@ class EngineMetrics:
             self.last_step = rec.step
             for phase, h in self._step_phases.items():
                 h.observe(getattr(rec, phase))
+            if rec.all_reduce:
+                self._step_phase.labels(self.model_name, TP_PHASE).observe(rec.all_reduce)
             self.step_tokens.observe(rec.prefill_tokens + rec.decode_tokens)
 
     def observe_spec(self, config, stats) -> None:

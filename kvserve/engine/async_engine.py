@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.llm_engine import EngineDeadError, LLMEngine
 from kvserve.engine.outputs import RequestOutput
 from kvserve.metrics import EngineMetrics
 from kvserve.sampling_params import SamplingParams
@@ -29,8 +29,7 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at --max-waiting-requests."""
 
 
-class EngineDeadError(RuntimeError):
-    pass
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestStream"]
 
 
 @dataclass
@@ -138,6 +137,17 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
+    def health_error(self) -> str | None:
+        """Why the engine cannot serve, or None (read from the event loop; never steps)."""
+        if self._error is not None:
+            return f"engine loop died: {self._error}"
+        engine = self.engine
+        if engine is None:
+            return None
+        if engine.dead is not None:
+            return f"engine failed: {engine.dead}"
+        return engine.workers.status() if engine.workers is not None else None
+
     async def add_request(self, request_id: str, prompt: str | list[int],
                           params: SamplingParams,
                           cache_salt: str | None = None) -> RequestStream:
@@ -145,8 +155,9 @@ class AsyncEngine:
 
         Raises ValueError (bad request), QueueFullError or EngineDeadError; otherwise returns
         the stream of its outputs."""
-        if self._error is not None:
-            raise EngineDeadError(f"engine loop died: {self._error}")
+        reason = self.health_error()
+        if reason is not None:
+            raise EngineDeadError(reason)
         if self.max_waiting_requests is not None and (
                 self.num_waiting + self._pending_adds >= self.max_waiting_requests):
             raise QueueFullError(f"{self.max_waiting_requests} requests already waiting")
@@ -193,6 +204,9 @@ class AsyncEngine:
             while not self._stopping:
                 self._apply_commands()
                 if not engine.has_unfinished_requests():
+                    engine.check_health()  # a tensor-parallel rank may die while idle
+                    if engine.has_unfinished_requests():
+                        continue
                     self._publish_state()
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()

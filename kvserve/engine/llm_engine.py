@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.config import (
     CacheConfig,
     EngineConfig,
@@ -26,19 +25,20 @@ from kvserve.config import (
     parse_size,
     resolve_dtype,
 )
+from kvserve.distributed.parallel import SINGLE, TensorParallel
+from kvserve.distributed.worker import TensorParallelError, TensorParallelWorkers
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_cache.planner import capacity_gain, dtype_name, kv_token_bytes, plan_num_blocks
 from kvserve.kv_cache.tiers import build_store, cache_fingerprint
-from kvserve.layers.quant import check_quantization
-from kvserve.models.loader import auto_quantization, load_model, resolve_model
+from kvserve.models.loader import resolve_model, shard_config
 from kvserve.request import Request, RequestStatus, timeline_segments
 from kvserve.sampler import make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
 from kvserve.spec_decode import build_drafter
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
-from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.model_runner import ModelRunner, load_target
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,10 @@ class EngineArgs:
     speculative_config: str | dict | None = None
     timeline_buffer_size: int = 1000  # finished requests whose timelines are kept; 0: off
     step_buffer_size: int = 1000  # recent engine steps kept by the step profiler; 0: off
+    # ranks the model is split over (torch.distributed: gloo on CPU, NCCL on CUDA); the KV
+    # budget is per rank
+    tensor_parallel_size: int = 1
+    tp_timeout: float = 60.0  # seconds a collective may wait for a rank before it is failed
     seed: int = 0
 
 
@@ -115,6 +119,7 @@ class StepRecord:
     sample: float  # logits, sampling or verification
     output: float  # appending tokens, detokenizing, stop checks, outputs
     total: float
+    all_reduce: float = 0.0  # tensor parallelism: collectives, part of forward and sample
 
     def as_json(self) -> dict:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -153,29 +158,57 @@ class SpecStats:
             self.accepted_at[i] += i < accepted
 
 
+class EngineDeadError(RuntimeError):
+    """The engine can no longer serve (its loop died, or a tensor-parallel rank failed)."""
+
+
+def _check_tensor_parallel(args: EngineArgs) -> None:
+    """Features that keep state only on rank 0 and so cannot work split over ranks."""
+    if parse_size(args.host_kv_cache_memory) or args.kv_cache_dir:
+        raise ValueError("the host and disk prefix-cache tiers copy one process's KV cache; "
+                         "they are not supported with --tensor-parallel-size > 1")
+    spec = SpecConfig.parse(args.speculative_config)
+    if spec is not None and spec.method == "mtp":
+        raise ValueError("the mtp drafter reads the target's full embedding and LM head, "
+                         "which tensor parallelism splits; use ngram or draft_model")
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA device is available")
         dtype = resolve_dtype(args.dtype, device)
+        if args.timeline_buffer_size < 0 or args.step_buffer_size < 0:
+            raise ValueError("timeline and step buffer sizes must be >= 0")
         torch.manual_seed(args.seed)
         path = resolve_model(args.model)
         t0 = time.perf_counter()
-        loaded = load_model(path, dtype, device,
-                            lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads, c.head_dim,
-                                                          args.kv_cache_dtype))
+        self.workers: TensorParallelWorkers | None = None
+        self.dead: str | None = None  # why the engine can no longer step, once it cannot
+        tp = SINGLE
+        if args.tensor_parallel_size > 1:
+            _check_tensor_parallel(args)
+            self.workers = TensorParallelWorkers(
+                str(path), dtype, device.type, args.kv_cache_dtype, args.quantization,
+                args.block_size, args.tensor_parallel_size, args.tp_timeout)
+            tp = self.workers.tp
+            device = self.workers.device
+        elif args.tensor_parallel_size != 1:
+            raise ValueError("--tensor-parallel-size must be >= 1")
+        try:
+            self._build(args, path, dtype, device, tp, t0)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.close(timeout=1.0)
+            raise
+
+    def _build(self, args: EngineArgs, path, dtype: torch.dtype, device: torch.device,
+               tp: TensorParallel, t0: float) -> None:
+        """Load this rank's model shard and set up the cache, scheduler and drafter."""
+        loaded, self.quantization = load_target(str(path), dtype, device, args.kv_cache_dtype,
+                                                args.quantization, tp)
         self.model_config = cfg = loaded.config
-        quantization = args.quantization
-        if quantization == "auto":
-            quantization = "none" if device.type != "cpu" else auto_quantization(
-                loaded.weight_format)
-        if check_quantization(quantization) != "none":
-            if device.type != "cpu":
-                raise ValueError("--quantization int8/int4 uses CPU kernels; use none on "
-                                 f"{device.type}")
-            loaded.model.quantize_(quantization)
-        self.quantization = quantization
         if loaded.gguf_reader is not None:
             self.tokenizer = Tokenizer.from_gguf(path, reader=loaded.gguf_reader)
         else:
@@ -193,8 +226,10 @@ class LLMEngine:
         self.drafter = (build_drafter(self.spec, loaded.model, path, dtype, device, sched)
                         if self.spec is not None else None)
         extra = self.drafter.kv_bytes_per_token() if self.drafter is not None else 0
-        num_blocks = plan_num_blocks(cfg, cache, dtype, extra)
-        self.runner = ModelRunner(loaded.model, cache, num_blocks, dtype, device)
+        num_blocks = plan_num_blocks(shard_config(cfg, tp), cache, dtype, extra)
+        if self.workers is not None:
+            num_blocks = self.workers.agree_num_blocks(cache, num_blocks)
+        self.runner = ModelRunner(loaded.model, cache, num_blocks, dtype, device, self.workers)
         store = None
         host_bytes = parse_size(args.host_kv_cache_memory)
         if host_bytes or args.kv_cache_dir:
@@ -214,19 +249,18 @@ class LLMEngine:
             self.drafter.allocate(self.kv)
             self.runner.keep_hidden = self.drafter.needs_hidden
             log.info("speculative decoding: %s", self.spec)
-        per_tok = kv_token_bytes(cfg, cache.kv_cache_dtype, dtype).total
+        per_tok = kv_token_bytes(shard_config(cfg, tp), cache.kv_cache_dtype, dtype).total
         log.info("loaded %s (%s, %d layers, %s weights, %s; quantized copies for small "
                  "batches: %s) in %.1fs", path.name, cfg.architecture, cfg.num_layers,
                  loaded.weight_format, dtype_name(dtype), self.quantization,
                  time.perf_counter() - t0)
-        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f KiB per token, %.2f GiB",
-                 num_blocks, cache.block_size, num_blocks * cache.block_size, per_tok / 1024,
+        log.info("KV cache%s: %d blocks x %d tokens = %d tokens, %.1f KiB per token, %.2f GiB",
+                 " (rank 0's heads)" if tp.size > 1 else "", num_blocks, cache.block_size,
+                 num_blocks * cache.block_size, per_tok / 1024,
                  num_blocks * cache.block_size * per_tok / 2**30)
         if cache.kv_cache_dtype == "int8":
             log.info("int8 KV: %.2fx the tokens of %s", capacity_gain(cfg, "int8", dtype),
                      dtype_name(dtype))
-        if args.timeline_buffer_size < 0 or args.step_buffer_size < 0:
-            raise ValueError("timeline and step buffer sizes must be >= 0")
         self._timelines: OrderedDict[str, dict] = OrderedDict()  # finished, newest last
         self._timeline_limit = args.timeline_buffer_size
         self.steps: deque[StepRecord] = deque(maxlen=max(args.step_buffer_size, 1))
@@ -250,6 +284,8 @@ class LLMEngine:
         """Queue a request; a str prompt is tokenized (with BOS if the model wants one).
         `cache_salt` keeps its prefix-cache blocks apart from other salts (tenants).
         Raises ValueError, naming the problem, for anything that cannot be served."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine failed: {self.dead}")
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups or request_id in self._samples:
@@ -336,6 +372,9 @@ class LLMEngine:
             return self._take_pending()
         try:
             result = self.runner.execute(sched)
+        except TensorParallelError as e:
+            self._die(str(e))
+            return self._take_pending()
         except Exception as e:
             log.exception("model step failed; failing the %d requests in it",
                           len(sched.scheduled))
@@ -383,13 +422,30 @@ class LLMEngine:
         self._record_step(sched, result.timings, t0, t1, t2)
         return outputs
 
+    def check_health(self) -> str | None:
+        """Why the engine cannot serve, or None. Notices a tensor-parallel worker that died
+        while the engine was idle (and then fails the engine as a failed step would)."""
+        if self.dead is None and self.workers is not None:
+            reason = self.workers.status()
+            if reason is not None:
+                self._die(reason)
+        return self.dead
+
+    def _die(self, reason: str) -> None:
+        """A failure the engine cannot step past: fail every request with `reason`; later
+        adds raise EngineDeadError."""
+        log.error("engine failed: %s; failing %d requests", reason, len(self._groups))
+        self.dead = reason
+        for request_id in list(self._groups):
+            self.abort_request(request_id, reason)
+
     def _record_step(self, sched, timings: dict[str, float], t0: float, t1: float,
                      t2: float) -> None:
         self._num_steps += 1
         if not self._keep_steps:
             return
         t_end = time.perf_counter()
-        t3 = t2 + sum(timings.values())
+        t3 = t2 + sum(timings.get(k, 0.0) for k in ("prepare", "forward", "sample"))
         prefill = sum(s.num_new_tokens for s in sched.scheduled if s.prefill)
         decode = sum(s.num_new_tokens for s in sched.scheduled if not s.prefill)
         drafts = sum(s.num_drafts for s in sched.scheduled)
@@ -397,7 +453,7 @@ class LLMEngine:
             self._num_steps, t0 + self._wall_offset, len(sched.scheduled), prefill, decode,
             drafts, len(sched.preempted), t1 - t0, t2 - t1, timings.get("prepare", 0.0),
             timings.get("forward", 0.0), timings.get("sample", 0.0), max(t_end - t3, 0.0),
-            t_end - t0))
+            t_end - t0, timings.get("all_reduce", 0.0)))
 
     def _append(self, sample: _Sample, tokens: list[int], logprobs: list, now: float) -> None:
         """Add a step's tokens (several after speculation) to a request one at a time,
@@ -588,12 +644,15 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Persist the prefix cache to the disk tier, when there is one (a clean shutdown)."""
-        if self.kv.store is None or not any(t.name == "disk" for t in self.kv.store.tiers):
-            return
-        t0 = time.perf_counter()
-        written = self.kv.flush_to_disk()
-        log.info("flushed %d KV blocks to disk in %.1fs", written, time.perf_counter() - t0)
+        """Persist the prefix cache to the disk tier, when there is one (a clean shutdown),
+        and stop the tensor-parallel workers."""
+        if self.kv.store is not None and any(t.name == "disk" for t in self.kv.store.tiers):
+            t0 = time.perf_counter()
+            written = self.kv.flush_to_disk()
+            log.info("flushed %d KV blocks to disk in %.1fs", written,
+                     time.perf_counter() - t0)
+        if self.workers is not None:
+            self.workers.close()
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

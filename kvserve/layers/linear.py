@@ -2,46 +2,51 @@
 
 A column-parallel layer splits its output features across ranks (each rank computes a slice of
 the heads or of the FFN), a row-parallel layer splits its input features and sums the partial
-results. With `tp_size == 1` both are ordinary linears; the weight loaders already cut the
-full checkpoint tensor into this rank's shard, so a tensor-parallel runner only has to pass a
-rank and a process group.
+results. With one rank both are ordinary linears. Each layer knows which rows or columns of
+the full checkpoint tensor it holds, so loading is the same call on every rank: `load` cuts
+the full tensor down to this rank's shard.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.distributed.parallel import SINGLE, TensorParallel, head_shard, split
 from kvserve.layers.quant import SMALL_BATCH, QuantizedWeight
+
+Ranges = list[tuple[int, int]]  # (start, size) ranges of the full tensor, in shard order
 
 
 class LinearBase(nn.Module):
     """y = x W^T (+ b). `tp_dim` is the weight dimension that is sharded: 0 (output features,
-    column parallel), 1 (input features, row parallel) or None (replicated)."""
+    column parallel), 1 (input features, row parallel) or None (replicated); `ranges` are the
+    pieces of that dimension this rank holds."""
 
     tp_dim: int | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp: TensorParallel = SINGLE, ranges: Ranges | None = None) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp = tp
         shape = [out_features, in_features]
         if self.tp_dim is not None:
-            if shape[self.tp_dim] % tp_size:
-                raise ValueError(f"{shape[self.tp_dim]} features do not split over {tp_size} ranks")
-            shape[self.tp_dim] //= tp_size
+            self.ranges = ranges if ranges is not None else [split(shape[self.tp_dim],
+                                                                   tp.size, tp.rank)]
+            shape[self.tp_dim] = sum(size for _, size in self.ranges)
         self.in_features, self.out_features = shape[1], shape[0]
         self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
         # A row-parallel bias is added once, after the reduction, so it is never sharded.
-        bias_len = shape[0]
-        self.bias = nn.Parameter(torch.empty(bias_len), requires_grad=False) if bias else None
+        self.bias = nn.Parameter(torch.empty(shape[0]), requires_grad=False) if bias else None
         self.quantized: QuantizedWeight | None = None
+        # Row-parallel shards: each full row's largest magnitude, so an int8 copy scales a
+        # shard as one process scales the whole row and both compute with the same integers.
+        self.row_absmax: torch.Tensor | None = None
 
     def quantize_(self, method: str) -> None:
         """Add a weight-only quantized copy of the (loaded) weight, used for small batches."""
-        self.quantized = QuantizedWeight(self.weight.data, method)
+        self.quantized = QuantizedWeight(self.weight.data, method, self.row_absmax)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T without the bias: the quantized kernel for small batches when there is one."""
@@ -50,20 +55,22 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight)
 
     def _shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
-        if self.tp_size == 1:
+        if self.tp_dim is None or dim != self.tp_dim:
             return full
-        size = full.shape[dim] // self.tp_size
-        return full.narrow(dim, self.tp_rank * size, size)
+        if len(self.ranges) == 1 and self.ranges[0] == (0, full.shape[dim]):
+            return full
+        return torch.cat([full.narrow(dim, start, size) for start, size in self.ranges], dim)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy a full (unsharded) checkpoint weight [out, in] and bias into this rank's shard."""
-        if self.tp_dim is not None:
-            weight = self._shard(weight, self.tp_dim)
-        _copy(self.weight, weight, "weight")
+        _copy(self.weight, self._shard(weight, self.tp_dim or 0), "weight")
+        if self.tp_dim == 1 and self.tp.size > 1:
+            # from the weight as stored (compute dtype), as quantize_ sees it in one process
+            self.row_absmax = weight.to(self.weight.dtype).float().abs().amax(dim=1)
         if bias is not None:
             if self.bias is None:
                 raise ValueError("checkpoint has a bias for a layer built without one")
-            _copy(self.bias, self._shard(bias, 0) if self.tp_dim == 0 else bias, "bias")
+            _copy(self.bias, self._shard(bias, 0), "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
@@ -79,33 +86,39 @@ class ColumnParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections of the same input fused into one matmul
-    (gate and up of the MLP); each part is sharded on its own."""
+    """Several column-parallel projections of the same input fused into one matmul (gate and
+    up of the MLP); each part is sharded on its own, by `part_ranges` (part -> the (start,
+    size) of its rows this rank holds) or near-evenly."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__(in_features, sum(output_sizes), bias, tp_rank, tp_size)
-        self.output_sizes = [s // tp_size for s in output_sizes]
+                 tp: TensorParallel = SINGLE, part_ranges: list[tuple[int, int]] | None = None):
+        part_ranges = part_ranges or [split(s, tp.size, tp.rank) for s in output_sizes]
+        offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+        super().__init__(in_features, sum(output_sizes), bias, tp,
+                         [(off + start, size) for off, (start, size)
+                          in zip(offsets, part_ranges, strict=True)])
+        self.part_ranges = part_ranges
 
     def load_part(self, index: int, tensor: torch.Tensor, what: str = "weight") -> None:
         """Copy the full checkpoint weight (or bias) of part `index` into its rows."""
-        start = sum(self.output_sizes[:index])
-        size = self.output_sizes[index]
+        start, size = self.part_ranges[index]
+        local = sum(s for _, s in self.part_ranges[:index])
         dst = self.weight if what == "weight" else self.bias
         if dst is None:
             raise ValueError("checkpoint has a bias for a layer built without one")
-        _copy(dst.narrow(0, start, size), self._shard(tensor, 0), f"part {index} {what}")
+        _copy(dst.narrow(0, local, size), tensor.narrow(0, start, size), f"part {index} {what}")
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
-    """Fused q, k and v projections; heads are split across ranks (KV heads too)."""
+    """Fused q, k and v projections; each rank computes the heads `head_shard` gives it."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
-        if num_kv_heads % tp_size:
-            raise ValueError(f"{num_kv_heads} KV heads do not split over {tp_size} ranks")
+                 bias: bool = False, tp: TensorParallel = SINGLE) -> None:
+        s = head_shard(num_heads, num_kv_heads, tp.rank, tp.size)
+        q = (s.q_start * head_dim, s.q_count * head_dim)
+        kv = (s.kv_start * head_dim, s.kv_count * head_dim)
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden, sizes, bias, tp_rank, tp_size)
+        super().__init__(hidden, sizes, bias, tp, [q, kv, kv])
 
     def load_qkv(self, name: str, tensor: torch.Tensor, what: str = "weight") -> None:
         self.load_part("qkv".index(name), tensor, what)
@@ -116,16 +129,55 @@ class RowParallelLinear(LinearBase):
 
     tp_dim = 1
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1, group: dist.ProcessGroup | None = None):
-        super().__init__(in_features, out_features, bias, tp_rank, tp_size)
-        self.group = group
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x)
-        if self.tp_size > 1:
-            dist.all_reduce(y, group=self.group)
+        y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split over ranks. Every rank holds the same number
+    of rows (`rows_per_rank`, the last rank's padded with zeros) so the tied LM head's logit
+    shards can be gathered as equal pieces. A rank looks up the ids in its range, zeros the
+    rest, and the all-reduce assembles the full embedding (each sum has one nonzero term)."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.rows_per_rank
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden), requires_grad=False)
+
+    def load(self, weight: torch.Tensor) -> None:
+        rows = weight[self.start:self.start + self.rows_per_rank]
+        with torch.no_grad():
+            self.weight[len(rows):].zero_()
+        _copy(self.weight[:len(rows)], rows, "embedding")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
+
+
+class ParallelLMHead(ColumnParallelLinear):
+    """The output projection, its vocabulary split like `VocabParallelEmbedding`'s (equal,
+    zero-padded shards, so a tied head shares the embedding's shard): each rank computes its
+    slice of the logits; `LlamaForCausalLM.compute_logits` gathers them on rank 0."""
+
+    def __init__(self, hidden: int, vocab_size: int, tp: TensorParallel = SINGLE) -> None:
+        rows = -(-vocab_size // tp.size)
+        super().__init__(hidden, vocab_size, False, tp, [(tp.rank * rows, rows)])
+
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        (start, rows), = self.ranges
+        part = weight[start:start + rows]
+        with torch.no_grad():
+            self.weight[len(part):].zero_()
+        _copy(self.weight[:len(part)], part, "lm_head")
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:

@@ -30,10 +30,13 @@ def check_quantization(name: str) -> str:
     return name
 
 
-def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (int8 [N, K], scales [N] in `dtype`); w ~= q * scale[:, None]."""
+def quantize_int8(w: torch.Tensor, dtype: torch.dtype,
+                  row_absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (int8 [N, K], scales [N] in `dtype`); w ~= q * scale[:, None]. `row_absmax`
+    overrides the rows' largest magnitudes (a shard of a row scaled as the whole row)."""
     wf = w.float()
-    scale = (wf.abs().amax(dim=1) / 127).clamp_min_(1e-12).to(dtype)
+    absmax = wf.abs().amax(dim=1) if row_absmax is None else row_absmax.float()
+    scale = (absmax / 127).clamp_min_(1e-12).to(dtype)
     q = (wf / scale.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
     return q, scale
 
@@ -66,12 +69,13 @@ def dequantize_int4(packed_q: torch.Tensor, scales_zeros: torch.Tensor, n: int, 
 class QuantizedWeight:
     """A quantized copy of one [N, K] weight and the matmul that uses it."""
 
-    def __init__(self, weight: torch.Tensor, method: str) -> None:
+    def __init__(self, weight: torch.Tensor, method: str,
+                 row_absmax: torch.Tensor | None = None) -> None:
         self.method = check_quantization(method)
         self.n, self.k = weight.shape
         dtype = weight.dtype
         if method == "int8":
-            self.q, self.scales = quantize_int8(weight, dtype)
+            self.q, self.scales = quantize_int8(weight, dtype, row_absmax)
         elif method == "int4":
             self.q, self.scales = quantize_int4(weight, dtype)
         else:

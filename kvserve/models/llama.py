@@ -12,12 +12,14 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.config import ModelConfig
+from kvserve.distributed.parallel import SINGLE, TensorParallel, head_shard
 from kvserve.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
+    ParallelLMHead,
     QKVParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
+    VocabParallelEmbedding,
 )
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
@@ -25,15 +27,15 @@ from kvserve.layers.rotary import RotaryEmbedding
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads // tp_size
-        self.num_kv_heads = cfg.num_kv_heads // tp_size
-        self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
-                                          cfg.num_kv_heads, cfg.qkv_bias, tp_rank, tp_size)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
-                                        False, tp_rank, tp_size)
+        shard = head_shard(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
+        self.num_heads, self.num_kv_heads = shard.q_count, shard.kv_count
+        self.head_dim = d = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.qkv_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, False, tp,
+                                        [(shard.q_start * d, shard.q_count * d)])
         self.rotary = rotary
         self.backend = backend
 
@@ -47,12 +49,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp_rank, tp_size)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False,
-                                           tp_rank, tp_size)
+            cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -61,12 +62,12 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, backend, tp_rank, tp_size)
+        self.self_attn = Attention(cfg, rotary, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp_rank, tp_size)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 kv_cache: torch.Tensor, meta: object) -> torch.Tensor:
@@ -76,22 +77,18 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        if cfg.num_heads % tp_size:
-            raise ValueError(f"{cfg.num_heads} heads do not split over {tp_size} ranks")
-        # Weights arrive from a checkpoint; skip the random init of a 50k x d table.
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size),
-                                         _freeze=True)
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta,
                                  cfg.rope_scaling)
         self.rotary = rotary
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, backend, tp_rank, tp_size) for _ in range(cfg.num_layers))
+            DecoderLayer(cfg, rotary, backend, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ReplicatedLinear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -104,9 +101,14 @@ class LlamaForCausalLM(nn.Module):
             x = layer(rope, x, kv_cache, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in float32, only for the rows the caller selected (the sampled positions)."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [T, vocab] in float32, only for the rows the caller selected (the sampled
+        positions). Under tensor parallelism every rank must call this; the full logits come
+        back on rank 0 and None on the others."""
+        logits = self.tp.gather_last_dim(self.lm_head(hidden).float())
+        if logits is None or logits.shape[-1] == self.config.vocab_size:
+            return logits
+        return logits[:, :self.config.vocab_size]  # the last shard's zero padding
 
     def quantize_(self, method: str) -> None:
         """Weight-only quantized copies of every projection, for small batches. The LM head

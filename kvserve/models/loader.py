@@ -6,6 +6,7 @@ directory (config.json + *.safetensors + tokenizer.json).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -20,6 +21,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.config import ModelConfig, RopeScaling
+from kvserve.distributed.parallel import SINGLE, TensorParallel, head_shard
 from kvserve.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -286,12 +288,12 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Ten
     for name, w in tensors:
         seen.add(name)
         if name == "embed_tokens.weight":
-            _copy(model.embed_tokens.weight, w, name)
+            model.embed_tokens.load(w)
         elif name == "norm.weight":
             _copy(model.norm.weight, w, name)
         elif name == "lm_head.weight":
             if not model.config.tie_word_embeddings:
-                _copy(model.lm_head.weight, w, name)
+                model.lm_head.load(w)
         else:
             _, idx, kind, what = name.split(".")
             layer = model.layers[int(idx)]
@@ -321,6 +323,15 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Ten
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
+def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
+    """The config as one rank sees its attention: its own query and KV heads (what its
+    attention backend and its share of the KV cache are sized by)."""
+    if tp.size == 1:
+        return cfg
+    s = head_shard(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
+    return dataclasses.replace(cfg, num_heads=s.q_count, num_kv_heads=s.kv_count)
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != {tuple(dst.shape)}")
@@ -330,8 +341,9 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device,
                backend_factory: Callable[[ModelConfig], AttentionBackend],
-               tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
-    """Build the model for this rank's shard and fill it from the checkpoint."""
+               tp: TensorParallel = SINGLE) -> LoadedModel:
+    """Build the model for this rank's shard and fill it from the checkpoint. The attention
+    backend is made for the rank's own heads (`shard_config`)."""
     reader = None
     if path.suffix == ".gguf":
         import gguf
@@ -354,7 +366,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = LlamaForCausalLM(cfg, backend_factory(cfg), tp_rank, tp_size)
+        model = LlamaForCausalLM(cfg, backend_factory(shard_config(cfg, tp)), tp)
     finally:
         torch.set_default_dtype(previous)
     load_weights(model, tensors)

@@ -226,7 +226,9 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
 
     @app.get("/health")
     async def health() -> Response:
-        state.ready()
+        reason = state.ready().health_error()
+        if reason is not None:
+            raise APIError(503, reason)
         return Response(status_code=200)
 
     @app.get("/version")

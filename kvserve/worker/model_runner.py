@@ -16,13 +16,39 @@ import torch
 
 from kvserve.attention import cpu_ops
 from kvserve.attention.backend import AttentionBatch
+from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.config import CacheConfig
+from kvserve.distributed.parallel import SINGLE, TensorParallel
+from kvserve.distributed.worker import TensorParallelWorkers
+from kvserve.layers.quant import check_quantization
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.loader import LoadedModel, auto_quantization, load_model, resolve_model
 from kvserve.sampler import Sampler, SamplingMetadata, TokenLogprobs
 from kvserve.scheduler import SchedulerOutput
 from kvserve.spec_decode.rejection import verify
 
 log = logging.getLogger(__name__)
+
+
+def load_target(model: str | None, dtype: torch.dtype, device: torch.device,
+                kv_cache_dtype: str, quantization: str,
+                tp: TensorParallel = SINGLE) -> tuple[LoadedModel, str]:
+    """The served model (this rank's shard of it) with its attention backend and weight-only
+    quantized copies; returns it and the quantization applied (`auto` resolved: a GGUF keeps
+    its precision class on the CPU, nothing elsewhere)."""
+    path = resolve_model(model)
+    loaded = load_model(path, dtype, device,
+                        lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads, c.head_dim,
+                                                      kv_cache_dtype), tp)
+    if quantization == "auto":
+        quantization = ("none" if device.type != "cpu"
+                        else auto_quantization(loaded.weight_format))
+    if check_quantization(quantization) != "none":
+        if device.type != "cpu":
+            raise ValueError("--quantization int8/int4 uses CPU kernels; use none on "
+                             f"{device.type}")
+        loaded.model.quantize_(quantization)
+    return loaded, quantization
 
 
 @dataclass
@@ -86,14 +112,20 @@ class ModelRunnerOutput:
     # Per entry, the final hidden state of the row its last token was sampled from; kept
     # only when a drafter drafts from it (MTP).
     hidden: list[torch.Tensor] | None = None
-    # Seconds spent in "prepare" (inputs, metadata), "forward" and "sample".
+    # Seconds spent in "prepare" (inputs, metadata), "forward" and "sample"; under tensor
+    # parallelism also "all_reduce", the part of forward and sample spent in collectives.
     timings: dict[str, float] = field(default_factory=dict)
 
 
 class ModelRunner:
+    """Runs steps on the model; with `workers`, the model is rank 0's shard and every step is
+    first sent to the other ranks, which run the same forward (see distributed.worker)."""
+
     def __init__(self, model: LlamaForCausalLM, cache: CacheConfig, num_blocks: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device,
+                 workers: TensorParallelWorkers | None = None) -> None:
         self.model = model
+        self.workers = workers
         self.cfg = model.config
         self.block_size = cache.block_size
         self.num_blocks = num_blocks
@@ -115,8 +147,20 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self.workers is None:
+            return self._execute(sched)
+        tp = self.model.tp
+        tp.comm_seconds = 0.0
+        try:
+            out = self._execute(sched)
+        except Exception as e:  # the ranks may now be out of step: the group is done
+            self.workers.fail(e)
+        out.timings["all_reduce"] = tp.comm_seconds
+        return out
+
+    @torch.inference_mode()
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         items, rows = [], []
         for s in sched.scheduled:
             req, n = s.request, s.num_new_tokens
@@ -127,6 +171,8 @@ class ModelRunner:
             if s.samples:
                 rows.append(s)
         timings: dict[str, float] = {}
+        if self.workers is not None:
+            self.workers.send(items)
         hidden = run_forward(self.model, self.kv_caches, self.block_size, items, self.device,
                              timings)
         if not rows:

@@ -1,0 +1,229 @@
+"""Tensor parallelism: how heads and vocabulary are cut (unit), greedy outputs of two gloo
+ranks identical to one process (tiny models whose KV heads do not divide by the ranks, the
+default model, quantized weights and KV, speculation), and a dead or hung rank failing the
+in-flight requests and /health instead of hanging.
+
+The tiny models run in float32: in bfloat16 each rank's partial matmul output is rounded
+before the sum (one process rounds once), which on these random models flips near-tied
+greedy choices. The default model is also checked in its default bf16 + int4 setup."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvserve.distributed.parallel import TensorParallel, head_shard, split
+from kvserve.engine.llm import LLM
+from kvserve.engine.llm_engine import EngineArgs, _check_tensor_parallel
+from kvserve.layers.linear import ParallelLMHead, VocabParallelEmbedding
+from kvserve.sampling_params import SamplingParams
+from tests.conftest import build_tiny_model
+from tests.server_utils import run_server
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+TINY_PROMPTS = ["hello world", "a" * 45, "The quick brown fox jumps over", "0123456789" * 3]
+
+
+# ------------------------------------------------------------------------------ partition
+
+
+@given(st.integers(1, 200), st.integers(1, 9), st.data())
+def test_split_is_contiguous_near_even_and_complete(n, parts, data):
+    ranges = [split(n, parts, i) for i in range(parts)]
+    assert ranges[0][0] == 0
+    for (s0, n0), (s1, _) in zip(ranges, ranges[1:], strict=False):
+        assert s0 + n0 == s1
+    assert sum(size for _, size in ranges) == n
+    assert max(size for _, size in ranges) - min(size for _, size in ranges) <= 1
+
+
+@pytest.mark.parametrize("heads,kv,size", [
+    (9, 3, 2),  # the default model: 3 KV heads over 2 ranks -> 2 and 1
+    (6, 3, 2), (32, 8, 3), (8, 8, 4), (12, 4, 4),
+    (4, 1, 2), (8, 2, 4), (8, 2, 8), (12, 3, 6),  # fewer KV heads than ranks: replicated
+])
+def test_head_shard_gives_every_query_head_once_beside_its_kv_head(heads, kv, size):
+    group = heads // kv
+    seen: list[int] = []
+    for rank in range(size):
+        s = head_shard(heads, kv, rank, size)
+        assert s.q_count >= 1 and s.kv_count >= 1
+        local_group = s.q_count // s.kv_count
+        assert local_group * s.kv_count == s.q_count  # each rank is a uniform GQA
+        for i in range(s.q_count):
+            q = s.q_start + i
+            seen.append(q)
+            # the KV head this query head reads, as the rank's local GQA maps it
+            assert s.kv_start + i // local_group == q // group
+    assert seen == list(range(heads))
+
+
+@pytest.mark.parametrize("heads,kv,size", [(4, 2, 3), (2, 1, 4), (6, 3, 4)])
+def test_head_shard_rejects_impossible_splits(heads, kv, size):
+    with pytest.raises(ValueError, match="ranks"):
+        for rank in range(size):
+            head_shard(heads, kv, rank, size)
+
+
+def test_vocab_shards_are_equal_and_zero_padded():
+    full = torch.arange(7 * 3, dtype=torch.float32).view(7, 3) + 1
+    shards = []
+    for rank in range(2):
+        emb = VocabParallelEmbedding(7, 3, TensorParallel(rank, 2))
+        emb.load(full)
+        head = ParallelLMHead(3, 7, TensorParallel(rank, 2))
+        head.load(full)
+        assert torch.equal(head.weight, emb.weight)
+        shards.append(emb.weight)
+    assert [s.shape[0] for s in shards] == [4, 4]
+    assert torch.equal(torch.cat(shards)[:7], full)
+    assert not shards[1][3].any()  # the padding row of the last rank
+
+
+def test_features_that_keep_rank0_state_are_refused():
+    with pytest.raises(ValueError, match="not supported with --tensor-parallel-size"):
+        _check_tensor_parallel(EngineArgs(tensor_parallel_size=2, host_kv_cache_memory="1GiB"))
+    with pytest.raises(ValueError, match="mtp drafter"):
+        _check_tensor_parallel(EngineArgs(tensor_parallel_size=2, speculative_config=json.dumps(
+            {"method": "mtp", "model": "x.safetensors"})))
+
+
+# ------------------------------------------------------------------- identical outputs
+
+
+@pytest.fixture(scope="module")
+def uneven_gqa_dir(tmp_path_factory):
+    """6 query heads over 3 KV heads: 2 KV heads on rank 0, 1 on rank 1."""
+    return build_tiny_model(tmp_path_factory.mktemp("tp-gqa"), num_heads=6, num_kv_heads=3,
+                            hidden_size=96)
+
+
+@pytest.fixture(scope="module")
+def mqa_dir(tmp_path_factory):
+    """One KV head for 4 query heads, tied embeddings: the KV head is replicated."""
+    return build_tiny_model(tmp_path_factory.mktemp("tp-mqa"), tie=True, num_heads=4,
+                            num_kv_heads=1)
+
+
+def _generate(model, prompts, params=GREEDY, **kw) -> list[list[int]]:
+    with LLM(str(model), **kw) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def _both(model, prompts, params=GREEDY, **kw):
+    return (_generate(model, prompts, params, tensor_parallel_size=1, **kw),
+            _generate(model, prompts, params, tensor_parallel_size=2, **kw))
+
+
+@pytest.mark.parametrize("kw", [
+    # chunked prefill mixed with decodes (a 45-token prompt over 16-token steps)
+    dict(dtype="float32", quantization="none", max_num_batched_tokens=16),
+    # int8 weights: a row-parallel shard is scaled by its whole row's magnitude
+    dict(dtype="float32", quantization="int8", kv_cache_dtype="int8"),
+], ids=["fp32-chunked", "int8w-int8kv"])
+def test_tp2_greedy_matches_one_process_uneven_kv_heads(uneven_gqa_dir, kw):
+    one, two = _both(uneven_gqa_dir, TINY_PROMPTS, kv_cache_memory="8MiB", **kw)
+    assert one == two
+
+
+def test_tp2_greedy_matches_one_process_replicated_kv_head(mqa_dir):
+    one, two = _both(mqa_dir, TINY_PROMPTS, dtype="float32", quantization="int4",
+                     kv_cache_memory="8MiB")
+    assert one == two
+
+
+def test_tp2_with_ngram_speculation_matches_plain_decoding(uneven_gqa_dir):
+    prompts = ["abcabcabcabcabcabc", "hello hello hello hello"]
+    plain = _generate(uneven_gqa_dir, prompts, dtype="float32", kv_cache_memory="8MiB")
+    spec = _generate(uneven_gqa_dir, prompts, dtype="float32", kv_cache_memory="8MiB",
+                     tensor_parallel_size=2, speculative_config=json.dumps(
+                         {"method": "ngram", "num_speculative_tokens": 3}))
+    assert plain == spec
+
+
+@pytest.mark.parametrize("kw", [dict(dtype="float32", quantization="none"), dict()],
+                         ids=["fp32", "default-bf16-int4"])
+def test_tp2_greedy_matches_one_process_default_model(real_model_path, kw):
+    prompts = ["The capital of France is", "def fibonacci(n):",
+               "Once upon a time, in a land far away,", "1, 2, 3, 4,"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    one, two = _both(real_model_path, prompts, params, kv_cache_memory="64MiB", **kw)
+    assert one == two
+
+
+# ---------------------------------------------------------------------------- failures
+
+
+def _stream_until_error(url: str, on_first_chunk) -> tuple[list[str], float]:
+    """Stream a long completion, call `on_first_chunk` after the first token; returns the
+    SSE data lines and the seconds from that call to the end of the stream."""
+    lines: list[str] = []
+    t_fail = None
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            lines.append(line[6:])
+            if t_fail is None:
+                on_first_chunk()
+                t_fail = time.monotonic()
+    assert t_fail is not None
+    return lines, time.monotonic() - t_fail
+
+
+def _engine_workers(app):
+    return app.state.kvserve.llm_engine.workers
+
+
+@pytest.mark.parametrize("how", ["kill", "hang"])
+def test_dead_or_hung_rank_fails_requests_and_health(uneven_gqa_dir, how):
+    args = EngineArgs(model=str(uneven_gqa_dir), tensor_parallel_size=2, tp_timeout=3.0,
+                      kv_cache_memory="8MiB", dtype="float32")
+    with run_server(args, served_model_name="tiny") as (url, app):
+        worker = _engine_workers(app).procs[0]
+        sig = signal.SIGKILL if how == "kill" else signal.SIGSTOP
+        try:
+            lines, waited = _stream_until_error(url, lambda: os.kill(worker.pid, sig))
+            errors = [json.loads(x)["error"] for x in lines if x.startswith('{"error"')]
+            assert errors and "tensor-parallel group failed" in errors[0]["message"], lines[-3:]
+            assert lines[-1] == "[DONE]"
+            assert waited < 30
+            health = httpx.get(f"{url}/health", timeout=10)
+            assert health.status_code == 503
+            assert "tensor-parallel" in health.json()["error"]["message"]
+            again = httpx.post(f"{url}/v1/completions", timeout=10,
+                               json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+            assert again.status_code == 503
+        finally:
+            if worker.is_alive():
+                os.kill(worker.pid, signal.SIGKILL)
+
+
+def test_idle_rank_death_makes_health_unhealthy(uneven_gqa_dir):
+    args = EngineArgs(model=str(uneven_gqa_dir), tensor_parallel_size=2, kv_cache_memory="8MiB",
+                      dtype="float32")
+    with run_server(args, served_model_name="tiny") as (url, app):
+        ok = httpx.post(f"{url}/v1/completions", timeout=30,
+                        json={"model": "tiny", "prompt": "hi", "max_tokens": 4})
+        assert ok.status_code == 200
+        worker = _engine_workers(app).procs[0]
+        worker.kill()
+        worker.join(10)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/health", timeout=5).status_code == 200:
+            assert time.monotonic() < deadline, "/health stayed 200 after a rank died"
+            time.sleep(0.2)
+        r = httpx.post(f"{url}/v1/completions", timeout=10,
+                       json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and "exited" in r.json()["error"]["message"]
