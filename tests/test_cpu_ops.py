@@ -73,3 +73,42 @@ def test_rms_norm_kernel_matches_reference(monkeypatch, dtype, rows, cols):
     finally:
         cpu_ops.ops.cache_clear()
     torch.testing.assert_close(fast, slow)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: qkv bias, tied embeddings
+@pytest.mark.parametrize("dtype,quantization", [(torch.float32, "none"),
+                                                (torch.bfloat16, "none"),
+                                                (torch.bfloat16, "int8"),
+                                                (torch.bfloat16, "int4")])
+@pytest.mark.parametrize("batch", [1, 3, 12])  # 12 rows: past SMALL_BATCH, the plain weights
+def test_fused_decode_layers_equal_the_modules(tmp_path, arch, dtype, quantization, batch):
+    """A decode-only step through the C++ decode_layers gives exactly the hidden states (and
+    K/V) of the Python modules: the same ATen calls in the same order."""
+    from kvserve.models.loader import load_model
+    from kvserve.worker.model_runner import ForwardItem, allocate_kv_caches, run_forward
+    from tests.conftest import build_tiny_model
+
+    path = build_tiny_model(tmp_path / arch, arch, tie=arch == "qwen2")
+    model = load_model(path, dtype, torch.device("cpu"),
+                       lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads,
+                                                     c.head_dim)).model
+    if quantization != "none":
+        model.quantize_(quantization)
+    bs, g = 4, torch.Generator().manual_seed(1)
+    caches = allocate_kv_caches(model, 16 * batch * bs, dtype, torch.device("cpu"))
+    prompts = [torch.randint(2, 300, (5 + 3 * i,), generator=g).tolist() for i in range(batch)]
+    tables = [list(range(16 * i, 16 * i + 16)) for i in range(batch)]
+    run_forward(model, caches, bs, [ForwardItem(p, 0, t, 0) for p, t in
+                                    zip(prompts, tables, strict=True)], torch.device("cpu"))
+    step = [ForwardItem([7 + i], len(p), t, 1)
+            for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
+    backend = model.layers[0].self_attn.backend
+    assert backend.fused_decode_inputs(backend.build_metadata(AttentionBatch(
+        [1] * batch, [len(p) + 1 for p in prompts], tables, torch.zeros(batch, dtype=torch.long),
+        bs))) is not None
+    fused_caches = [c.clone() for c in caches]
+    fused = run_forward(model, fused_caches, bs, step, torch.device("cpu"))
+    backend.fused_decode_inputs = lambda meta: None  # the modules, layer by layer
+    plain = run_forward(model, caches, bs, step, torch.device("cpu"))
+    assert torch.equal(fused, plain)
+    assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches, strict=True))

@@ -49,3 +49,8 @@ class AttentionBackend(ABC):
 
         Writes k/v into the cache at the batch's slots, then attends every query to its
         request's context (causally within the request)."""
+
+    def fused_decode_inputs(self, meta: object) -> tuple | None:
+        """For a step the C++ `decode_layers` can run whole: (slot_mapping, block tables,
+        context lengths, block size, scale); None when it cannot (the default)."""
+        return None

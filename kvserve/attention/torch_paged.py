@@ -131,6 +131,14 @@ class TorchPagedAttention(AttentionBackend):
                 ~valid, float("-inf"))[None, :, None, :]
         return meta
 
+    def fused_decode_inputs(self, meta: TorchAttentionMetadata) -> tuple | None:
+        # The C++ path stores K/V unquantized and reads them with decode_attention.
+        if (not meta.decode_only or self.quantized or meta.slot_mapping.device.type != "cpu"
+                or cpu_ops.ops() is None):
+            return None
+        return (meta.slot_mapping, meta.decode_blocks, meta.decode_lens, meta.block_size,
+                self.scale)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
         # K and V written with one copy: [2, T, Hkv, W] -> slots of [2, Hkv, num_slots, W].

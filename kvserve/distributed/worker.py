@@ -119,6 +119,7 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
         loaded, _ = load_target(spec.model_path, spec.dtype, device, spec.kv_cache_dtype,
                                 spec.quantization, tp)
         model = loaded.model
+        loaded.gguf_reader = None  # metadata only the tokenizer needs (on rank 0)
         # Rank 0 sends its plan (which may include a drafter's share or an explicit count);
         # each rank answers with what it can hold and all take the minimum.
         cache = receive_object(control)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.attention import cpu_ops
 from kvserve.attention.backend import AttentionBackend
 from kvserve.config import ModelConfig
 from kvserve.distributed.parallel import SINGLE, TensorParallel, head_shard
@@ -22,6 +23,7 @@ from kvserve.layers.linear import (
     VocabParallelEmbedding,
 )
 from kvserve.layers.norm import RMSNorm
+from kvserve.layers.quant import SMALL_BATCH
 from kvserve.layers.rotary import RotaryEmbedding
 
 
@@ -89,6 +91,7 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(cfg, rotary, backend, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
+        self._fused: list[torch.Tensor] | None = None  # fused_params(), built on first use
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -97,9 +100,37 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions [T] -> final hidden states [T, hidden] (normed)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, x.dtype)  # once per step, shared by all layers
+        attn = self.layers[0].self_attn
+        fused = attn.backend.fused_decode_inputs(meta) if self.tp.size == 1 else None
+        if fused is not None:
+            # A decode-only step: all layers in one C++ call making the same ATen calls as
+            # the modules below, without ~50 us of Python per layer between them.
+            return self.norm(cpu_ops.ops().decode_layers(
+                x, *rope, self.fused_params(), kv_caches, *fused, attn.num_heads,
+                attn.num_kv_heads, self.norm.eps, SMALL_BATCH))
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(rope, x, kv_cache, meta)
         return self.norm(x)
+
+    def fused_params(self) -> list[torch.Tensor]:
+        """Every layer's tensors in the order the C++ decode_layers reads them: input norm,
+        (weight, quantized, scales, bias) of qkv and o, post-attention norm, the same of
+        gate_up and down; an empty tensor for what a layer lacks. Built once."""
+        if self._fused is None:
+            none = torch.empty(0)
+
+            def linear(m: LinearBase) -> list[torch.Tensor]:
+                q = m.quantized
+                return [m.weight, none if q is None else q.q, none if q is None else q.scales,
+                        none if m.bias is None else m.bias]
+
+            self._fused = []
+            for layer in self.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                self._fused += [layer.input_layernorm.weight, *linear(a.qkv_proj),
+                                *linear(a.o_proj), layer.post_attention_layernorm.weight,
+                                *linear(mlp.gate_up_proj), *linear(mlp.down_proj)]
+        return self._fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [T, vocab] in float32, only for the rows the caller selected (the sampled
@@ -113,6 +144,7 @@ class LlamaForCausalLM(nn.Module):
     def quantize_(self, method: str) -> None:
         """Weight-only quantized copies of every projection, for small batches. The LM head
         gets int8 (per-row scales) whatever the method: its logits feed sampling directly."""
+        self._fused = None
         for module in self.modules():
             if isinstance(module, LinearBase) and module is not self.lm_head:
                 module.quantize_(method)

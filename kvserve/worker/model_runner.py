@@ -8,6 +8,9 @@ blocks fit a memory budget is `kv_cache.planner.plan_num_blocks`.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -137,6 +140,7 @@ class ModelRunner:
             raise ValueError(f"the model's attention backend stores a "
                              f"{self.backend.kv_cache_dtype} KV cache but the cache config "
                              f"asks for {cache.kv_cache_dtype}")
+        release_freed_memory()
         self.kv_caches = allocate_kv_caches(model, num_blocks * cache.block_size, dtype, device)
         self.sampler = Sampler()
         self.keep_hidden = False  # set by a drafter that drafts from the target's states
@@ -195,6 +199,14 @@ class ModelRunner:
                 offset += s.num_drafts + 1
         timings["sample"] = time.perf_counter() - t0
         return ModelRunnerOutput(verified.token_ids, verified.logprobs, kept, timings)
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and hand freed heap back to the OS (glibc's malloc_trim), so memory
+    freed after loading does not stay resident under the KV cache about to be allocated."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def allocate_kv_caches(model: LlamaForCausalLM, num_slots: int, dtype: torch.dtype,
