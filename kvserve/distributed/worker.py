@@ -108,7 +108,12 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(message)s")
     from kvserve.kv_cache.planner import plan_num_blocks
     from kvserve.models.loader import shard_config
-    from kvserve.worker.model_runner import allocate_kv_caches, load_target, run_forward
+    from kvserve.worker.model_runner import (
+        allocate_kv_caches,
+        load_target,
+        release_freed_memory,
+        run_forward,
+    )
 
     try:
         store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, is_master=False,
@@ -125,6 +130,7 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
         cache = receive_object(control)
         num_blocks = agree_num_blocks(
             tp, plan_num_blocks(shard_config(loaded.config, tp), cache, spec.dtype), device)
+        release_freed_memory()
         kv_caches = allocate_kv_caches(model, num_blocks * spec.block_size, spec.dtype, device)
         with torch.inference_mode():
             while True:
