@@ -141,13 +141,21 @@ def test_tp2_greedy_matches_one_process_replicated_kv_head(mqa_dir):
     assert one == two
 
 
-def test_tp2_with_ngram_speculation_matches_plain_decoding(uneven_gqa_dir):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tp2_with_speculation_matches_plain_decoding(uneven_gqa_dir, mqa_dir, method):
+    """Drafts are proposed on rank 0 (a draft model there, unsharded) and verified by the
+    split target."""
     prompts = ["abcabcabcabcabcabc", "hello hello hello hello"]
+    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+            if method == "ngram" else  # a draft model with the same tokenizer
+            {"method": "draft_model", "num_speculative_tokens": 3, "model": str(mqa_dir),
+             "quantization": "none"})
     plain = _generate(uneven_gqa_dir, prompts, dtype="float32", kv_cache_memory="8MiB")
-    spec = _generate(uneven_gqa_dir, prompts, dtype="float32", kv_cache_memory="8MiB",
-                     tensor_parallel_size=2, speculative_config=json.dumps(
-                         {"method": "ngram", "num_speculative_tokens": 3}))
-    assert plain == spec
+    with LLM(str(uneven_gqa_dir), dtype="float32", kv_cache_memory="8MiB",
+             tensor_parallel_size=2, speculative_config=json.dumps(spec)) as llm:
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        assert llm.engine.spec_stats.num_drafts > 0
+    assert plain == out
 
 
 @pytest.mark.parametrize("quantization", ["none", "int4"])
