@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -60,6 +61,18 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 #endif
 }
+
+#if defined(__AVX512BF16__)
+// q.k straight from bf16 rows (n a multiple of 32): the products of two bf16 values are exact
+// in float32, so this is the float dot product without converting the K rows first.
+inline float dot_bf16(const c10::BFloat16* a, const c10::BFloat16* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 32)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + i),
+                           (__m512bh)_mm512_loadu_si512(b + i));
+  return _mm512_reduce_add_ps(acc);
+}
+#endif
 
 // exp(x) for the softmax, written so the compiler vectorizes a loop of it (std::exp is a
 // call per element): 2^(x log2 e) as 2^k times a degree-6 polynomial for 2^f, f in
@@ -116,7 +129,21 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
       float top = -INFINITY;
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const int64_t n = std::min(block_size, len - t0);
-        to_float(kp + (g * slots + table[t0 / block_size] * block_size) * D, rows.data(), n * D);
+        const T* kb = kp + (g * slots + table[t0 / block_size] * block_size) * D;
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (D % 32 == 0) {  // scale is applied after the dot, not to q
+            for (int64_t j = 0; j < n; ++j) {
+              const float s = dot_bf16(qp + (b * H + h) * D, kb + j * D, D) *
+                              static_cast<float>(scale);
+              scores[t0 + j] = s;
+              top = std::max(top, s);
+            }
+            continue;
+          }
+        }
+#endif
+        to_float(kb, rows.data(), n * D);
         for (int64_t j = 0; j < n; ++j) {
           const float s = dot(qf.data(), rows.data() + j * D, D);
           scores[t0 + j] = s;
