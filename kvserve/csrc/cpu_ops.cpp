@@ -244,13 +244,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 // y = x W^T (+ b) as kvserve.layers.linear computes it: the weight-only quantized copy (int4
-// packed as uint8, or int8) for batches up to `small_batch` rows, the compute-dtype weight
-// otherwise. Missing pieces are empty tensors.
-at::Tensor linear(const at::Tensor& x, const at::Tensor* p, int64_t small_batch) {
+// packed as uint8 in groups of `group`, or int8) for batches up to `small_batch` rows, the
+// compute-dtype weight otherwise. Missing pieces are empty tensors.
+at::Tensor linear(const at::Tensor& x, const at::Tensor* p, int64_t small_batch, int64_t group) {
   const at::Tensor &w = p[0], &q = p[1], &s = p[2], &b = p[3];
   at::Tensor y;
   if (q.numel() && x.size(0) <= small_batch) {
-    y = q.scalar_type() == at::kByte ? at::_weight_int4pack_mm_for_cpu(x, q, 32, s)
+    y = q.scalar_type() == at::kByte ? at::_weight_int4pack_mm_for_cpu(x, q, group, s)
                                      : at::_weight_int8pack_mm(x, q, s);
   } else {
     y = at::linear(x, w);
@@ -271,7 +271,7 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& 
                          const std::vector<at::Tensor>& caches, const at::Tensor& slots,
                          const at::Tensor& tables, const at::Tensor& lens, int64_t block_size,
                          double scale, int64_t heads, int64_t kv_heads, double eps,
-                         int64_t small_batch) {
+                         int64_t small_batch, int64_t int4_group) {
   const int64_t L = static_cast<int64_t>(caches.size());
   TORCH_CHECK(static_cast<int64_t>(params.size()) == L * kParamsPerLayer, "params per layer");
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
@@ -280,16 +280,18 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& 
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* p = params.data() + l * kParamsPerLayer;
     const at::Tensor& cache = caches[l];
-    auto qkv = linear(rms_norm(x, p[0], eps), p + 1, small_batch).view({B, heads + 2 * kv_heads, D});
+    auto qkv = linear(rms_norm(x, p[0], eps), p + 1, small_batch, int4_group)
+                   .view({B, heads + 2 * kv_heads, D});
     auto qk_in = qkv.narrow(1, 0, heads + kv_heads);
     auto qk = at::addcmul(qk_in * cos, qk_in.roll({D / 2}, {-1}), sin);
-    auto rows = at::stack({qk.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads)});
+    auto rows = at::stack({qk.narrow(1, heads, kv_heads),
+                           qkv.narrow(1, heads + kv_heads, kv_heads)});
     cache.index_copy_(2, slots, rows.transpose(1, 2));
     auto attn = decode_attention(qk.narrow(1, 0, heads).contiguous(), cache, table, lens,
                                  block_size, scale);
-    x = x + linear(attn.flatten(1), p + 5, small_batch);
-    auto gate_up = linear(rms_norm(x, p[9], eps), p + 10, small_batch).chunk(2, -1);
-    x = x + linear(at::silu(gate_up[0]) * gate_up[1], p + 14, small_batch);
+    x = x + linear(attn.flatten(1), p + 5, small_batch, int4_group);
+    auto gate_up = linear(rms_norm(x, p[9], eps), p + 10, small_batch, int4_group).chunk(2, -1);
+    x = x + linear(at::silu(gate_up[0]) * gate_up[1], p + 14, small_batch, int4_group);
   }
   return x;
 }

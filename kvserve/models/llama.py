@@ -23,7 +23,7 @@ from kvserve.layers.linear import (
     VocabParallelEmbedding,
 )
 from kvserve.layers.norm import RMSNorm
-from kvserve.layers.quant import SMALL_BATCH
+from kvserve.layers.quant import INT4_GROUP, SMALL_BATCH
 from kvserve.layers.rotary import RotaryEmbedding
 
 
@@ -107,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
             # the modules below, without ~50 us of Python per layer between them.
             return self.norm(cpu_ops.ops().decode_layers(
                 x, *rope, self.fused_params(), kv_caches, *fused, attn.num_heads,
-                attn.num_kv_heads, self.norm.eps, SMALL_BATCH))
+                attn.num_kv_heads, self.norm.eps, SMALL_BATCH, INT4_GROUP))
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(rope, x, kv_cache, meta)
         return self.norm(x)
