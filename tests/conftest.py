@@ -65,6 +65,16 @@ def build_tiny_model(root: Path, arch: str = "llama", tie: bool = False, seed: i
     return root
 
 
+def make_llm(path, **kw):
+    """An offline engine on `path` with toy cache sizes (float32, 4-token blocks, 256 of
+    them, 64-token steps); keyword arguments override any EngineArgs field."""
+    from kvserve.engine.llm import LLM
+
+    args = dict(dtype="float32", block_size=4, num_kv_blocks=256, max_num_batched_tokens=64)
+    args.update(kw)
+    return LLM(str(path), **args)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")

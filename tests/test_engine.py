@@ -7,16 +7,10 @@ import random
 
 import pytest
 
-from kvserve.engine.llm import LLM
 from kvserve.sampling_params import SamplingParams
+from tests.conftest import make_llm
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-def make_llm(path, **kw) -> LLM:
-    args = dict(dtype="float32", block_size=4, num_kv_blocks=256, max_num_batched_tokens=64)
-    args.update(kw)
-    return LLM(str(path), **args)
 
 
 def random_prompts(n: int, seed: int = 0) -> list[list[int]]:

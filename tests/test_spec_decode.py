@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.config import SpecConfig
-from kvserve.engine.llm import LLM
 from kvserve.kv_cache.hashing import ROOT_HASH, BlockKey, hash_block
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request
@@ -22,14 +21,9 @@ from kvserve.spec_decode.base import Drafter
 from kvserve.spec_decode.mtp import MTPModule, save_mtp
 from kvserve.spec_decode.ngram import NgramDrafter
 from kvserve.spec_decode.rejection import verify
+from tests.conftest import make_llm
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-def make_llm(path, **kw) -> LLM:
-    args = dict(dtype="float32", block_size=4, num_kv_blocks=256, max_num_batched_tokens=64)
-    args.update(kw)
-    return LLM(str(path), **args)
 
 
 def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -3,20 +3,18 @@ breakdown adding up, preemptions and cache hits showing when forced, the bounded
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 
-from kvserve.engine.llm import LLM
 from kvserve.sampling_params import SamplingParams
+from tests.conftest import make_llm as make_tiny_llm
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def make_llm(path, **kw) -> LLM:
-    args = dict(dtype="float32", block_size=4, num_kv_blocks=256, max_num_batched_tokens=32)
-    args.update(kw)
-    return LLM(str(path), **args)
+make_llm = functools.partial(make_tiny_llm, max_num_batched_tokens=32)  # 32-token steps
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:

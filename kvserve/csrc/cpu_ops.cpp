@@ -62,17 +62,24 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #endif
 }
 
+// q.k straight from the stored rows, without converting them first. With AVX512-BF16 the
+// products of two bf16 values are exact in float32 (n a multiple of 32); `run` uses this only
+// where that instruction exists, the plain loop is its definition elsewhere.
+template <typename T>
+inline float dot_direct(const T* a, const T* b, int64_t n) {
 #if defined(__AVX512BF16__)
-// q.k straight from bf16 rows (n a multiple of 32): the products of two bf16 values are exact
-// in float32, so this is the float dot product without converting the K rows first.
-inline float dot_bf16(const c10::BFloat16* a, const c10::BFloat16* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 32)
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + i),
-                           (__m512bh)_mm512_loadu_si512(b + i));
-  return _mm512_reduce_add_ps(acc);
-}
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 32)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + i),
+                             (__m512bh)_mm512_loadu_si512(b + i));
+    return _mm512_reduce_add_ps(acc);
+  }
 #endif
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += load(a, i) * load(b, i);
+  return s;
+}
 
 // exp(x) for the softmax, written so the compiler vectorizes a loop of it (std::exp is a
 // call per element): 2^(x log2 e) as 2^k times a degree-6 polynomial for 2^f, f in
@@ -118,34 +125,32 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
   // One work item per query head: at batch 1 there are only a few KV heads, too few to
   // spread evenly over the threads. A block's rows are contiguous, so each block is converted
   // to float in one pass.
+#if defined(__AVX512BF16__)
+  // bf16 K rows are read as they are stored; the scale is applied after the dot, not to q.
+  const bool direct = std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
+#else
+  const bool direct = false;
+#endif
+  const float scale_f = static_cast<float>(scale);
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(D), acc(D), scores, rows(block_size * D);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / H, h = i % H, g = h / G, len = lp[b];
       const int64_t* table = tp + b * W;
-      to_float(qp + (b * H + h) * D, qf.data(), D);
-      for (auto& x : qf) x *= static_cast<float>(scale);
+      const T* qrow = qp + (b * H + h) * D;
+      if (!direct) {
+        to_float(qrow, qf.data(), D);
+        for (auto& x : qf) x *= scale_f;
+      }
       scores.resize(len);
       float top = -INFINITY;
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const int64_t n = std::min(block_size, len - t0);
         const T* kb = kp + (g * slots + table[t0 / block_size] * block_size) * D;
-#if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          if (D % 32 == 0) {  // scale is applied after the dot, not to q
-            for (int64_t j = 0; j < n; ++j) {
-              const float s = dot_bf16(qp + (b * H + h) * D, kb + j * D, D) *
-                              static_cast<float>(scale);
-              scores[t0 + j] = s;
-              top = std::max(top, s);
-            }
-            continue;
-          }
-        }
-#endif
-        to_float(kb, rows.data(), n * D);
+        if (!direct) to_float(kb, rows.data(), n * D);
         for (int64_t j = 0; j < n; ++j) {
-          const float s = dot(qf.data(), rows.data() + j * D, D);
+          const float s = direct ? dot_direct(qrow, kb + j * D, D) * scale_f
+                                 : dot(qf.data(), rows.data() + j * D, D);
           scores[t0 + j] = s;
           top = std::max(top, s);
         }

@@ -24,6 +24,13 @@ def split(n: int, parts: int, index: int) -> tuple[int, int]:
     return index * base + min(index, extra), base + (index < extra)
 
 
+def vocab_shard(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
+    """(start, rows) of a rank's vocabulary shard: every rank holds the same number of rows
+    (the last one's padded past the vocabulary), so logit shards gather as equal pieces."""
+    rows = -(-vocab_size // size)
+    return rank * rows, rows
+
+
 @dataclass(frozen=True)
 class HeadShard:
     """The query and KV heads one rank holds, as (start, count) ranges of the full model's."""

@@ -13,7 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.distributed.parallel import SINGLE, TensorParallel, head_shard, split
+from kvserve.distributed.parallel import (
+    SINGLE,
+    TensorParallel,
+    head_shard,
+    split,
+    vocab_shard,
+)
 from kvserve.layers.quant import SMALL_BATCH, QuantizedWeight
 
 Ranges = list[tuple[int, int]]  # (start, size) ranges of the full tensor, in shard order
@@ -144,15 +150,11 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
-        self.rows_per_rank = -(-vocab_size // tp.size)
-        self.start = tp.rank * self.rows_per_rank
+        self.start, self.rows_per_rank = vocab_shard(vocab_size, tp.rank, tp.size)
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden), requires_grad=False)
 
     def load(self, weight: torch.Tensor) -> None:
-        rows = weight[self.start:self.start + self.rows_per_rank]
-        with torch.no_grad():
-            self.weight[len(rows):].zero_()
-        _copy(self.weight[:len(rows)], rows, "embedding")
+        _copy_vocab_rows(self.weight, weight, self.start, "embedding")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -169,15 +171,19 @@ class ParallelLMHead(ColumnParallelLinear):
     slice of the logits; `LlamaForCausalLM.compute_logits` gathers them on rank 0."""
 
     def __init__(self, hidden: int, vocab_size: int, tp: TensorParallel = SINGLE) -> None:
-        rows = -(-vocab_size // tp.size)
-        super().__init__(hidden, vocab_size, False, tp, [(tp.rank * rows, rows)])
+        super().__init__(hidden, vocab_size, False, tp, [vocab_shard(vocab_size, tp.rank,
+                                                                     tp.size)])
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        (start, rows), = self.ranges
-        part = weight[start:start + rows]
-        with torch.no_grad():
-            self.weight[len(part):].zero_()
-        _copy(self.weight[:len(part)], part, "lm_head")
+        _copy_vocab_rows(self.weight, weight, self.ranges[0][0], "lm_head")
+
+
+def _copy_vocab_rows(dst: torch.Tensor, full: torch.Tensor, start: int, what: str) -> None:
+    """Copy a vocabulary shard's rows of `full` into `dst`, zeroing its padding rows."""
+    part = full[start:start + dst.shape[0]]
+    with torch.no_grad():
+        dst[len(part):].zero_()
+    _copy(dst[:len(part)], part, what)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
