@@ -33,6 +33,9 @@ def test_generate_without_prefix_caching(tiny_llama_dir):
     (["--model", "/no/such/model.gguf"], "not found"),
     (["--max-tokens", "100000"], "max_model_len"),
     (["--kv-cache-memory", "lots"], "cannot parse size"),
+    (["--tensor-parallel-size", "0"], "must be >= 1"),
+    # 2 KV heads over 3 ranks: refused before any worker process starts
+    (["--tensor-parallel-size", "3"], "cannot be replicated evenly over 3 ranks"),
 ])
 def test_bad_input_gives_a_clear_error(tiny_llama_dir, args, message):
     base = ["generate", "hi", "--model", str(tiny_llama_dir)]

@@ -21,7 +21,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvserve.distributed.parallel import TensorParallel, head_shard, split
+from kvserve.distributed.parallel import TensorParallel, check_split, head_shard, split
 from kvserve.engine.llm import LLM
 from kvserve.engine.llm_engine import EngineArgs, _check_tensor_parallel
 from kvserve.layers.linear import ParallelLMHead, VocabParallelEmbedding
@@ -70,8 +70,7 @@ def test_head_shard_gives_every_query_head_once_beside_its_kv_head(heads, kv, si
 @pytest.mark.parametrize("heads,kv,size", [(4, 2, 3), (2, 1, 4), (6, 3, 4)])
 def test_head_shard_rejects_impossible_splits(heads, kv, size):
     with pytest.raises(ValueError, match="ranks"):
-        for rank in range(size):
-            head_shard(heads, kv, rank, size)
+        check_split(heads, kv, size)
 
 
 def test_vocab_shards_are_equal_and_zero_padded():

@@ -60,6 +60,13 @@ def head_shard(num_heads: int, num_kv_heads: int, rank: int, size: int) -> HeadS
     return HeadShard(kv * group + q_start, q_count, kv, 1)
 
 
+def check_split(num_heads: int, num_kv_heads: int, size: int) -> None:
+    """Raise ValueError, before any rank starts, if the heads cannot be split over `size`
+    ranks (see head_shard)."""
+    for rank in range(size):
+        head_shard(num_heads, num_kv_heads, rank, size)
+
+
 @dataclass
 class TensorParallel:
     """This process's place in the tensor-parallel group. `group` carries the collectives

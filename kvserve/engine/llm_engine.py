@@ -25,13 +25,13 @@ from kvserve.config import (
     parse_size,
     resolve_dtype,
 )
-from kvserve.distributed.parallel import SINGLE, TensorParallel
+from kvserve.distributed.parallel import SINGLE, TensorParallel, check_split
 from kvserve.distributed.worker import TensorParallelError, TensorParallelWorkers
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_cache.planner import capacity_gain, dtype_name, kv_token_bytes, plan_num_blocks
 from kvserve.kv_cache.tiers import build_store, cache_fingerprint
-from kvserve.models.loader import resolve_model, shard_config
+from kvserve.models.loader import read_model_config, resolve_model, shard_config
 from kvserve.request import Request, RequestStatus, timeline_segments
 from kvserve.sampler import make_generator
 from kvserve.sampling_params import SamplingParams
@@ -189,6 +189,8 @@ class LLMEngine:
         tp = SINGLE
         if args.tensor_parallel_size > 1:
             _check_tensor_parallel(args)
+            cfg = read_model_config(path)  # metadata only: refuse a bad split before spawning
+            check_split(cfg.num_heads, cfg.num_kv_heads, args.tensor_parallel_size)
             self.workers = TensorParallelWorkers(
                 str(path), dtype, device.type, args.kv_cache_dtype, args.quantization,
                 args.block_size, args.tensor_parallel_size, args.tp_timeout)
