@@ -112,3 +112,50 @@ def test_fused_decode_layers_equal_the_modules(tmp_path, arch, dtype, quantizati
     plain = run_forward(model, caches, bs, step, torch.device("cpu"))
     assert torch.equal(fused, plain)
     assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches, strict=True))
+
+
+def _has_prefill_kernel() -> bool:
+    kernels = cpu_ops.ops()
+    return kernels is not None and kernels.has_prefill_attention()
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(32, 6, 2), (64, 9, 3), (64, 4, 4)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefill_attention_kernel_matches_sdpa(monkeypatch, head_dim, heads, kv_heads,
+                                               block_size):
+    """A batch of prompt chunks (with and without cached context, lengths not multiples of
+    16) next to decode rows: the bf16 C++ prefill attention agrees with the SDPA path."""
+    if not _has_prefill_kernel():
+        pytest.skip("prefill_attention needs AVX512-BF16")
+    g = torch.Generator().manual_seed(head_dim + block_size)
+    backend = TorchPagedAttention(heads, kv_heads, head_dim)
+    num_blocks = 256
+    cache = torch.randn(backend.kv_cache_shape(num_blocks * block_size),
+                        generator=g).to(torch.bfloat16)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    # (new tokens, context length): a whole prompt, a chunk after context, a decode row, a
+    # one-token prompt (a decode row too), a long chunk after a short context.
+    spans = [(37, 37), (21, 150), (1, 40), (1, 1), (70, 83)]
+    tables, slots, used = [], [], 0
+    for q, ctx in spans:
+        nb = -(-ctx // block_size)
+        table = perm[used:used + nb]
+        used += nb
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size
+                  for p in range(ctx - q, ctx)]
+    meta = backend.build_metadata(AttentionBatch([q for q, _ in spans], [c for _, c in spans],
+                                                 tables, torch.tensor(slots), block_size))
+    assert len(meta.prefills) == 3
+    n = sum(q for q, _ in spans)
+    q, k, v = (torch.randn(n, h, head_dim, generator=g).to(torch.bfloat16)
+               for h in (heads, kv_heads, kv_heads))
+    assert backend._prefill_kernels(q, cache) is not None
+    fast = backend.forward(q, k, v, cache.clone(), meta)
+    monkeypatch.setenv("KVSERVE_NO_CPP", "1")
+    cpu_ops.ops.cache_clear()
+    try:
+        slow = backend.forward(q, k, v, cache.clone(), meta)
+    finally:
+        cpu_ops.ops.cache_clear()
+    torch.testing.assert_close(fast.float(), slow.float(), atol=2e-2, rtol=2e-2)

@@ -9,7 +9,9 @@ shapes).
 Decode tokens (one query per request, or a few after context: speculative drafts) are
 attended in one batched call over a padded gather of their contexts; prompt chunks go one
 request at a time through SDPA, since padding a long chunk to the batch would waste more than
-the loop costs.
+the loop costs. Where the C++ kernels are built, decode rows read an unquantized cache in
+place instead (`decode_attention`), and on a CPU with AVX512-BF16 so do the prompt chunks of
+a bf16 cache (`prefill_attention`).
 
 With `kv_cache_dtype="int8"` rows are quantized on write (layout in `kv_quant`). Prompt
 chunks dequantize what they gather; decode applies the per-row scales to its scores and
@@ -48,9 +50,24 @@ MAX_ROWS_AS_DECODES = 8
 class PrefillSpan:
     start: int  # first token of the request in the flat batch
     end: int
-    ctx_blocks: torch.Tensor | None  # blocks of the context; None: the chunk is the context
-    ctx_len: int
-    mask: torch.Tensor | None  # [q, ctx] True = may attend
+    blocks: torch.Tensor  # the request's blocks up to ctx_len
+    ctx_len: int  # tokens of context, the chunk's own included
+    _mask: torch.Tensor | None = None
+
+    @property
+    def has_context(self) -> bool:
+        """Whether earlier tokens precede the chunk (in the cache)."""
+        return self.ctx_len != self.end - self.start
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[q, ctx] True where a query may attend (made once, used by every layer)."""
+        if self._mask is None:
+            device = self.blocks.device
+            qpos = torch.arange(self.ctx_len - (self.end - self.start), self.ctx_len,
+                                device=device)
+            self._mask = torch.arange(self.ctx_len, device=device)[None, :] <= qpos[:, None]
+        return self._mask
 
 
 @dataclass
@@ -106,13 +123,8 @@ class TorchPagedAttention(AttentionBackend):
             if q == 1 or (q <= MAX_ROWS_AS_DECODES and ctx > q):
                 decode_rows.extend((start + j, i, ctx - q + j + 1) for j in range(q))
             else:
-                span = PrefillSpan(start, start + q, None, ctx, None)
-                if ctx != q:
-                    span.ctx_blocks = torch.tensor(batch.block_tables[i][:-(-ctx // bs)],
-                                                   device=device)
-                    qpos = torch.arange(ctx - q, ctx, device=device)
-                    span.mask = torch.arange(ctx, device=device)[None, :] <= qpos[:, None]
-                prefills.append(span)
+                prefills.append(PrefillSpan(start, start + q, torch.tensor(
+                    batch.block_tables[i][:-(-ctx // bs)], device=device), ctx))
             start += q
         meta = TorchAttentionMetadata(batch.slot_mapping, start, bs, None, not prefills, None,
                                       None, prefills)
@@ -149,19 +161,36 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.empty_like(q)
         if meta.decode_idx is not None:
             out[meta.decode_idx] = self._decode(q[meta.decode_idx], kv_cache, meta)
+        kernels = self._prefill_kernels(q, kv_cache)
         for span in meta.prefills:
+            if kernels is not None:
+                out[span.start:span.end] = kernels.prefill_attention(
+                    q[span.start:span.end].contiguous(), kv_cache, span.blocks, span.ctx_len,
+                    meta.block_size, self.scale)
+                continue
             qp = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-            if span.ctx_blocks is None:
+            if not span.has_context:
                 kv = self._load(rows[:, span.start:span.end], q.dtype).transpose(1, 2)
                 op = F.scaled_dot_product_attention(qp, kv[0:1], kv[1:2], is_causal=True,
                                                     enable_gqa=True)
             else:
-                kv = _gather(kv_cache, span.ctx_blocks, meta.block_size)[:, :, :span.ctx_len]
+                kv = _gather(kv_cache, span.blocks, meta.block_size)[:, :, :span.ctx_len]
                 kv = self._load(kv, q.dtype)
                 op = F.scaled_dot_product_attention(qp, kv[0:1], kv[1:2], attn_mask=span.mask,
                                                     enable_gqa=True)
             out[span.start:span.end] = op.squeeze(0).transpose(0, 1)
         return out.flatten(1)
+
+    def _prefill_kernels(self, q: torch.Tensor, kv_cache: torch.Tensor):
+        """The C++ module when its prefill attention serves this call: a bf16 cache on a CPU
+        with AVX512-BF16 (measured here against SDPA: 0.17 vs 0.60 ms per layer for 32
+        queries after 1,024 cached tokens, 0.52 vs 3.5 ms for a causal 512-token chunk,
+        1.3 vs 7.4 ms for 512 queries after 512 cached tokens)."""
+        if (self.quantized or q.dtype != torch.bfloat16 or kv_cache.device.type != "cpu"
+                or self.head_dim % 32):
+            return None
+        kernels = cpu_ops.ops()
+        return kernels if kernels is not None and kernels.has_prefill_attention() else None
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
                 meta: TorchAttentionMetadata) -> torch.Tensor:

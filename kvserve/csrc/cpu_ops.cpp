@@ -1,5 +1,5 @@
 // CPU kernels for the decode path, where a step is many small ops and each op's fixed cost
-// adds up: one call here replaces several torch ops.
+// adds up: one call here replaces several torch ops; and the attention of prompt chunks.
 //
 // decode_attention: one query token per sequence attends to its context, read block by block
 // through its block table (no gather into a new tensor).
@@ -9,6 +9,10 @@
 //
 // rms_norm: x [N, C] -> x * rsqrt(mean(x^2) + eps) rounded to x's dtype, times the weight, as
 // the reference computes it (float32 statistics).
+//
+// prefill_attention: a prompt chunk attends causally to its request's paged context with
+// AVX512-BF16 dot products: ~4-7x faster than torch's SDPA here, which runs at about the
+// float32 matmul rate (140-170 GFLOP/s) on bf16 inputs.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -18,6 +22,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -263,6 +268,211 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor* p, int64_t small_batch,
   return b.numel() ? y + b : y;
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kHasPrefillAttention = true;
+
+// prefill_attention, the inner products: NR query rows against one tile of 16 keys. K is
+// packed so that a register holds one pair of dimensions (two bf16 in a 32-bit lane) of the
+// 16 keys: broadcasting a query's matching pair and one dpbf16 per pair of dimensions leaves
+// the 16 scores in one register, with no horizontal sums.
+// softmax_exp on 16 lanes.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, k);
+  __m512 p = _mm512_set1_ps(0.000154035304f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00133335581f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00961812911f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0555041087f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240226507f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693147182f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+template <int NR>
+inline void qk_tile(const uint32_t* const* qrows, const uint32_t* ktile, int64_t pairs,
+                    float* const* out) {
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; ++i) {
+    const __m512bh k = (__m512bh)_mm512_loadu_si512(ktile + i * 16);
+    for (int r = 0; r < NR; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(qrows[r][i]), k);
+  }
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out[r], acc[r]);
+}
+
+// NR rows of probabilities (bf16, consecutive keys paired in 32-bit lanes) times V, packed so
+// that a register holds 16 dimensions of two consecutive keys: out[r][d0..d0+16).
+template <int NR>
+inline void pv_cols(const uint32_t* const* prows, const uint32_t* vcols, int64_t key_pairs,
+                    int64_t D, __m512* acc) {
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < key_pairs; ++j) {
+    const __m512bh v = (__m512bh)_mm512_loadu_si512(vcols + j * D);
+    for (int r = 0; r < NR; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(prows[r][j]), v);
+  }
+}
+
+constexpr int kRowBlock = 12;
+
+template <int NR>
+void row_block(const uint32_t* const* qrows, float* const* sc, const int64_t* nkeys,
+               uint16_t* const* pbf, const uint32_t* kpk, const uint32_t* vpk, int64_t D,
+               float scale, c10::BFloat16* const* orows) {
+  const int64_t pairs = D / 2;
+  int64_t most = 0;
+  for (int r = 0; r < NR; ++r) most = std::max(most, nkeys[r]);
+  const int64_t tiles = (most + 15) / 16;
+  for (int64_t kt = 0; kt < tiles; ++kt) {
+    float* out[NR];
+    for (int r = 0; r < NR; ++r) out[r] = sc[r] + kt * 16;
+    qk_tile<NR>(qrows, kpk + kt * pairs * 16, pairs, out);
+  }
+  float inv[NR];
+  const uint32_t* prows[NR];
+  for (int r = 0; r < NR; ++r) {
+    // Softmax over the row's n keys, 16 at a time; the last tile's keys past n get 0.
+    const float* s = sc[r];
+    const int64_t n = nkeys[r], full = n / 16;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n % 16)) - 1);
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < full; ++t) top = _mm512_max_ps(top, _mm512_loadu_ps(s + t * 16));
+    top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, s + full * 16));
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top) * scale);
+    const __m512 sc16 = _mm512_set1_ps(scale);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < tiles; ++t) {
+      const __mmask16 live = t < full ? 0xffff : t == full ? tail : 0;
+      const __m512 e = _mm512_maskz_mov_ps(
+          live, exp_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s + t * 16), sc16, shift)));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbf[r] + t * 16),
+                          (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    inv[r] = 1.f / _mm512_reduce_add_ps(sum);
+    prows[r] = reinterpret_cast<const uint32_t*>(pbf[r]);
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    __m512 acc[NR];
+    pv_cols<NR>(prows, vpk + d0, tiles * 8, D, acc);
+    for (int r = 0; r < NR; ++r)
+      _mm256_storeu_si256(
+          reinterpret_cast<__m256i*>(orows[r] + d0),
+          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r], _mm512_set1_ps(inv[r]))));
+  }
+}
+
+using RowBlockFn = void (*)(const uint32_t* const*, float* const*, const int64_t*,
+                            uint16_t* const*, const uint32_t*, const uint32_t*, int64_t, float,
+                            c10::BFloat16* const*);
+constexpr RowBlockFn kRowBlocks[kRowBlock] = {
+    row_block<1>, row_block<2>, row_block<3>, row_block<4>,  row_block<5>,  row_block<6>,
+    row_block<7>, row_block<8>, row_block<9>, row_block<10>, row_block<11>, row_block<12>};
+
+// q [Q, H, D] bf16: the chunk's queries, at positions ctx_len - Q .. ctx_len - 1 of a request
+// whose K/V for positions 0 .. ctx_len - 1 (the chunk's own included) are in `cache` at the
+// slots of `table` (its block ids). Causal: query i sees keys 0 .. ctx_len - Q + i.
+// Each KV head's keys and values are first packed for dpbf16 (K by pairs of dimensions, V by
+// pairs of keys, zero past the end); then every (query tile, KV head) item computes all its
+// scores, an exact softmax in float32 over them, and P.V with P rounded to bf16.
+void prefill_attention_impl(const at::Tensor& q, const at::Tensor& cache,
+                            const at::Tensor& table, int64_t ctx_len, int64_t block_size,
+                            double scale, at::Tensor& out) {
+  const int64_t Q = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = cache.size(1), slots = cache.size(2), G = H / Hkv;
+  const int64_t L = ctx_len, first = L - Q, tiles = (L + 15) / 16, pairs = D / 2;
+  const auto* kp = reinterpret_cast<const uint16_t*>(cache.data_ptr());
+  const uint16_t* vp = kp + Hkv * slots * D;
+  const int64_t* tb = table.data_ptr<int64_t>();
+  // kpk: [Hkv][tiles][pairs][16] pairs of K dimensions; vpk: [Hkv][tiles * 8][D] pairs of
+  // V rows (key 2j in the low half, 2j + 1 in the high half of each lane).
+  std::vector<uint32_t> kpk(Hkv * tiles * pairs * 16), vpk(Hkv * tiles * 8 * D);
+  auto row_of = [&](const uint16_t* base, int64_t g, int64_t t) -> const uint16_t* {
+    return base + (g * slots + tb[t / block_size] * block_size + t % block_size) * D;
+  };
+  at::parallel_for(0, Hkv * tiles, 8, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> zero(D, 0);
+    __m512i lo_idx, hi_idx;  // interleave 16 values of row a with 16 of row b
+    {
+      alignas(64) uint16_t lo[32], hi[32];
+      for (int i = 0; i < 16; ++i) {
+        lo[2 * i] = i; lo[2 * i + 1] = 32 + i;
+        hi[2 * i] = 16 + i; hi[2 * i + 1] = 48 + i;
+      }
+      lo_idx = _mm512_load_si512(lo);
+      hi_idx = _mm512_load_si512(hi);
+    }
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t g = it / tiles, kt = it % tiles;
+      uint32_t* kdst = kpk.data() + it * pairs * 16;
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t t = kt * 16 + j;
+        const auto* k = reinterpret_cast<const uint32_t*>(t < L ? row_of(kp, g, t)
+                                                                 : zero.data());
+        for (int64_t i = 0; i < pairs; ++i) kdst[i * 16 + j] = k[i];
+      }
+      for (int64_t j = 0; j < 8; ++j) {
+        const int64_t t = kt * 16 + 2 * j;
+        const uint16_t* a = t < L ? row_of(vp, g, t) : zero.data();
+        const uint16_t* b = t + 1 < L ? row_of(vp, g, t + 1) : zero.data();
+        uint32_t* vdst = vpk.data() + (it * 8 + j) * D;
+        for (int64_t d = 0; d < D; d += 32) {
+          const __m512i va = _mm512_loadu_si512(a + d), vb = _mm512_loadu_si512(b + d);
+          _mm512_storeu_si512(vdst + d, _mm512_permutex2var_epi16(va, lo_idx, vb));
+          _mm512_storeu_si512(vdst + d + 16, _mm512_permutex2var_epi16(va, hi_idx, vb));
+        }
+      }
+    }
+  });
+  // Work items: (query tile, KV head), the costliest (latest) tiles first, handed out one at
+  // a time so that the causal triangle's uneven items balance over the threads.
+  constexpr int64_t kTileQ = 4;
+  const int64_t qtiles = (Q + kTileQ - 1) / kTileQ, items = qtiles * Hkv;
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  auto* op = out.data_ptr<c10::BFloat16>();
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    const int64_t R = kTileQ * G;
+    std::vector<float> scores(R * tiles * 16);
+    std::vector<uint16_t> probs(R * tiles * 16);
+    for (int64_t it; (it = next.fetch_add(1)) < items;) {
+      const int64_t tile = qtiles - 1 - it / Hkv, g = it % Hkv;
+      const int64_t i0 = tile * kTileQ, nq = std::min(kTileQ, Q - i0), rows = nq * G;
+      // Near-equal row blocks of at most kRowBlock rows (each dpbf16 has a row of its own).
+      const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
+      for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
+        const int64_t nr = (rows - r0) / (blocks - b);
+        const uint32_t* qrows[kRowBlock];
+        float* sc[kRowBlock];
+        uint16_t* pb[kRowBlock];
+        int64_t nkeys[kRowBlock];
+        c10::BFloat16* orows[kRowBlock];
+        for (int64_t r = 0; r < nr; ++r) {
+          const int64_t i = i0 + (r0 + r) / G, h = g * G + (r0 + r) % G;
+          qrows[r] = reinterpret_cast<const uint32_t*>(qp + (i * H + h) * D);
+          sc[r] = scores.data() + (r0 + r) * tiles * 16;
+          pb[r] = probs.data() + (r0 + r) * tiles * 16;
+          nkeys[r] = first + i + 1;
+          orows[r] = op + (i * H + h) * D;
+        }
+        kRowBlocks[nr - 1](qrows, sc, nkeys, pb, kpk.data() + g * tiles * pairs * 16,
+                           vpk.data() + g * tiles * 8 * D, D, static_cast<float>(scale),
+                           orows);
+        r0 += nr;
+      }
+    }
+  });
+}
+#else
+constexpr bool kHasPrefillAttention = false;
+#endif
+
 constexpr int64_t kParamsPerLayer = 18;
 
 }  // namespace
@@ -301,8 +511,34 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& 
   return x;
 }
 
+// prefill_attention: a prompt chunk's causal attention over its request's paged context, bf16
+// with AVX512-BF16 only (`has_prefill_attention`); see prefill_attention_impl.
+bool has_prefill_attention() { return kHasPrefillAttention; }
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& cache,
+                             const at::Tensor& table, int64_t ctx_len, int64_t block_size,
+                             double scale) {
+  TORCH_CHECK(kHasPrefillAttention, "prefill_attention needs AVX512-BF16");
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 4 && cache.size(0) == 2, "bad shapes");
+  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && cache.scalar_type() == at::kBFloat16,
+              "prefill_attention supports bfloat16");
+  TORCH_CHECK(cache.size(3) == q.size(2) && q.size(2) % 32 == 0, "unsupported head_dim");
+  TORCH_CHECK(q.size(1) % cache.size(1) == 0, "heads must be a multiple of KV heads");
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 1, "table must be int64");
+  TORCH_CHECK(ctx_len >= q.size(0) && table.size(0) * block_size >= ctx_len,
+              "the table must cover the context, the chunk included");
+  auto out = at::empty_like(q);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  prefill_attention_impl(q, cache, table.contiguous(), ctx_len, block_size, scale, out);
+#endif
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension of a 2-D tensor (CPU)");
+  m.def("has_prefill_attention", &has_prefill_attention, "whether prefill_attention is built");
+  m.def("prefill_attention", &prefill_attention, "causal attention of a prompt chunk (CPU)");
   m.def("decode_layers", &decode_layers, "all decoder layers of a decode-only step (CPU)");
 }
