@@ -85,12 +85,12 @@ class CostModel:
         head = model.lm_head
         for module in model.modules():
             if isinstance(module, LinearBase) and module is not head:
-                w = module.weight
-                self.params += w.numel()
-                dense = w.numel() * w.element_size()
-                self.big_bytes += dense
+                n = module.in_features * module.out_features
+                self.params += n
+                dense = n * module.weight.element_size()
                 q = module.quantized
                 self.small_bytes += q.nbytes if q is not None else dense
+                self.big_bytes += q.nbytes if q is not None and q.serves_all_batches else dense
         self.head_params = head.weight.numel()
         self.head_bytes_small = (head.quantized.nbytes if head.quantized is not None
                                  else self.head_params * head.weight.element_size())

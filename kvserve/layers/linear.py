@@ -51,13 +51,18 @@ class LinearBase(nn.Module):
         self.row_absmax: torch.Tensor | None = None
 
     def quantize_(self, method: str) -> None:
-        """Add a weight-only quantized copy of the (loaded) weight, used for small batches."""
+        """Add a weight-only quantized copy of the (loaded) weight, used for small batches,
+        or for all of them when its kernel wins at every size; then the weight itself goes
+        (an empty tensor of its dtype stays in its place)."""
         self.quantized = QuantizedWeight(self.weight.data, method, self.row_absmax)
+        if self.quantized.serves_all_batches:
+            self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T without the bias: the quantized kernel for small batches when there is one."""
-        if self.quantized is not None and x.shape[0] <= SMALL_BATCH:
-            return self.quantized.matmul(x)
+        q = self.quantized
+        if q is not None and (x.shape[0] <= SMALL_BATCH or q.serves_all_batches):
+            return q.matmul(x)
         return F.linear(x, self.weight)
 
     def _shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
