@@ -15,7 +15,14 @@ KVSERVE = [sys.executable, "-m", "kvserve.cli"]
 
 def start(args: list[str], url: str, log=subprocess.DEVNULL,
           timeout: float = 300) -> subprocess.Popen:
-    """`kvserve ARGS` (serve or router) listening at `url`, healthy on return."""
+    """`kvserve ARGS` (serve or router) listening at `url`, healthy on return. Refuses a URL
+    where something already answers: the figures would be another server's."""
+    try:
+        httpx.get(f"{url}/health", timeout=2)
+    except httpx.TransportError:
+        pass
+    else:
+        raise RuntimeError(f"something already answers at {url}; stop it or pick another port")
     proc = subprocess.Popen([*KVSERVE, *args], stdout=log, stderr=log)
     deadline = time.time() + timeout
     while True:

@@ -15,11 +15,12 @@ from kvserve.layers.quant import (
     SMALL_BATCH,
     QuantizedWeight,
     _int4_groups,
+    _int8_groups,
     check_quantization,
     dequantize_int4,
     quantize_int4,
     quantize_int8,
-    vnni_int4_kernels,
+    vnni_kernels,
 )
 from kvserve.models.loader import load_model
 from kvserve.sampling_params import SamplingParams
@@ -131,22 +132,27 @@ def test_engine_with_quantization_batches_consistently(tiny_llama_dir, method):
 
 
 def _vnni_or_skip():
-    if vnni_int4_kernels(torch.bfloat16, 16, 32) is None:
-        pytest.skip("int4_linear needs a C++ compiler and AVX512-VNNI/BF16")
+    if vnni_kernels(torch.bfloat16, 16, 32) is None:
+        pytest.skip("quant_linear needs a C++ compiler and AVX512-VNNI/BF16")
 
 
-def test_vnni_int4_serves_every_batch_and_drops_the_weight():
-    """bf16 int4 on the VNNI kernel: one copy for every batch size, close to the weight it
-    stands for (activations quantized to int8 add ~0.5%), each row the same alone or in a
-    batch of any size, and the bf16 weight released."""
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_vnni_copy_serves_every_batch_and_drops_the_weight(method):
+    """bf16 int4/int8 on the VNNI kernel: one copy for every batch size, close to the weight
+    it stands for (activations quantized to int8 add ~0.5%), each row the same alone or in a
+    batch of any size, and the bf16 weight released unless kept."""
     _vnni_or_skip()
     g = torch.Generator().manual_seed(3)
     layer = ReplicatedLinear(96, 48).to(torch.bfloat16)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(48, 96, generator=g) * 0.05)
-    q, scale, lo = _int4_groups(layer.weight.data, torch.float16)
-    w = (q.view(48, 3, 32) * scale[..., None] + lo[..., None]).view(48, 96)  # what int4 keeps
-    layer.quantize_("int4")
+    if method == "int4":
+        q, d, m = _int4_groups(layer.weight.data, torch.float16)
+    else:
+        q, d, m = _int8_groups(layer.weight.data)
+    w = (q.float().view(48, 3, 32) * d[..., None] + m[..., None]).view(48, 96)  # what is kept
+    assert (w - layer.weight.float()).abs().max() < (0.02 if method == "int4" else 0.002)
+    layer.quantize_(method)
     assert layer.quantized.serves_all_batches and layer.weight.numel() == 0
     x = torch.randn(40, 96, generator=g).to(torch.bfloat16)
     y = layer(x).float()
@@ -154,21 +160,25 @@ def test_vnni_int4_serves_every_batch_and_drops_the_weight():
     assert ((y - ref).norm() / ref.norm()).item() < 0.02
     for rows in (1, 3, 8, 9, 17):
         torch.testing.assert_close(layer(x[:rows]), layer(x)[:rows], atol=0, rtol=0)
+    kept = ReplicatedLinear(96, 48).to(torch.bfloat16)
+    kept.quantize_(method, keep_weight=True)
+    assert kept.weight.shape == (48, 96)
 
 
-def test_vnni_int4_packs_q4_1_exactly():
-    """Weights on a Q4_1 grid with float16 d and m: an activation that is a power of two
-    times small integers is quantized exactly, so the kernel returns the exact products."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_vnni_packs_exactly(bits):
+    """Weights on the kernel's grid (q * d + m, float16 d and m): an activation whose group
+    absmax is 127 is quantized exactly, so the kernel returns the exact products."""
     _vnni_or_skip()
     from kvserve.attention import cpu_ops
 
     g = torch.Generator().manual_seed(4)
-    q = torch.randint(0, 16, (32, 64), generator=g).to(torch.uint8)
+    q = torch.randint(0, 2**bits, (32, 64), generator=g).to(torch.uint8)
     d = (torch.rand(32, 2, generator=g) * 0.01 + 0.001).half().float()
     m = (-torch.rand(32, 2, generator=g) * 0.1).half().float()
-    packed = cpu_ops.ops().int4_pack(q, d, m)
+    packed = cpu_ops.ops().quant_pack(q, d, m, bits)
     w = q.float() * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
     x = torch.zeros(2, 64)
     x[0, 5], x[1, 40], x[1, 63] = 127.0, -127.0, 127.0  # each group's absmax is 127 or 0
-    y = cpu_ops.ops().int4_linear(x.to(torch.bfloat16), packed).float()
+    y = cpu_ops.ops().quant_linear(x.to(torch.bfloat16), packed).float()
     torch.testing.assert_close(y, (x @ w.t()).to(torch.bfloat16).float(), atol=0, rtol=0)

@@ -29,7 +29,7 @@
 #include <type_traits>
 #include <vector>
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed);
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed);
 
 namespace {
 
@@ -257,13 +257,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 // y = x W^T (+ b) as kvserve.layers.linear computes it: the weight-only quantized copy (int4
 // packed as uint8 in groups of `group`, or int8) for batches up to `small_batch` rows, the
-// compute-dtype weight otherwise; int4_linear's packed tiles for every batch. Missing pieces
+// compute-dtype weight otherwise; quant_linear's packed tiles for every batch. Missing pieces
 // are empty tensors.
 at::Tensor linear(const at::Tensor& x, const at::Tensor* p, int64_t small_batch, int64_t group) {
   const at::Tensor &w = p[0], &q = p[1], &s = p[2], &b = p[3];
   at::Tensor y;
-  if (q.dim() == 3) {  // int4_pack's tiles: int4_linear serves every batch
-    y = int4_linear(x, q);
+  if (q.dim() == 3) {  // quant_pack's tiles: quant_linear serves every batch
+    y = quant_linear(x, q);
   } else if (q.numel() && x.size(0) <= small_batch) {
     y = q.scalar_type() == at::kByte ? at::_weight_int4pack_mm_for_cpu(x, q, group, s)
                                      : at::_weight_int8pack_mm(x, q, s);
@@ -479,56 +479,74 @@ constexpr bool kHasPrefillAttention = false;
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-constexpr bool kHasInt4Linear = true;
+constexpr bool kHasQuantLinear = true;
 
-// int4_linear. Weights: groups of 32 inputs with w = q * d + m (q in 0..15, d and m float16
-// per group and output), GGML's Q4_1. Packed by int4_pack into tiles of 16 outputs x 32
-// inputs: 4 x 64 bytes whose byte (lane j, byte b) of register c holds inputs 4c + b (low
-// nibble) and 4c + 16 + b (high nibble) of output j, then the 16 d and the 16 m. Activations
-// are quantized per row and group to int8 (x ~ xq * dx, as GGML's Q8_1), so that
-// vpdpbusd multiplies 4 weight-activation pairs per lane in integers:
+// quant_linear. Weights in groups of 32 inputs, w = q * d + m with q unsigned (4 bits: 0..15,
+// GGML's Q4_1; 8 bits: 0..255, an int8 weight stored as q = w / d + 128 with m = -128 d) and
+// d, m float16 per group and output. quant_pack lays them out in tiles of 16 outputs x 32
+// inputs: registers whose byte (lane j, byte b) of register c holds input 4c + b of output j
+// (4 bits: register c < 4 holds inputs 4c + b in its low nibbles and 4c + 16 + b in its high
+// ones), then the 16 d and the 16 m. Activations are quantized per row and group to int8
+// (x ~ xq * dx, as GGML's Q8_1), so that vpdpbusd multiplies 4 pairs per lane in integers:
 //   y[n] = sum_g d[n,g] * dx[g] * sum_k q[n,k] xq[k]  +  m[n,g] * dx[g] * sum_k xq[k].
 // Every row is computed alone, in the same order whatever the number of rows.
-constexpr int64_t kTileBytes = 4 * 64 + 2 * 16 * 2;
+template <int Bits>
+constexpr int64_t tile_bytes() { return Bits * 64 + 2 * 16 * 2; }
 
-inline void quantize_rows_q8(const c10::BFloat16* x, int64_t M, int64_t K, int8_t* xq,
-                             float* dx, float* sx) {
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < K / 32; ++g) {
-      const auto* src = reinterpret_cast<const uint16_t*>(x + m * K + g * 32);
-      const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16));
-      const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16))),
-          16));
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
-      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
-      int8_t* dst = xq + m * K + g * 32;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qb));
-      dx[m * (K / 32) + g] = d;
-      sx[m * (K / 32) + g] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+void quantize_rows_q8(const c10::BFloat16* x, int64_t M, int64_t K, int8_t* xq, float* dx,
+                      float* sx) {
+  const int64_t G = K / 32;
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t g = 0; g < G; ++g) {
+        const auto* src = reinterpret_cast<const __m256i*>(x + m * K + g * 32);
+        const __m512 a = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src)), 16));
+        const __m512 b = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src + 1)), 16));
+        const float amax =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+        int8_t* dst = xq + m * K + g * 32;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qb));
+        dx[m * G + g] = d;
+        sx[m * G + g] =
+            d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+      }
     }
-  }
+  });
 }
 
-// NR rows x 16 outputs over all K / 32 groups of one tile column.
-template <int NR>
-inline void int4_tile(const uint8_t* tile, int64_t groups, const int8_t* const* xq,
-                      const float* const* dx, const float* const* sx, __m512* acc) {
+constexpr int64_t kPrefetchGroups = 8;
+
+// NR rows x 16 outputs over all K / 32 groups of one column of tiles.
+template <int Bits, int NR>
+void quant_rows(const uint8_t* tile, int64_t groups, const int8_t* const* xq,
+                const float* const* dx, const float* const* sx, c10::BFloat16* const* y) {
   const __m512i low = _mm512_set1_epi8(0x0f);
+  __m512 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g, tile += kTileBytes) {
+  for (int64_t g = 0; g < groups; ++g, tile += tile_bytes<Bits>()) {
+    // The weights stream from memory once per call: ask for them a few groups ahead.
+    for (int64_t i = 0; i < tile_bytes<Bits>(); i += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(tile + kPrefetchGroups * tile_bytes<Bits>() + i),
+                   _MM_HINT_T0);
     __m512i w[8];
-    for (int c = 0; c < 4; ++c) {
-      const __m512i p = _mm512_loadu_si512(tile + 64 * c);
-      w[c] = _mm512_and_si512(p, low);
-      w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+    if constexpr (Bits == 4) {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i p = _mm512_loadu_si512(tile + 64 * c);
+        w[c] = _mm512_and_si512(p, low);
+        w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+      }
+    } else {
+      for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(tile + 64 * c);
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 256)));
-    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 288)));
+    const auto* scales = reinterpret_cast<const __m256i*>(tile + Bits * 64);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(scales));
+    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(scales + 1));
     for (int r = 0; r < NR; ++r) {
       const auto* xr = reinterpret_cast<const int32_t*>(xq[r] + g * 32);
       __m512i s = _mm512_setzero_si512();
@@ -538,26 +556,19 @@ inline void int4_tile(const uint8_t* tile, int64_t groups, const int8_t* const* 
       acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[r][g]), acc[r]);
     }
   }
-}
-
-constexpr int kInt4Rows = 8;
-
-template <int NR>
-void int4_rows(const uint8_t* tile, int64_t groups, const int8_t* const* xq,
-               const float* const* dx, const float* const* sx, c10::BFloat16* const* y) {
-  __m512 acc[NR];
-  int4_tile<NR>(tile, groups, xq, dx, sx, acc);
   for (int r = 0; r < NR; ++r)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y[r]), (__m256i)_mm512_cvtneps_pbh(acc[r]));
 }
 
-using Int4RowsFn = void (*)(const uint8_t*, int64_t, const int8_t* const*, const float* const*,
-                            const float* const*, c10::BFloat16* const*);
-constexpr Int4RowsFn kInt4Rows8[kInt4Rows] = {int4_rows<1>, int4_rows<2>, int4_rows<3>,
-                                              int4_rows<4>, int4_rows<5>, int4_rows<6>,
-                                              int4_rows<7>, int4_rows<8>};
+constexpr int kQuantRows = 8;
+using QuantRowsFn = void (*)(const uint8_t*, int64_t, const int8_t* const*, const float* const*,
+                             const float* const*, c10::BFloat16* const*);
+template <int Bits>
+constexpr QuantRowsFn kQuantRowFns[kQuantRows] = {
+    quant_rows<Bits, 1>, quant_rows<Bits, 2>, quant_rows<Bits, 3>, quant_rows<Bits, 4>,
+    quant_rows<Bits, 5>, quant_rows<Bits, 6>, quant_rows<Bits, 7>, quant_rows<Bits, 8>};
 #else
-constexpr bool kHasInt4Linear = false;
+constexpr bool kHasQuantLinear = false;
 #endif
 
 constexpr int64_t kParamsPerLayer = 18;
@@ -598,69 +609,80 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& 
   return x;
 }
 
-// int4_pack: q [N, K] (uint8 values 0..15), d and m [N, K / 32] float -> the packed tiles of
-// int4_linear, [N / 16, K / 32, kTileBytes] uint8 (N a multiple of 16, K of 32).
-bool has_int4_linear() { return kHasInt4Linear; }
+// quant_pack: q [N, K] uint8 (0..15 for bits 4, 0..255 for bits 8), d and m [N, K / 32] ->
+// quant_linear's tiles, [N / 16, K / 32, tile bytes] uint8 (N a multiple of 16, K of 32).
+bool has_quant_linear() { return kHasQuantLinear; }
 
-at::Tensor int4_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
+at::Tensor quant_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
+                      int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "q must be [N, K] uint8");
-  const int64_t N = q.size(0), K = q.size(1);
-  TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "int4_pack needs N % 16 == 0 and K % 32 == 0");
+  const int64_t N = q.size(0), K = q.size(1), G = K / 32;
+  TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "quant_pack needs N % 16 == 0 and K % 32 == 0");
   auto qc = q.contiguous();
   auto dh = d.to(at::kHalf).contiguous(), mh = m.to(at::kHalf).contiguous();
-  TORCH_CHECK(dh.size(0) == N && dh.size(1) == K / 32 && mh.sizes() == dh.sizes(), "d, m shape");
-  const int64_t G = K / 32, tile_bytes = 4 * 64 + 2 * 16 * 2;
-  auto out = at::empty({N / 16, G, tile_bytes}, q.options());
+  TORCH_CHECK(dh.dim() == 2 && dh.size(0) == N && dh.size(1) == G && mh.sizes() == dh.sizes(),
+              "d and m must be [N, K / 32]");
+  const int64_t tb = bits * 64 + 64;
+  auto out = at::zeros({N / 16, G, tb}, q.options());
   const uint8_t* qp = qc.data_ptr<uint8_t>();
   const auto* dp = reinterpret_cast<const uint16_t*>(dh.data_ptr());
   const auto* mp = reinterpret_cast<const uint16_t*>(mh.data_ptr());
   uint8_t* op = out.data_ptr<uint8_t>();
   for (int64_t t = 0; t < N / 16; ++t) {
     for (int64_t g = 0; g < G; ++g) {
-      uint8_t* tile = op + (t * G + g) * tile_bytes;
+      uint8_t* tile = op + (t * G + g) * tb;
       for (int64_t j = 0; j < 16; ++j) {
         const uint8_t* row = qp + (t * 16 + j) * K + g * 32;
-        for (int64_t c = 0; c < 4; ++c)
-          for (int64_t b = 0; b < 4; ++b)
-            tile[64 * c + 4 * j + b] = static_cast<uint8_t>(
-                (row[4 * c + b] & 15) | ((row[4 * c + 16 + b] & 15) << 4));
-        std::memcpy(tile + 256 + 2 * j, dp + (t * 16 + j) * G + g, 2);
-        std::memcpy(tile + 288 + 2 * j, mp + (t * 16 + j) * G + g, 2);
+        for (int64_t k = 0; k < 32; ++k) {
+          if (bits == 8) {
+            tile[64 * (k / 4) + 4 * j + k % 4] = row[k];
+          } else {  // inputs 16.. go to the high nibbles of the registers of inputs 0..15
+            const int64_t lo = k % 16;
+            tile[64 * (lo / 4) + 4 * j + lo % 4] |=
+                static_cast<uint8_t>((row[k] & 15) << (k < 16 ? 0 : 4));
+          }
+        }
+        std::memcpy(tile + bits * 64 + 2 * j, dp + (t * 16 + j) * G + g, 2);
+        std::memcpy(tile + bits * 64 + 32 + 2 * j, mp + (t * 16 + j) * G + g, 2);
       }
     }
   }
   return out;
 }
 
-// int4_linear: x [M, K] bf16 times the packed weight [N / 16, K / 32, tile] -> [M, N] bf16.
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed) {
-  TORCH_CHECK(kHasInt4Linear, "int4_linear needs AVX512-VNNI and AVX512-BF16");
+// quant_linear: x [M, K] bf16 times quant_pack's tiles [N / 16, K / 32, tile bytes] (the
+// tile size tells 4 from 8 bits) -> [M, N] bf16.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(kHasQuantLinear, "quant_linear needs AVX512-VNNI and AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bf16");
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) * 32 == x.size(1), "packed weight shape");
-  const int64_t M = x.size(0), K = x.size(1), T = packed.size(0), G = K / 32;
-  auto out = at::empty({M, T * 16}, x.options());
+  const int64_t M = x.size(0), K = x.size(1), T = packed.size(0), G = K / 32, N = T * 16;
+  const int64_t tb = packed.size(2);
+  TORCH_CHECK(tb == 4 * 64 + 64 || tb == 8 * 64 + 64, "not quant_pack's tiles");
+  auto out = at::empty({M, N}, x.options());
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
   auto xc = x.contiguous();
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * G), sx(M * G);
   quantize_rows_q8(xc.data_ptr<c10::BFloat16>(), M, K, xq.data(), dx.data(), sx.data());
+  const QuantRowsFn* fns = tb == tile_bytes<4>() ? kQuantRowFns<4> : kQuantRowFns<8>;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   c10::BFloat16* yp = out.data_ptr<c10::BFloat16>();
-  const int64_t N = T * 16;
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t r0 = 0; r0 < M; r0 += kInt4Rows) {
-        const int64_t nr = std::min<int64_t>(kInt4Rows, M - r0);
-        const int8_t* xr[kInt4Rows];
-        const float *dr[kInt4Rows], *sr[kInt4Rows];
-        c10::BFloat16* yr[kInt4Rows];
+      for (int64_t r0 = 0; r0 < M; r0 += kQuantRows) {
+        const int64_t nr = std::min<int64_t>(kQuantRows, M - r0);
+        const int8_t* xr[kQuantRows];
+        const float *dr[kQuantRows], *sr[kQuantRows];
+        c10::BFloat16* yr[kQuantRows];
         for (int64_t r = 0; r < nr; ++r) {
           xr[r] = xq.data() + (r0 + r) * K;
           dr[r] = dx.data() + (r0 + r) * G;
           sr[r] = sx.data() + (r0 + r) * G;
           yr[r] = yp + (r0 + r) * N + t * 16;
         }
-        kInt4Rows8[nr - 1](wp + t * G * kTileBytes, G, xr, dr, sr, yr);
+        fns[nr - 1](wp + t * G * tb, G, xr, dr, sr, yr);
       }
     }
   });
@@ -697,8 +719,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension of a 2-D tensor (CPU)");
   m.def("has_prefill_attention", &has_prefill_attention, "whether prefill_attention is built");
   m.def("prefill_attention", &prefill_attention, "causal attention of a prompt chunk (CPU)");
-  m.def("has_int4_linear", &has_int4_linear, "whether int4_linear is built");
-  m.def("int4_pack", &int4_pack, "pack int4 weights for int4_linear");
-  m.def("int4_linear", &int4_linear, "x @ W.T with W in packed int4 (CPU, VNNI)");
+  m.def("has_quant_linear", &has_quant_linear, "whether quant_linear is built");
+  m.def("quant_pack", &quant_pack, "pack int4/int8 weights for quant_linear");
+  m.def("quant_linear", &quant_linear, "x @ W.T, W packed int4/int8 (CPU, AVX512-VNNI)");
   m.def("decode_layers", &decode_layers, "all decoder layers of a decode-only step (CPU)");
 }

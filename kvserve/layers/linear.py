@@ -50,12 +50,12 @@ class LinearBase(nn.Module):
         # shard as one process scales the whole row and both compute with the same integers.
         self.row_absmax: torch.Tensor | None = None
 
-    def quantize_(self, method: str) -> None:
+    def quantize_(self, method: str, keep_weight: bool = False) -> None:
         """Add a weight-only quantized copy of the (loaded) weight, used for small batches,
         or for all of them when its kernel wins at every size; then the weight itself goes
-        (an empty tensor of its dtype stays in its place)."""
+        (an empty tensor of its dtype stays in its place) unless `keep_weight`."""
         self.quantized = QuantizedWeight(self.weight.data, method, self.row_absmax)
-        if self.quantized.serves_all_batches:
+        if self.quantized.serves_all_batches and not keep_weight:
             self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

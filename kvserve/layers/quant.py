@@ -1,4 +1,4 @@
-"""Weight-only quantized copies of linear weights, for small batches.
+"""Weight-only quantized copies of linear weights.
 
 Decode at batch 1 must read every weight once per token, so its time is the weight bytes over
 memory bandwidth: int8 halves the bytes of bf16 and int4 quarters them. torch ships CPU
@@ -7,9 +7,17 @@ the fly. At larger batches the same kernels lose to the bf16 matmul (measured he
 they take about twice as long), so a quantized layer keeps its compute-dtype weight for big
 batches and uses the quantized copy only up to `SMALL_BATCH` rows.
 
+int4 and int8 in bf16 on a CPU with AVX512-VNNI instead run kvserve's C++ `quant_linear`,
+which quantizes the activations to int8 per group of 32 and multiplies in integers, as llama.cpp
+does for this format (Q4_1 weights x Q8_1 activations). Summed over one layer's four shapes
+x 30 layers it took 1.4 ms at 1 row (torch's int4 kernel 2.5, bf16 9.5), 11.7 ms at 32
+(bf16 17.4) and tied bf16 at 512 (120 ms): it serves every batch and the bf16 weight goes.
+The int8 activations cost some accuracy (benchmarks/RESULTS.md, weight_quant_accuracy.py).
+
 int8: symmetric, one scale per output row. int4: asymmetric groups of 32 along the input
-dimension, w = (q - 8) * scale + zero, the layout of GGML's Q4_1 (scale and minimum per 32
-weights), so a Q4_1 GGUF's weights come back nearly exactly.
+dimension, w = q * scale + min, the layout of GGML's Q4_1 (scale and minimum per 32
+weights), so a Q4_1 GGUF's weights come back nearly exactly (torch's kernel stores it as
+(q - 8) * scale + zero).
 """
 
 from __future__ import annotations
@@ -73,15 +81,26 @@ def quantize_int4(w: torch.Tensor, dtype: torch.dtype,
     return packed, scales_zeros
 
 
-def vnni_int4_kernels(dtype: torch.dtype, n: int, k: int):
-    """The C++ module when its int4 x int8 kernel (`int4_linear`) serves an [n, k] weight in
-    `dtype`: bf16, n a multiple of 16, k of 32, a CPU with AVX512-VNNI and AVX512-BF16."""
+def _int8_groups(w: torch.Tensor, group: int = INT4_GROUP
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] -> quant_pack's 8-bit form: q [N, K] uint8 = round(w / scale) + 128, scale
+    [N, K / group] in float16 (symmetric per group of 32, as GGML's Q8_0) and min = -128 scale."""
+    n, k = w.shape
+    wg = w.float().view(n, k // group, group)
+    scale = (wg.abs().amax(dim=-1) / 127).clamp_min_(1e-7).half().float()
+    q = (wg / scale[..., None]).round_().clamp_(-127, 127) + 128
+    return q.view(n, k).to(torch.uint8), scale, -128 * scale
+
+
+def vnni_kernels(dtype: torch.dtype, n: int, k: int):
+    """The C++ module when its int4/int8 x int8 kernel (`quant_linear`) serves an [n, k]
+    weight in `dtype`: bf16, n a multiple of 16, k of 32, a CPU with AVX512-VNNI/BF16."""
     if dtype != torch.bfloat16 or n % 16 or k % INT4_GROUP:
         return None
     from kvserve.attention import cpu_ops
 
     kernels = cpu_ops.ops()
-    return kernels if kernels is not None and kernels.has_int4_linear() else None
+    return kernels if kernels is not None and kernels.has_quant_linear() else None
 
 
 def dequantize_int4(packed_q: torch.Tensor, scales_zeros: torch.Tensor, n: int, k: int,
@@ -94,30 +113,32 @@ def dequantize_int4(packed_q: torch.Tensor, scales_zeros: torch.Tensor, n: int, 
 class QuantizedWeight:
     """A quantized copy of one [N, K] weight and the matmul that uses it.
 
-    int4 in bf16 on a CPU with AVX512-VNNI uses kvserve's own kernel (`int4_linear`): it
-    quantizes the activations to int8 per group of 32 (as GGML's Q8_1) and multiplies in
-    integers, which beats the bf16 matmul at every batch size measured here (1 to 512 rows),
-    so such a copy serves every batch (`serves_all_batches`) and the layer drops its bf16
-    weight. Elsewhere torch's kernels serve small batches only."""
+    In bf16 on a CPU with AVX512-VNNI both methods use kvserve's own kernel (`quant_linear`,
+    int8 then per group of 32 rather than per row): it quantizes the activations to int8 per
+    group of 32 (as GGML's Q8_1) and multiplies in integers, which beats the bf16 matmul at
+    every batch size measured here (1 to 512 rows), so such a copy serves every batch
+    (`serves_all_batches`) and the layer may drop its bf16 weight. Elsewhere torch's kernels
+    serve small batches only."""
 
     def __init__(self, weight: torch.Tensor, method: str,
                  row_absmax: torch.Tensor | None = None) -> None:
         self.method = check_quantization(method)
         self.n, self.k = weight.shape
         dtype = weight.dtype
-        self.kernels = None
-        if method == "int8":
-            self.q, self.scales = quantize_int8(weight, dtype, row_absmax)
-        elif method == "int4":
-            self.kernels = vnni_int4_kernels(dtype, self.n, self.k)
-            if self.kernels is not None:
-                q, scale, lo = _int4_groups(weight, torch.float16)
-                self.q = self.kernels.int4_pack(q.to(torch.uint8), scale, lo)
-                self.scales = torch.empty(0, dtype=dtype)  # inside the packed tiles
-            else:
-                self.q, self.scales = quantize_int4(weight, dtype)
-        else:
+        if method == "none":
             raise ValueError("nothing to quantize with method 'none'")
+        # A row-parallel int8 shard must scale by whole rows (row_absmax): torch's kernel.
+        self.kernels = (vnni_kernels(dtype, self.n, self.k)
+                        if method == "int4" or row_absmax is None else None)
+        if self.kernels is not None:
+            q, d, m = (_int8_groups(weight) if method == "int8"
+                       else _int4_groups(weight, torch.float16))
+            self.q = self.kernels.quant_pack(q.to(torch.uint8), d, m, 8 if method == "int8" else 4)
+            self.scales = torch.empty(0, dtype=dtype)  # inside the packed tiles
+        elif method == "int8":
+            self.q, self.scales = quantize_int8(weight, dtype, row_absmax)
+        else:
+            self.q, self.scales = quantize_int4(weight, dtype)
 
     @property
     def serves_all_batches(self) -> bool:
@@ -126,7 +147,7 @@ class QuantizedWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ w.T in x's dtype."""
         if self.kernels is not None:
-            return self.kernels.int4_linear(x.contiguous(), self.q)
+            return self.kernels.quant_linear(x.contiguous(), self.q)
         if self.method == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.q, INT4_GROUP, self.scales)

@@ -148,4 +148,5 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, LinearBase) and module is not self.lm_head:
                 module.quantize_(method)
-        self.lm_head.quantize_("int8")
+        # The head's weight stays: it is the tied embedding, or the MTP drafter reads it.
+        self.lm_head.quantize_("int8", keep_weight=True)
