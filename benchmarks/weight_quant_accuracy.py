@@ -6,9 +6,10 @@ The same prompts and method as `kv_int8_accuracy.py`: the float32 model (the GGU
 no quantized copies) generates a greedy continuation of each prompt, EOS banned; each candidate
 (bfloat16 with --quantization none, int8 and int4) is fed the same tokens and compared at every
 step (max |logit difference|, same argmax), then generates on its own (identical greedy prefix).
-The six prompts decode together, so every decode step runs the quantized kernels (steps of up
-to 16 tokens use them), while the prompts themselves go through the bfloat16 weights, as they
-do when serving. Prints figures; not a test.
+The six prompts decode together, so every decode step runs the quantized kernels. The prompts
+themselves go through the bfloat16 weights on torch's kernels (steps of up to 8 tokens use
+them) and through the quantized copy where kvserve's VNNI kernel serves every batch (bf16 on
+AVX512-VNNI), as they do when serving. Prints figures; not a test.
 """
 
 from __future__ import annotations
