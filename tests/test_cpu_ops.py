@@ -159,3 +159,18 @@ def test_prefill_attention_kernel_matches_sdpa(monkeypatch, head_dim, heads, kv_
     finally:
         cpu_ops.ops.cache_clear()
     torch.testing.assert_close(fast.float(), slow.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_what_index_copy_writes(dtype):
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, 3, 64, 32, generator=g).to(dtype)
+    qkv = torch.randn(7, 12, 32, generator=g).to(dtype)  # k and v are views, as in a layer
+    k, v = qkv.narrow(1, 6, 3), qkv.narrow(1, 9, 3)
+    slots = torch.randperm(64, generator=g)[:7]
+    want = cache.clone()
+    want.index_copy_(2, slots, torch.stack((k, v)).transpose(1, 2))
+    cpu_ops.ops().store_kv(cache, slots, k, v)
+    assert torch.equal(cache, want)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_ops.ops().store_kv(cache, torch.tensor([64] * 7), k, v)

@@ -153,9 +153,14 @@ class TorchPagedAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
-        # K and V written with one copy: [2, T, Hkv, W] -> slots of [2, Hkv, num_slots, W].
-        rows = self._store(torch.stack((k, v)))
-        kv_cache.index_copy_(2, meta.slot_mapping, rows.transpose(1, 2))
+        kernels = cpu_ops.ops() if not self.quantized and kv_cache.device.type == "cpu" else None
+        rows = None
+        if kernels is not None:
+            kernels.store_kv(kv_cache, meta.slot_mapping, k, v)  # what index_copy_ writes
+        else:
+            # K and V written with one copy: [2, T, Hkv, W] -> slots of [2, Hkv, num_slots, W].
+            rows = self._store(torch.stack((k, v)))
+            kv_cache.index_copy_(2, meta.slot_mapping, rows.transpose(1, 2))
         if meta.decode_only:
             return self._decode(q, kv_cache, meta).flatten(1)
         out = torch.empty_like(q)
@@ -170,7 +175,8 @@ class TorchPagedAttention(AttentionBackend):
                 continue
             qp = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             if not span.has_context:
-                kv = self._load(rows[:, span.start:span.end], q.dtype).transpose(1, 2)
+                fresh = rows if rows is not None else torch.stack((k, v))
+                kv = self._load(fresh[:, span.start:span.end], q.dtype).transpose(1, 2)
                 op = F.scaled_dot_product_attention(qp, kv[0:1], kv[1:2], is_causal=True,
                                                     enable_gqa=True)
             else:

@@ -571,6 +571,35 @@ constexpr QuantRowsFn kQuantRowFns[kQuantRows] = {
 constexpr bool kHasQuantLinear = false;
 #endif
 
+// K and V rows [T, Hkv, W] (rows contiguous) into the slots of cache [2, Hkv, slots, W]: the
+// same bytes as index_copy_ from a stacked, transposed copy, moved row by row.
+void store_kv(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& k,
+              const at::Tensor& v) {
+  TORCH_CHECK(cache.dim() == 4 && cache.size(0) == 2 && cache.is_contiguous(), "cache shape");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == cache.size(1) &&
+                  k.size(2) == cache.size(3), "k and v must be [T, Hkv, W]");
+  TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(),
+              "k, v and cache dtypes differ");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v rows must be contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0), "slots");
+  const int64_t T = k.size(0), Hkv = k.size(1), W = k.size(2), S = cache.size(2);
+  const int64_t es = cache.element_size(), row = W * es;
+  auto sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  auto* dst = static_cast<char*>(cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "slot out of range");
+    for (int64_t h = 0; h < Hkv; ++h) {
+      std::memcpy(dst + ((0 * Hkv + h) * S + sp[t]) * row,
+                  kp + (t * k.stride(0) + h * k.stride(1)) * es, row);
+      std::memcpy(dst + ((1 * Hkv + h) * S + sp[t]) * row,
+                  vp + (t * v.stride(0) + h * v.stride(1)) * es, row);
+    }
+  }
+}
+
 constexpr int64_t kParamsPerLayer = 18;
 
 }  // namespace
@@ -597,9 +626,7 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& 
                    .view({B, heads + 2 * kv_heads, D});
     auto qk_in = qkv.narrow(1, 0, heads + kv_heads);
     auto qk = at::addcmul(qk_in * cos, qk_in.roll({D / 2}, {-1}), sin);
-    auto rows = at::stack({qk.narrow(1, heads, kv_heads),
-                           qkv.narrow(1, heads + kv_heads, kv_heads)});
-    cache.index_copy_(2, slots, rows.transpose(1, 2));
+    store_kv(cache, slots, qk.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads));
     auto attn = decode_attention(qk.narrow(1, 0, heads).contiguous(), cache, table, lens,
                                  block_size, scale);
     x = x + linear(attn.flatten(1), p + 5, small_batch, int4_group);
@@ -722,5 +749,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_quant_linear", &has_quant_linear, "whether quant_linear is built");
   m.def("quant_pack", &quant_pack, "pack int4/int8 weights for quant_linear");
   m.def("quant_linear", &quant_linear, "x @ W.T, W packed int4/int8 (CPU, AVX512-VNNI)");
+  m.def("store_kv", &store_kv, "write K/V rows into their cache slots (CPU)");
   m.def("decode_layers", &decode_layers, "all decoder layers of a decode-only step (CPU)");
 }
