@@ -370,3 +370,30 @@ def test_mtp_file_errors(tiny_llama_dir, tmp_path):
     save_mtp(MTPModule(32, 64, 1e-5), wrong, {})
     with pytest.raises(ValueError, match="hidden size 32"):
         make_llm(tiny_llama_dir, speculative_config={"method": "mtp", "model": str(wrong)})
+
+
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_mtp_on_the_vnni_kernels_keeps_greedy_output(tiny_llama_dir, tmp_path, draft_vocab):
+    """bf16 with int4 copies: the target and the MTP drafter (its head over a draft
+    vocabulary or the whole one) run kvserve's int4/int8 VNNI kernel, whose rows do not
+    depend on the batch, so one request's greedy output is the same with and without
+    speculation."""
+    from kvserve.layers.quant import vnni_kernels
+
+    if vnni_kernels(torch.bfloat16, 16, 32) is None:
+        pytest.skip("quant_linear needs a C++ compiler and AVX512-VNNI/BF16")
+    torch.manual_seed(0)
+    random_mtp = tmp_path / "mtp.safetensors"
+    save_mtp(MTPModule(64, 128, 1e-5, torch.arange(0, 320, 2) if draft_vocab else None),
+             random_mtp, {})
+    kw = dict(dtype="bfloat16", quantization="int4")
+    prompt = repetitive_prompts(1)[0]
+    plain = make_llm(tiny_llama_dir, **kw).generate([prompt], GREEDY)[0].outputs[0].token_ids
+    llm = make_llm(tiny_llama_dir, speculative_config={
+        "method": "mtp", "model": str(random_mtp), "num_speculative_tokens": 2,
+        "min_acceptance": 0.0}, **kw)
+    drafter = llm.engine.drafter
+    assert drafter.module.gate_up.quantized is not None  # the module runs int8 on VNNI
+    assert (drafter.head_q is not None) == draft_vocab
+    assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == plain
+    assert llm.engine.spec_stats.num_drafts > 0

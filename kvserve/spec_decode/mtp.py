@@ -34,9 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.layers.linear import ReplicatedLinear
+from kvserve.layers.quant import QuantizedWeight, vnni_kernels
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.request import Request
 from kvserve.spec_decode.base import Drafter
+from kvserve.spec_decode.rejection import plain_greedy
 from kvserve.spec_decode.sampling import sample_drafts
 
 log = logging.getLogger(__name__)
@@ -110,7 +113,7 @@ class MTPDrafter(Drafter):
                  ) -> None:
         self.target = target
         self.device = device
-        dtype = target.embed_tokens.weight.dtype
+        self.dtype = dtype = target.embed_tokens.weight.dtype
         self.module = module.to(device=device, dtype=dtype).eval()
         vocab = target.config.vocab_size
         ids = module.vocab_ids.to(device)
@@ -121,19 +124,48 @@ class MTPDrafter(Drafter):
                 else target.lm_head.weight)
         # The draft vocabulary's rows of the LM head, copied once (9 MB for 8192 x 576 bf16).
         self.head = head.detach()[ids].clone() if self.vocab_ids is not None else None
+        self.head_q: QuantizedWeight | None = None
+        if device.type == "cpu" and vnni_kernels(dtype, module.hidden, 2 * module.hidden):
+            # A draft step is one row through ~9 MB of bf16 weights and as much head: int8
+            # on the VNNI kernel halves the bytes and skips torch's slow bf16 GEMV (a draft
+            # step 1.06 -> 0.48 ms here). Drafts only propose; verification stays exact.
+            for name in ("proj", "gate_up", "down"):
+                old = getattr(self.module, name)
+                new = ReplicatedLinear(old.in_features, old.out_features).to(dtype)
+                new.load(old.weight.data)
+                new.quantize_("int8")
+                setattr(self.module, name, new)
+            if self.head is not None and vnni_kernels(dtype, *self.head.shape):
+                self.head_q = QuantizedWeight(self.head, "int8")
+                self.head = None
 
     @classmethod
     def load(cls, path: str, target: LlamaForCausalLM, device: torch.device) -> MTPDrafter:
         return cls(load_mtp(path, target.config.hidden_size), target, device)
 
+    def _sub_logits(self, h: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits over the draft vocabulary (None without one)."""
+        normed = self.target.norm(h)
+        if self.head_q is not None:
+            return self.head_q.matmul(normed).float()
+        return F.linear(normed, self.head).float() if self.head is not None else None
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary float32 logits; -inf outside the draft vocabulary."""
-        normed = self.target.norm(h)
-        if self.head is None:
-            return self.target.compute_logits(normed)
-        sub = F.linear(normed, self.head).float()
+        sub = self._sub_logits(h)
+        if sub is None:
+            return self.target.compute_logits(self.target.norm(h))
         full = sub.new_full((sub.shape[0], self.target.config.vocab_size), float("-inf"))
         return full.index_copy_(1, self.vocab_ids, sub)
+
+    def _draw(self, h: torch.Tensor, reqs: list[Request], drafts: dict[str, list[int]]
+              ) -> tuple[list[int], torch.Tensor | None]:
+        if self.vocab_ids is not None and all(plain_greedy(r) for r in reqs):
+            # Greedy: the argmax of the draft vocabulary's logits, no full-vocabulary row.
+            sub = self._sub_logits(h)
+            assert sub is not None
+            return self.vocab_ids[sub.argmax(dim=-1)].tolist(), None
+        return sample_drafts(self._logits(h), reqs, drafts, self.device)
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_drafts: list[int]) -> None:
@@ -144,13 +176,13 @@ class MTPDrafter(Drafter):
         if not live:
             return
         reqs = [r for r, _ in live]
-        h = torch.stack([r.spec_hidden for r in reqs]).to(self.module.proj.weight.dtype)
+        h = torch.stack([r.spec_hidden for r in reqs]).to(self.dtype)
         tokens = torch.tensor([r.all_token_ids[-1] for r in reqs], device=self.device)
         drafts: dict[str, list[int]] = {r.request_id: [] for r in reqs}
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in reqs}
         for depth in range(max(k for _, k in live)):
             h = self.module(h, self.target.embed_tokens(tokens))
-            drawn, q = sample_drafts(self._logits(h), reqs, drafts, self.device)
+            drawn, q = self._draw(h, reqs, drafts)
             for i, (r, k) in enumerate(live):
                 if depth < k:
                     drafts[r.request_id].append(drawn[i])
