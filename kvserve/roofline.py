@@ -9,7 +9,8 @@ ceiling. The batch where decode turns compute-bound is where the two terms meet.
 
 What a step is counted to need (`StepCost`):
 - weights: every projection in the format the step uses (the quantized copy up to
-  SMALL_BATCH rows, the compute-dtype weight above), the LM head for the sampled rows only,
+  SMALL_BATCH rows, the compute-dtype weight above, or the quantized copy at every size where
+  it serves all batches), the LM head for the sampled rows only,
   the norms;
 - KV: the cache rows the step reads (each decode query its whole context; a prefill chunk
   its earlier context once) and its new rows (written);
@@ -94,7 +95,9 @@ class CostModel:
         self.head_params = head.weight.numel()
         self.head_bytes_small = (head.quantized.nbytes if head.quantized is not None
                                  else self.head_params * head.weight.element_size())
-        self.head_bytes_big = self.head_params * head.weight.element_size()
+        hq = head.quantized
+        self.head_bytes_big = (hq.nbytes if hq is not None and hq.serves_all_batches
+                               else self.head_params * head.weight.element_size())
         self.norm_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                               if "norm" in n)
         self.act_size = model.embed_tokens.weight.element_size()

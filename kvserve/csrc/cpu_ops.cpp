@@ -1,5 +1,6 @@
-// CPU kernels for the decode path, where a step is many small ops and each op's fixed cost
-// adds up: one call here replaces several torch ops; and the attention of prompt chunks.
+// CPU kernels: for the decode path, where a step is many small ops and each op's fixed cost
+// adds up, one call here replaces several torch ops; and two kernels torch lacks on this CPU,
+// the attention of prompt chunks and an integer matmul for quantized weights.
 //
 // decode_attention: one query token per sequence attends to its context, read block by block
 // through its block table (no gather into a new tensor).
@@ -13,6 +14,12 @@
 // prefill_attention: a prompt chunk attends causally to its request's paged context with
 // AVX512-BF16 dot products: ~4-7x faster than torch's SDPA here, which runs at about the
 // float32 matmul rate (140-170 GFLOP/s) on bf16 inputs.
+//
+// quant_pack / quant_linear: x W^T for int4 (GGML's Q4_1) or int8 weights in groups of 32,
+// with x quantized to int8 per group (GGML's Q8_1) and AVX512-VNNI integer dot products;
+// faster than torch's int4/int8 kernels and than the bf16 matmul at every batch size here.
+//
+// store_kv: K/V rows into their cache slots (what index_copy_ does, without the stacked copy).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>

@@ -81,8 +81,8 @@ class EngineArgs:
     kv_cache_memory: int | str = "1GiB"
     num_kv_blocks: int | None = None  # exact block count, overriding the memory budget
     kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or "int8"
-    # weight-only copies for small batches: auto (keep a GGUF's precision class) | none |
-    # int8 | int4
+    # weight-only copies (for small batches, or every batch on the VNNI kernel): auto (keep a
+    # GGUF's precision class) | none | int8 | int4
     quantization: str = "auto"
     enable_prefix_caching: bool = True
     host_kv_cache_memory: int | str = 0  # host tier of the prefix cache; 0 = none
@@ -256,9 +256,12 @@ class LLMEngine:
             self.runner.keep_hidden = self.drafter.needs_hidden
             log.info("speculative decoding: %s", self.spec)
         per_tok = kv_token_bytes(shard_config(cfg, tp), cache.kv_cache_dtype, dtype).total
-        log.info("loaded %s (%s, %d layers, %s weights, %s; quantized copies for small "
-                 "batches: %s) in %.1fs", path.name, cfg.architecture, cfg.num_layers,
-                 loaded.weight_format, dtype_name(dtype), self.quantization,
+        qkv = loaded.model.layers[0].self_attn.qkv_proj.quantized
+        log.info("loaded %s (%s, %d layers, %s weights, %s; quantized copies: %s%s) in %.1fs",
+                 path.name, cfg.architecture, cfg.num_layers, loaded.weight_format,
+                 dtype_name(dtype), self.quantization,
+                 "" if qkv is None else " for every batch (VNNI kernel)"
+                 if qkv.serves_all_batches else " for small batches",
                  time.perf_counter() - t0)
         log.info("KV cache%s: %d blocks x %d tokens = %d tokens, %.1f KiB per token, %.2f GiB",
                  " (rank 0's heads)" if tp.size > 1 else "", num_blocks, cache.block_size,

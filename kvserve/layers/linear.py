@@ -59,7 +59,7 @@ class LinearBase(nn.Module):
             self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T without the bias: the quantized kernel for small batches when there is one."""
+        """x W^T without the bias: the quantized copy for the batches it serves."""
         q = self.quantized
         if q is not None and (x.shape[0] <= SMALL_BATCH or q.serves_all_batches):
             return q.matmul(x)

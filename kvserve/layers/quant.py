@@ -10,11 +10,12 @@ batches and uses the quantized copy only up to `SMALL_BATCH` rows.
 int4 and int8 in bf16 on a CPU with AVX512-VNNI instead run kvserve's C++ `quant_linear`,
 which quantizes the activations to int8 per group of 32 and multiplies in integers, as llama.cpp
 does for this format (Q4_1 weights x Q8_1 activations). Summed over one layer's four shapes
-x 30 layers it took 1.4 ms at 1 row (torch's int4 kernel 2.5, bf16 9.5), 11.7 ms at 32
+x 30 layers it took 1.3 ms at 1 row (torch's int4 kernel 2.5, bf16 9.6), 8.2 ms at 32
 (bf16 17.4) and tied bf16 at 512 (120 ms): it serves every batch and the bf16 weight goes.
 The int8 activations cost some accuracy (benchmarks/RESULTS.md, weight_quant_accuracy.py).
 
-int8: symmetric, one scale per output row. int4: asymmetric groups of 32 along the input
+int8: symmetric, one scale per output row (per group of 32 on kvserve's kernel, as GGML's
+Q8_0). int4: asymmetric groups of 32 along the input
 dimension, w = q * scale + min, the layout of GGML's Q4_1 (scale and minimum per 32
 weights), so a Q4_1 GGUF's weights come back nearly exactly (torch's kernel stores it as
 (q - 8) * scale + zero).

@@ -142,8 +142,8 @@ class LlamaForCausalLM(nn.Module):
         return logits[:, :self.config.vocab_size]  # the last shard's zero padding
 
     def quantize_(self, method: str) -> None:
-        """Weight-only quantized copies of every projection, for small batches. The LM head
-        gets int8 (per-row scales) whatever the method: its logits feed sampling directly."""
+        """Weight-only quantized copies of every projection (see QuantizedWeight). The LM head
+        gets int8 whatever the method: its logits feed sampling directly."""
         self._fused = None
         for module in self.modules():
             if isinstance(module, LinearBase) and module is not self.lm_head:
