@@ -18,6 +18,17 @@ def test_kernel_builds():
     assert cpu_ops.ops() is not None
 
 
+def _torch_path(monkeypatch, compute):
+    """compute() with the C++ kernels switched off (KVSERVE_NO_CPP), as on a machine
+    without them: the reference the kernels are checked against."""
+    monkeypatch.setenv("KVSERVE_NO_CPP", "1")
+    cpu_ops.ops.cache_clear()
+    try:
+        return compute()
+    finally:
+        cpu_ops.ops.cache_clear()
+
+
 def _decode_case(dtype, lens, block_size=4, heads=6, kv_heads=2, head_dim=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     backend = TorchPagedAttention(heads, kv_heads, head_dim)
@@ -45,12 +56,7 @@ def _decode_case(dtype, lens, block_size=4, heads=6, kv_heads=2, head_dim=32, se
 def test_kernel_matches_torch_path(monkeypatch, dtype, lens):
     backend, q, k, v, cache, meta = _decode_case(dtype, lens)
     fast = backend.forward(q, k, v, cache.clone(), meta)
-    monkeypatch.setenv("KVSERVE_NO_CPP", "1")
-    cpu_ops.ops.cache_clear()
-    try:
-        slow = backend.forward(q, k, v, cache.clone(), meta)
-    finally:
-        cpu_ops.ops.cache_clear()
+    slow = _torch_path(monkeypatch, lambda: backend.forward(q, k, v, cache.clone(), meta))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fast.float(), slow.float(), atol=tol, rtol=tol)
 
@@ -66,12 +72,7 @@ def test_rms_norm_kernel_matches_reference(monkeypatch, dtype, rows, cols):
         norm.weight.copy_(torch.randn(cols, generator=g))
     x = (torch.randn(rows, cols, generator=g) * 3).to(dtype)
     fast = norm(x)
-    monkeypatch.setenv("KVSERVE_NO_CPP", "1")
-    cpu_ops.ops.cache_clear()
-    try:
-        slow = norm(x)
-    finally:
-        cpu_ops.ops.cache_clear()
+    slow = _torch_path(monkeypatch, lambda: norm(x))
     torch.testing.assert_close(fast, slow)
 
 
@@ -152,12 +153,7 @@ def test_prefill_attention_kernel_matches_sdpa(monkeypatch, head_dim, heads, kv_
                for h in (heads, kv_heads, kv_heads))
     assert backend._prefill_kernels(q, cache) is not None
     fast = backend.forward(q, k, v, cache.clone(), meta)
-    monkeypatch.setenv("KVSERVE_NO_CPP", "1")
-    cpu_ops.ops.cache_clear()
-    try:
-        slow = backend.forward(q, k, v, cache.clone(), meta)
-    finally:
-        cpu_ops.ops.cache_clear()
+    slow = _torch_path(monkeypatch, lambda: backend.forward(q, k, v, cache.clone(), meta))
     torch.testing.assert_close(fast.float(), slow.float(), atol=2e-2, rtol=2e-2)
 
 

@@ -50,34 +50,40 @@ def quantize_int8(w: torch.Tensor, dtype: torch.dtype,
     return q, scale
 
 
-def _int4_groups(w: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[N, K] -> q [N, K] (0..15 as float), scale and min [N, K / group] as stored in `dtype`:
-    w ~= q * scale + min, each group spanning its own range."""
+def _int4_range(w: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] -> the weight in groups [N, K / group, group] (float32), and each group's scale
+    and min [N, K / group] as stored in `dtype`, so that 16 steps span its range."""
     n, k = w.shape
     if k % group:
         raise ValueError(f"int4 needs the input dimension ({k}) to be a multiple of {group}")
     wg = w.float().view(n, k // group, group)
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
     scale = ((hi - lo) / 15).clamp_min_(1e-12).to(dtype).float()
-    lo = lo.to(dtype).float()
+    return wg, scale, lo.to(dtype).float()
+
+
+def _int4_groups(w: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] -> q [N, K] (0..15 as float), scale and min [N, K / group] as stored in `dtype`:
+    w ~= q * scale + min, each group spanning its own range."""
+    wg, scale, lo = _int4_range(w, dtype, group)
     # Round against the stored (rounded) scale and min, so dequantization is as close as it
     # can be to the original weight.
     q = ((wg - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15)
-    return q.view(n, k), scale, lo
+    return q.view(w.shape), scale, lo
 
 
 def quantize_int4(w: torch.Tensor, dtype: torch.dtype,
                   group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] -> (packed int4 weight, scales and zeros [K / group, N, 2] in `dtype`) for
     torch's kernel, which computes (q - 8) * scale + zero."""
-    n, k = w.shape
-    q, scale, lo = _int4_groups(w, dtype, group)
+    wg, scale, lo = _int4_range(w, dtype, group)
     zero = (lo + 8 * scale).to(dtype)
-    # torch's zero point sits at q = 8: requantize against the zero as stored.
-    q = ((w.float().view(n, k // group, group) - zero.float()[..., None])
-         / scale[..., None] + 8).round_().clamp_(0, 15).view(n, k)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    # torch's zero point sits at q = 8: round against the zero as stored.
+    q = ((wg - zero.float()[..., None]) / scale[..., None] + 8).round_().clamp_(0, 15)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        q.view(w.shape).to(torch.int32), 1)
     scales_zeros = torch.stack((scale.to(dtype), zero), dim=-1).transpose(0, 1).contiguous()
     return packed, scales_zeros
 
