@@ -34,6 +34,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="token budget of one step (prompt chunks + decodes)")
+    g.add_argument("--short-prompt-steps", action=argparse.BooleanOptionalAction, default=True,
+                   help="prompt work of at most a quarter of the budget (a question after a "
+                        "cached prefix, a prompt's last chunk) runs in a step of its own, "
+                        "alternating with the rest: earlier first tokens at a small cost in "
+                        "time per output token")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
@@ -119,7 +124,8 @@ def engine_args_from(args: argparse.Namespace):
     return EngineArgs(
         model=args.model, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        short_prompt_steps=args.short_prompt_steps, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         host_kv_cache_memory=args.host_kv_cache_memory, kv_cache_dir=args.kv_cache_dir,

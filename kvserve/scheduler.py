@@ -55,6 +55,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._short_step_last = False
 
     def check_request(self, req: Request) -> None:
         """Raise ValueError if `req` could never be served within the configured limits."""
@@ -83,30 +84,36 @@ class Scheduler:
         self._budget = self.config.max_num_batched_tokens
         self._now = time.perf_counter()
         self._granted: set[str] = set()
+        short = self.config.max_num_batched_tokens // 4
+        is_short = lambda r: r.num_tokens - self.kv.num_pool_hit_tokens(r) <= short  # noqa: E731
+        prompts = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+
+        # 0. Short prompt work (a question after a cached system prompt, the last chunk of a
+        # prompt) runs in a step of its own, unless the previous step was one: on a CPU a
+        # step's parts run one after another, so decodes or a long chunk riding along would
+        # delay these first tokens by their whole cost, and the work left out waits about as
+        # long as it would have in the shared step. Alternating keeps it from starving.
+        if self.config.short_prompt_steps and not self._short_step_last:
+            self._short_prompts(prompts, is_short, short, out)
+            if out.scheduled:
+                self._short_step_last = True
+                return self._finish(out)
+        self._short_step_last = False
 
         # 1. Decodes first, in arrival order, so that a long prompt never delays the next
         # token of a request already streaming.
-        prompts = []
         for req in list(self.running):
-            if req.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            if req.num_tokens - req.num_computed_tokens > 1:
-                prompts.append(req)
-            elif self._budget > 0:
+            if req.status != RequestStatus.RUNNING or req in prompts:
+                continue  # preempted earlier in this loop, or prompt work
+            if self._budget > 0:
                 self._run(req, out)
 
-        # 2. Short prompt work (a question after a cached system prompt, the last chunk of a
-        # prompt) goes next, in arrival order, using at most half of what is left: one long
-        # cold prompt then no longer holds up every short one's first token, and short ones
-        # can never starve it.
-        short = self.config.max_num_batched_tokens // 4
+        # 2. Short prompt work goes next, in arrival order, using at most half of what is
+        # left: one long cold prompt then no longer holds up every short one's first token,
+        # and short ones can never starve it.
         spend = self._budget // 2
         keep, self._budget = self._budget - spend, spend
-        for req in prompts:
-            if (req.status == RequestStatus.RUNNING
-                    and req.num_tokens - req.num_computed_tokens <= min(short, self._budget)):
-                self._run(req, out)
-        self._admit(out, lambda r: r.num_tokens - self.kv.num_pool_hit_tokens(r) <= short)
+        self._short_prompts(prompts, is_short, short, out)
         self._budget += keep
 
         # 3. The rest, in arrival order: running prompts, then new requests.
@@ -115,6 +122,19 @@ class Scheduler:
                     and self._budget > 0):
                 self._run(req, out)
         self._admit(out)
+        return self._finish(out)
+
+    def _short_prompts(self, prompts: list[Request], is_short: Callable[[Request], bool],
+                       short: int, out: SchedulerOutput) -> None:
+        """Schedule the prompt work that ends in a first token within `short` tokens: running
+        prompts' last chunks, then waiting requests (after their prefix-cache hit)."""
+        for req in prompts:
+            if (req.status == RequestStatus.RUNNING
+                    and req.num_tokens - req.num_computed_tokens <= min(short, self._budget)):
+                self._run(req, out)
+        self._admit(out, is_short)
+
+    def _finish(self, out: SchedulerOutput) -> SchedulerOutput:
         batch = len(out.scheduled)
         for s in out.scheduled:
             req = s.request

@@ -170,3 +170,44 @@ def test_store_kv_writes_what_index_copy_writes(dtype):
     assert torch.equal(cache, want)
     with pytest.raises(RuntimeError, match="slot out of range"):
         cpu_ops.ops().store_kv(cache, torch.tensor([64] * 7), k, v)
+
+
+def test_kernels_release_the_gil():
+    """A long kernel call must leave the interpreter free: the server's event loop streams
+    tokens and takes requests while the engine thread is inside a step. The main thread
+    spins while a worker makes one long call; with the GIL held through the call, the
+    main thread's longest pause would be the whole call."""
+    import itertools
+    import sys
+    import threading
+    import time
+
+    ops = cpu_ops.ops()
+    g = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, dim, ctx, block = 32, 128, 2, 64, 2048, 16
+    cache = torch.randn(2, kv_heads, batch * ctx, dim, generator=g)
+    q = torch.randn(batch, heads, dim, generator=g)
+    tables = torch.arange(batch * ctx // block).view(batch, -1)
+    lens = torch.full((batch,), ctx, dtype=torch.long)
+    span: list[float] = []
+
+    def call():
+        span.append(time.perf_counter())
+        ops.decode_attention(q, cache, tables, lens, block, dim ** -0.5)
+        span.append(time.perf_counter())
+
+    worker = threading.Thread(target=call)
+    turns = [time.perf_counter()]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)  # hand the GIL back and forth quickly around the call
+    try:
+        worker.start()
+        while worker.is_alive():
+            turns.append(time.perf_counter())
+        worker.join()
+    finally:
+        sys.setswitchinterval(switch)
+    call_s = span[1] - span[0]
+    longest = max(b - a for a, b in itertools.pairwise(turns))
+    assert call_s > 0.01
+    assert longest < call_s / 2, f"main thread paused {longest:.3f} s in a {call_s:.3f} s call"

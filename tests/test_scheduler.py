@@ -24,9 +24,10 @@ def make_req(prompt_len: int, max_tokens: int = 4, first_token: int = 0) -> Requ
                    frozenset(), max_tokens)
 
 
-def make_sched(num_blocks=32, budget=16, max_seqs=8, max_len=256, caching=False):
+def make_sched(num_blocks=32, budget=16, max_seqs=8, max_len=256, caching=False,
+               short_steps=True):
     kv = KVCacheManager(num_blocks, 4, enable_prefix_caching=caching)
-    return Scheduler(SchedulerConfig(max_seqs, budget, max_len), kv)
+    return Scheduler(SchedulerConfig(max_seqs, budget, max_len, short_steps), kv)
 
 
 def step(sched: Scheduler):
@@ -171,8 +172,9 @@ def test_prefix_hits_skip_computed_tokens():
     assert b.block_ids[:2] == [0, 1]
 
 
-def test_short_prompt_after_a_cache_hit_does_not_wait_for_a_long_prompt():
-    sched = make_sched(num_blocks=64, budget=16, caching=True)
+@pytest.mark.parametrize("short_steps", [True, False])
+def test_short_prompt_after_a_cache_hit_does_not_wait_for_a_long_prompt(short_steps):
+    sched = make_sched(num_blocks=64, budget=16, caching=True, short_steps=short_steps)
     seen = make_req(12, max_tokens=1, first_token=100)
     sched.add_request(seen)
     step(sched)  # its three blocks are now cached
@@ -182,12 +184,17 @@ def test_short_prompt_after_a_cache_hit_does_not_wait_for_a_long_prompt():
     hit = Request("hit", list(range(100, 112)) + [5], SamplingParams(max_tokens=2),
                   frozenset(), 2)
     sched.add_request(hit)
-    # 12 of its 13 tokens are cached: its last token goes ahead of the long prompt's chunk.
-    assert plan(step(sched)) == [("hit", 1, True), (long.request_id, 15, False)]
+    # 12 of its 13 tokens are cached: its last token goes ahead of the long prompt's chunk,
+    # in a step of its own when short prompt steps are on.
+    if short_steps:
+        assert plan(step(sched)) == [("hit", 1, True)]
+        assert plan(step(sched)) == [("hit", 1, True), (long.request_id, 15, False)]
+    else:
+        assert plan(step(sched)) == [("hit", 1, True), (long.request_id, 15, False)]
 
 
 def test_short_prompts_never_take_more_than_half_the_budget():
-    sched = make_sched(num_blocks=64, budget=16, max_seqs=16)
+    sched = make_sched(num_blocks=64, budget=16, max_seqs=16, short_steps=False)
     long = make_req(60, max_tokens=1)
     sched.add_request(long)
     step(sched)
@@ -198,9 +205,28 @@ def test_short_prompts_never_take_more_than_half_the_budget():
     spent_short = sum(n for rid, n, _ in out if rid != long.request_id)
     assert 0 < spent_short <= 8
     assert (long.request_id, 16 - spent_short, False) in out
-    while sched.has_unfinished:
-        step(sched)
-    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in [long, *shorts])
+
+
+def test_short_prompt_steps_alternate_with_the_rest():
+    """A step of short prompt work alone is never followed by another: decodes and long
+    prompts get every other step, and in it at least half the budget."""
+    sched = make_sched(num_blocks=128, budget=16, max_seqs=32)
+    long = make_req(60, max_tokens=1)
+    decode = make_req(3, max_tokens=20, first_token=500)
+    sched.add_request(decode)
+    step(sched)  # decode's prompt
+    sched.add_request(long)
+    step(sched)  # decode's token and long's first chunk
+    for _ in range(4):
+        shorts = [make_req(3, max_tokens=1, first_token=1000 + 10 * next(_ids)) for _ in range(6)]
+        for r in shorts:  # more short prompts than one step takes
+            sched.add_request(r)
+        alone = {rid for rid, _, _ in plan(step(sched))}
+        assert alone and alone <= {r.request_id for r in shorts}
+        left = long.num_tokens - long.num_computed_tokens
+        rest = {rid: n for rid, n, _ in plan(step(sched))}
+        assert rest[decode.request_id] == 1
+        assert rest[long.request_id] >= min(left, 7)  # half of what the decode left
 
 
 @settings(max_examples=60, deadline=None)

@@ -749,13 +749,21 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& cache,
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension of a 2-D tensor (CPU)");
+  // The compute entries release the GIL: they touch no Python object, and a decode step's
+  // decode_layers runs for milliseconds, during which the server's event loop must be free
+  // to stream the previous step's tokens and take new requests.
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  m.def("decode_attention", &decode_attention, "paged decode attention (CPU)", nogil());
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension of a 2-D tensor (CPU)",
+        nogil());
   m.def("has_prefill_attention", &has_prefill_attention, "whether prefill_attention is built");
-  m.def("prefill_attention", &prefill_attention, "causal attention of a prompt chunk (CPU)");
+  m.def("prefill_attention", &prefill_attention, "causal attention of a prompt chunk (CPU)",
+        nogil());
   m.def("has_quant_linear", &has_quant_linear, "whether quant_linear is built");
-  m.def("quant_pack", &quant_pack, "pack int4/int8 weights for quant_linear");
-  m.def("quant_linear", &quant_linear, "x @ W.T, W packed int4/int8 (CPU, AVX512-VNNI)");
-  m.def("store_kv", &store_kv, "write K/V rows into their cache slots (CPU)");
-  m.def("decode_layers", &decode_layers, "all decoder layers of a decode-only step (CPU)");
+  m.def("quant_pack", &quant_pack, "pack int4/int8 weights for quant_linear", nogil());
+  m.def("quant_linear", &quant_linear, "x @ W.T, W packed int4/int8 (CPU, AVX512-VNNI)",
+        nogil());
+  m.def("store_kv", &store_kv, "write K/V rows into their cache slots (CPU)", nogil());
+  m.def("decode_layers", &decode_layers, "all decoder layers of a decode-only step (CPU)",
+        nogil());
 }

@@ -77,6 +77,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    short_prompt_steps: bool = True
     block_size: int = 16
     kv_cache_memory: int | str = "1GiB"
     num_kv_blocks: int | None = None  # exact block count, overriding the memory budget
@@ -225,7 +226,8 @@ class LLMEngine:
                              f"{cfg.max_position}")
         cache = CacheConfig(args.block_size, parse_size(args.kv_cache_memory),
                             args.num_kv_blocks, args.kv_cache_dtype)
-        sched = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len)
+        sched = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len,
+                                args.short_prompt_steps)
         self.config = EngineConfig(str(path), dtype, device, cache, sched, args.seed)
         self.spec = SpecConfig.parse(args.speculative_config)
         self.spec_stats = SpecStats()
