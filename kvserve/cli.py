@@ -36,9 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step (prompt chunks + decodes)")
     g.add_argument("--short-prompt-steps", action=argparse.BooleanOptionalAction, default=True,
                    help="prompt work of at most a quarter of the budget (a question after a "
-                        "cached prefix, a prompt's last chunk) runs in a step of its own, "
-                        "alternating with the rest: earlier first tokens at a small cost in "
-                        "time per output token")
+                        "cached prefix, a prompt's last chunk) runs in steps of its own, "
+                        "between normal steps: earlier first tokens at a small cost in time "
+                        "per output token")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],

@@ -95,7 +95,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 4096
     # Short prompt work (at most a quarter of the budget: a question after a cached prefix,
-    # a prompt's last chunk) gets a step of its own before decodes and long chunks.
+    # a prompt's last chunk) gets steps of its own before decodes and long chunks.
     short_prompt_steps: bool = True
 
     def __post_init__(self) -> None:

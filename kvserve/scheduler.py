@@ -1,13 +1,15 @@
 """Continuous batching under one token budget per step.
 
 Every request closes part of its gap `num_tokens - num_computed_tokens` each time it is
-scheduled. Decodes go first, in arrival order, so they are never starved by a new prompt; a
+scheduled. Short prompt work (after a prefix-cache hit, or a prompt's last chunk) gets steps of
+its own, in runs that serve what was waiting when the run began, between normal steps. In a
+normal step decodes go first, in arrival order, so they are never starved by a new prompt; a
 decoding request's gap includes its speculative drafts, which cost budget like any other
-token. Short prompt work (after a prefix-cache hit, or a prompt's last chunk) goes next with
-up to half the remaining budget, then the rest in arrival order: running prompts' chunks, then new
-requests, a long prompt in chunks. When the KV pool runs dry the most recently arrived running
-request is preempted by recompute: its blocks are freed and it restarts from the waiting queue
-later, keeping the tokens it already generated.
+token. Short prompt work goes next with up to half the remaining budget, then the rest in
+arrival order: running prompts' chunks, then new requests, a long prompt in chunks. When the
+KV pool runs dry the most recently arrived running request is preempted by recompute: its
+blocks are freed and it restarts from the waiting queue later, keeping the tokens it already
+generated.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ from dataclasses import dataclass, field
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request, RequestStatus
+
+# Short prompt steps stop adding prompts at this many tokens: from about 32 rows the matmuls
+# here are compute-bound, their time linear in rows, so a bigger step would only make its
+# first prompts wait for its last.
+SHORT_STEP_TOKENS = 32
 
 
 @dataclass
@@ -56,6 +63,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._short_step_last = False
+        self._short_backlog: set[str] = set()  # short work left of the current run of steps
 
     def check_request(self, req: Request) -> None:
         """Raise ValueError if `req` could never be served within the configured limits."""
@@ -89,15 +97,34 @@ class Scheduler:
         prompts = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
 
         # 0. Short prompt work (a question after a cached system prompt, the last chunk of a
-        # prompt) runs in a step of its own, unless the previous step was one: on a CPU a
-        # step's parts run one after another, so decodes or a long chunk riding along would
-        # delay these first tokens by their whole cost, and the work left out waits about as
-        # long as it would have in the shared step. Alternating keeps it from starving.
-        if self.config.short_prompt_steps and not self._short_step_last:
-            self._short_prompts(prompts, is_short, short, out)
-            if out.scheduled:
-                self._short_step_last = True
-                return self._finish(out)
+        # prompt) runs in steps of its own: on a CPU a step's parts run one after another, so
+        # decodes or a long chunk riding along would delay these first tokens by their whole
+        # cost, and the work left out waits about as long as it would have in a shared step.
+        # The short work present when such a run starts is served in steps of about
+        # SHORT_STEP_TOKENS, so the first prompts need not wait for the last; then comes a
+        # normal step, so decodes are never starved by short work arriving all the time.
+        if self.config.short_prompt_steps:
+            if not self._short_backlog and not self._short_step_last:
+                self._short_backlog = {r.request_id for r in prompts
+                                       if r.num_tokens - r.num_computed_tokens <= short}
+                self._short_backlog.update(
+                    r.request_id for r in itertools.islice(self.waiting, self._seats())
+                    if is_short(r))
+            if self._short_backlog:
+                backlog = self._short_backlog
+                self._short_prompts(
+                    [r for r in prompts if r.request_id in backlog],
+                    lambda r: r.request_id in backlog and is_short(r), short, out,
+                    stop_at=SHORT_STEP_TOKENS)
+                backlog.difference_update(s.request.request_id for s in out.scheduled)
+                # What could not be scheduled now (no seats, no blocks) leaves the backlog.
+                if not out.scheduled:
+                    backlog.clear()
+                else:
+                    backlog.intersection_update(
+                        {r.request_id for r in prompts} | {r.request_id for r in self.waiting})
+                    self._short_step_last = True
+                    return self._finish(out)
         self._short_step_last = False
 
         # 1. Decodes first, in arrival order, so that a long prompt never delays the next
@@ -125,14 +152,16 @@ class Scheduler:
         return self._finish(out)
 
     def _short_prompts(self, prompts: list[Request], is_short: Callable[[Request], bool],
-                       short: int, out: SchedulerOutput) -> None:
+                       short: int, out: SchedulerOutput, stop_at: int | None = None) -> None:
         """Schedule the prompt work that ends in a first token within `short` tokens: running
-        prompts' last chunks, then waiting requests (after their prefix-cache hit)."""
+        prompts' last chunks, then waiting requests (after their prefix-cache hit); with
+        `stop_at`, no more once the step holds that many tokens."""
+        full = lambda: stop_at is not None and out.num_tokens >= stop_at  # noqa: E731
         for req in prompts:
-            if (req.status == RequestStatus.RUNNING
+            if (req.status == RequestStatus.RUNNING and not full()
                     and req.num_tokens - req.num_computed_tokens <= min(short, self._budget)):
                 self._run(req, out)
-        self._admit(out, is_short)
+        self._admit(out, lambda r: not full() and is_short(r))
 
     def _finish(self, out: SchedulerOutput) -> SchedulerOutput:
         batch = len(out.scheduled)
@@ -169,8 +198,7 @@ class Scheduler:
         """Admit waiting requests (those `wanted`, else all) in arrival order while budget,
         seats and blocks last. No admissions in a step that had to preempt: memory is short.
         The scan looks at most at as many requests as there are free seats."""
-        seats = self.config.max_num_seqs - len(self.running)
-        for req in list(itertools.islice(self.waiting, max(seats, 0))):
+        for req in list(itertools.islice(self.waiting, self._seats())):
             if (self._budget <= 0 or out.preempted
                     or len(self.running) >= self.config.max_num_seqs):
                 return
@@ -195,6 +223,9 @@ class Scheduler:
             out.scheduled.append(self._grant(req, n, self._now))
             self._granted.add(req.request_id)
             self._budget -= n
+
+    def _seats(self) -> int:
+        return max(self.config.max_num_seqs - len(self.running), 0)
 
     def _grant(self, req: Request, n: int, now: float) -> ScheduledRequest:
         if req.timeline.first_scheduled is None:

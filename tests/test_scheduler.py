@@ -13,7 +13,7 @@ from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler import Scheduler
+from kvserve.scheduler import SHORT_STEP_TOKENS, Scheduler
 
 _ids = itertools.count()
 
@@ -263,3 +263,28 @@ def test_random_workloads_finish_and_never_leak(events, budget, num_blocks, cach
         if r.status == RequestStatus.FINISHED_LENGTH:
             assert r.num_output_tokens == r.max_tokens
     assert sched.kv.num_free_blocks == num_blocks
+
+
+def test_short_prompts_present_together_are_served_in_steps_of_about_32_tokens():
+    """Short work waiting at once goes out in consecutive steps of SHORT_STEP_TOKENS or a
+    little more, so the first prompts do not wait for the last; short work arriving during
+    that run waits for the normal step after it."""
+    assert SHORT_STEP_TOKENS == 32
+    sched = make_sched(num_blocks=256, budget=64, max_seqs=32)
+    decode = make_req(3, max_tokens=30, first_token=500)
+    sched.add_request(decode)
+    step(sched)  # its prompt, a short step
+    step(sched)  # its first decode, a normal step
+    shorts = [make_req(12, max_tokens=2, first_token=1000 + 20 * i) for i in range(6)]
+    for r in shorts:
+        sched.add_request(r)
+    first = plan(step(sched))
+    assert first == [(r.request_id, 12, True) for r in shorts[:3]]  # 36 >= 32 tokens
+    late = make_req(12, max_tokens=2, first_token=3000)
+    sched.add_request(late)
+    second = plan(step(sched))
+    assert second == [(r.request_id, 12, True) for r in shorts[3:]]
+    normal = {rid: n for rid, n, _ in plan(step(sched))}
+    assert normal[decode.request_id] == 1
+    assert all(normal[r.request_id] == 1 for r in shorts)  # their second tokens
+    assert normal[late.request_id] == 12  # with the decodes, after the run
