@@ -29,16 +29,19 @@ def _torch_path(monkeypatch, compute):
         cpu_ops.ops.cache_clear()
 
 
-def _decode_case(dtype, lens, block_size=4, heads=6, kv_heads=2, head_dim=32, seed=0):
+def _decode_case(dtype, lens, block_size=4, heads=6, kv_heads=2, head_dim=32, seed=0,
+                 shared=0):
+    """Random paged decode inputs; the first `shared` blocks of every sequence are the same
+    blocks (a cached prefix), each sequence writing its new token past them."""
     g = torch.Generator().manual_seed(seed)
     backend = TorchPagedAttention(heads, kv_heads, head_dim)
     num_blocks = 64
     cache = torch.randn(backend.kv_cache_shape(num_blocks * block_size), generator=g).to(dtype)
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, used = [], 0
+    tables, used = [], shared
     for n in lens:
-        nb = -(-n // block_size)
-        tables.append(perm[used:used + nb])
+        nb = -(-n // block_size) - shared
+        tables.append(perm[:shared] + perm[used:used + nb])
         used += nb
     # One new decode token per sequence, at position len - 1.
     slots = torch.tensor([t[(n - 1) // block_size] * block_size + (n - 1) % block_size
@@ -52,9 +55,26 @@ def _decode_case(dtype, lens, block_size=4, heads=6, kv_heads=2, head_dim=32, se
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("lens", [[1], [5], [17, 3], [4, 8, 12, 30]])
-def test_kernel_matches_torch_path(monkeypatch, dtype, lens):
-    backend, q, k, v, cache, meta = _decode_case(dtype, lens)
+@pytest.mark.parametrize(("lens", "shared"), [
+    ([1], 0), ([5], 0), ([17, 3], 0), ([4, 8, 12, 30], 0),
+    ([30, 9, 21, 13, 40], 2), ([13, 14, 15, 16, 17, 18, 19, 20, 21], 3)])
+def test_kernel_matches_torch_path(monkeypatch, dtype, lens, shared):
+    backend, q, k, v, cache, meta = _decode_case(dtype, lens, shared=shared)
+    fast = backend.forward(q, k, v, cache.clone(), meta)
+    slow = _torch_path(monkeypatch, lambda: backend.forward(q, k, v, cache.clone(), meta))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fast.float(), slow.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("lens", "shared"), [
+    ([1], 0), ([100], 0), ([47, 16, 33], 0), ([40, 17, 64, 49, 90, 33, 20, 65, 81], 1)])
+def test_kernel_matches_torch_path_at_model_shapes(monkeypatch, dtype, head_dim, lens, shared):
+    """Blocks of 16 and head dims 64/128, where the kernel's vectorized paths (16 scores at a
+    time, P.V in registers) run, with whole and partial blocks."""
+    backend, q, k, v, cache, meta = _decode_case(dtype, lens, block_size=16, heads=9,
+                                                 kv_heads=3, head_dim=head_dim, shared=shared)
     fast = backend.forward(q, k, v, cache.clone(), meta)
     slow = _torch_path(monkeypatch, lambda: backend.forward(q, k, v, cache.clone(), meta))
     tol = 1e-5 if dtype == torch.float32 else 2e-2

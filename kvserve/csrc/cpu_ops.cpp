@@ -95,6 +95,38 @@ inline float dot_direct(const T* a, const T* b, int64_t n) {
   return s;
 }
 
+#if defined(__AVX512BF16__)
+// q.k for 16 consecutive bf16 rows k (stride D) at once, into out[0..16): 16 accumulators,
+// then one transposing reduction tree (45 shuffles and adds instead of 16 horizontal sums
+// of 8 each, which dominated the decode kernel). D a multiple of 32.
+inline void dots16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t D, float* out) {
+  __m512 v[16];
+  for (int j = 0; j < 16; ++j) v[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 32) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + i);
+    for (int j = 0; j < 16; ++j)
+      v[j] = _mm512_dpbf16_ps(v[j], qv, (__m512bh)_mm512_loadu_si512(k + j * D + i));
+  }
+  // Pairs, then quads within each 128-bit lane: b[r] holds, per lane, partial sums of rows
+  // 4r .. 4r+3; then the four lanes are added across, rows landing in order.
+  __m512 a[8], b[4];
+  for (int r = 0; r < 8; ++r)
+    a[r] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * r], v[2 * r + 1]),
+                         _mm512_unpackhi_ps(v[2 * r], v[2 * r + 1]));
+  for (int r = 0; r < 4; ++r) {
+    const __m512d x = _mm512_castps_pd(a[2 * r]), y = _mm512_castps_pd(a[2 * r + 1]);
+    b[r] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
+                                  _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
+                                  _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88),
+                                      _mm512_shuffle_f32x4(d0, d1, 0xDD)));
+}
+#endif
+
 // exp(x) for the softmax, written so the compiler vectorizes a loop of it (std::exp is a
 // call per element): 2^(x log2 e) as 2^k times a degree-6 polynomial for 2^f, f in
 // [-0.5, 0.5], within ~2 ulp. x is clamped at -87 so 2^k stays a normal float; the inputs
@@ -112,17 +144,38 @@ inline float softmax_exp(float x) {
   return p * scale;
 }
 
-// sum of x[0..n) with kLanes partial sums (vectorizable).
-inline float sum_lanes(const float* x, int64_t n) {
-  float part[kLanes] = {0.f};
-  const int64_t body = n - n % kLanes;
-  for (int64_t i = 0; i < body; i += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) part[j] += x[i + j];
-  float s = 0.f;
-  for (int64_t j = 0; j < kLanes; ++j) s += part[j];
-  for (int64_t i = body; i < n; ++i) s += x[i];
-  return s;
+#if defined(__AVX512F__)
+// softmax_exp on 16 lanes.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, k);
+  __m512 p = _mm512_set1_ps(0.000154035304f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00133335581f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00961812911f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0555041087f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240226507f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693147182f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
+
+// p_j * row_j summed over n rows of NV * 16 floats into acc, the sums held in registers.
+template <int NV>
+inline void pv_rows(const float* p, const float* rows, int64_t n, float* acc) {
+  __m512 a[NV];
+  for (int c = 0; c < NV; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    for (int c = 0; c < NV; ++c)
+      a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(rows + j * NV * 16 + 16 * c), a[c]);
+  }
+  for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+#endif
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
@@ -136,9 +189,12 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  // One work item per query head: at batch 1 there are only a few KV heads, too few to
-  // spread evenly over the threads. A block's rows are contiguous, so each block is converted
-  // to float in one pass.
+  // One work item per (KV head, sequence), its G query heads together: each K row and each
+  // converted V block is used by all G heads while it is in L1, instead of G passes over
+  // the context. Items run KV head by KV head, with sequences ordered by their first block,
+  // so sequences that share a prefix (prefix caching) follow one another and find the
+  // shared blocks still in L2. With few sequences the items would be too few to spread
+  // evenly over the threads (batch 1: one per KV head), so there each query head is an item.
 #if defined(__AVX512BF16__)
   // bf16 K rows are read as they are stored; the scale is applied after the dot, not to q.
   const bool direct = std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
@@ -146,51 +202,111 @@ void run(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
   const bool direct = false;
 #endif
   const float scale_f = static_cast<float>(scale);
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(D), acc(D), scores, rows(block_size * D);
+  std::vector<int64_t> order(B);
+  for (int64_t b = 0; b < B; ++b) order[b] = b;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return (lp[x] > 0 ? tp[x * W] : -1) < (lp[y] > 0 ? tp[y * W] : -1);
+  });
+  const int64_t per = B * Hkv >= 4 * at::get_num_threads() ? G : 1;  // heads per item
+  const int64_t items = B * Hkv * (G / per);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(per * D), acc(per * D), scores, rows(block_size * D), top(per), sum(per);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / H, h = i % H, g = h / G, len = lp[b];
+      const int64_t sub = i % (G / per), rest = i / (G / per);
+      const int64_t g = rest / B, b = order[rest % B], h0 = g * G + sub * per;
+      const int64_t len = lp[b];
       const int64_t* table = tp + b * W;
-      const T* qrow = qp + (b * H + h) * D;
+      const T* qrow = qp + (b * H + h0) * D;  // the item's heads are contiguous rows
       if (!direct) {
-        to_float(qrow, qf.data(), D);
+        to_float(qrow, qf.data(), per * D);
         for (auto& x : qf) x *= scale_f;
       }
-      scores.resize(len);
-      float top = -INFINITY;
+      scores.resize(per * len);
+      std::fill(top.begin(), top.end(), -INFINITY);
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const int64_t n = std::min(block_size, len - t0);
         const T* kb = kp + (g * slots + table[t0 / block_size] * block_size) * D;
         if (!direct) to_float(kb, rows.data(), n * D);
-        for (int64_t j = 0; j < n; ++j) {
-          const float s = direct ? dot_direct(qrow, kb + j * D, D) * scale_f
-                                 : dot(qf.data(), rows.data() + j * D, D);
-          scores[t0 + j] = s;
-          top = std::max(top, s);
+        int64_t j = 0;
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          for (; direct && j + 16 <= n; j += 16) {
+            for (int64_t h = 0; h < per; ++h) {
+              float* sc = scores.data() + h * len + t0 + j;
+              dots16(qrow + h * D, kb + j * D, D, sc);
+              const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sc), _mm512_set1_ps(scale_f));
+              _mm512_storeu_ps(sc, v);
+              top[h] = std::max(top[h], _mm512_reduce_max_ps(v));
+            }
+          }
+        }
+#endif
+        for (; j < n; ++j) {
+          for (int64_t h = 0; h < per; ++h) {
+            const float s = direct ? dot_direct(qrow + h * D, kb + j * D, D) * scale_f
+                                   : dot(qf.data() + h * D, rows.data() + j * D, D);
+            scores[h * len + t0 + j] = s;
+            top[h] = std::max(top[h], s);
+          }
         }
       }
-      float* sc = scores.data();
-      for (int64_t t = 0; t < len; ++t) sc[t] = softmax_exp(sc[t] - top);
-      const float sum = sum_lanes(sc, len);
+      for (int64_t h = 0; h < per; ++h) {
+        float* sc = scores.data() + h * len;
+        int64_t t = 0;
+        float total = 0.f;
+#if defined(__AVX512F__)
+        // The compiler left softmax_exp scalar here (a quarter of the kernel's time, perf).
+        const __m512 shift = _mm512_set1_ps(top[h]);
+        __m512 part = _mm512_setzero_ps();
+        for (; t + 16 <= len; t += 16) {
+          const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t), shift));
+          _mm512_storeu_ps(sc + t, e);
+          part = _mm512_add_ps(part, e);
+        }
+        total = _mm512_reduce_add_ps(part);
+#endif
+        for (; t < len; ++t) {
+          sc[t] = softmax_exp(sc[t] - top[h]);
+          total += sc[t];
+        }
+        sum[h] = total;
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const int64_t n = std::min(block_size, len - t0);
         to_float(vp + (g * slots + table[t0 / block_size] * block_size) * D, rows.data(), n * D);
         // kLanes output columns at a time, their sums held in registers over the block's
         // rows (accumulating into `acc` itself stored it back after every row).
-        for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
-          float a[kLanes];
-          for (int64_t c = 0; c < kLanes; ++c) a[c] = acc[d0 + c];
-          for (int64_t j = 0; j < n; ++j) {
-            const float p = sc[t0 + j];
-            const float* r = rows.data() + j * D + d0;
-            for (int64_t c = 0; c < kLanes; ++c) a[c] += p * r[c];
+        for (int64_t h = 0; h < per; ++h) {
+          const float* sc = scores.data() + h * len + t0;
+          float* ah = acc.data() + h * D;
+#if defined(__AVX512F__)
+          if (D == 64) {
+            pv_rows<4>(sc, rows.data(), n, ah);
+            continue;
           }
-          for (int64_t c = 0; c < kLanes; ++c) acc[d0 + c] = a[c];
+          if (D == 128) {
+            pv_rows<8>(sc, rows.data(), n, ah);
+            continue;
+          }
+#endif
+          for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
+            float a[kLanes];
+            for (int64_t c = 0; c < kLanes; ++c) a[c] = ah[d0 + c];
+            for (int64_t j = 0; j < n; ++j) {
+              const float p = sc[j];
+              const float* r = rows.data() + j * D + d0;
+              for (int64_t c = 0; c < kLanes; ++c) a[c] += p * r[c];
+            }
+            for (int64_t c = 0; c < kLanes; ++c) ah[d0 + c] = a[c];
+          }
         }
       }
-      const float inv = 1.f / sum;
-      for (int64_t d = 0; d < D; ++d) op[(b * H + h) * D + d] = static_cast<T>(acc[d] * inv);
+      for (int64_t h = 0; h < per; ++h) {
+        const float inv = 1.f / sum[h];
+        T* o = op + (b * H + h0 + h) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[h * D + d] * inv);
+      }
     }
   });
 }
@@ -287,23 +403,6 @@ constexpr bool kHasPrefillAttention = true;
 // packed so that a register holds one pair of dimensions (two bf16 in a 32-bit lane) of the
 // 16 keys: broadcasting a query's matching pair and one dpbf16 per pair of dimensions leaves
 // the 16 scores in one register, with no horizontal sums.
-// softmax_exp on 16 lanes.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-  const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, k);
-  __m512 p = _mm512_set1_ps(0.000154035304f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00133335581f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00961812911f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0555041087f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240226507f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693147182f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
 
 template <int NR>
 inline void qk_tile(const uint32_t* const* qrows, const uint32_t* ktile, int64_t pairs,
@@ -633,7 +732,8 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& 
                    .view({B, heads + 2 * kv_heads, D});
     auto qk_in = qkv.narrow(1, 0, heads + kv_heads);
     auto qk = at::addcmul(qk_in * cos, qk_in.roll({D / 2}, {-1}), sin);
-    store_kv(cache, slots, qk.narrow(1, heads, kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads));
+    store_kv(cache, slots, qk.narrow(1, heads, kv_heads),
+             qkv.narrow(1, heads + kv_heads, kv_heads));
     auto attn = decode_attention(qk.narrow(1, 0, heads).contiguous(), cache, table, lens,
                                  block_size, scale);
     x = x + linear(attn.flatten(1), p + 5, small_batch, int4_group);
