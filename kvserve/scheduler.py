@@ -129,8 +129,9 @@ class Scheduler:
 
         # 1. Decodes first, in arrival order, so that a long prompt never delays the next
         # token of a request already streaming.
+        prompt_ids = {r.request_id for r in prompts}
         for req in list(self.running):
-            if req.status != RequestStatus.RUNNING or req in prompts:
+            if req.status != RequestStatus.RUNNING or req.request_id in prompt_ids:
                 continue  # preempted earlier in this loop, or prompt work
             if self._budget > 0:
                 self._run(req, out)
