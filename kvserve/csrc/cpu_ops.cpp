@@ -127,10 +127,11 @@ inline void dots16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t D, fl
 }
 #endif
 
-// exp(x) for the softmax, written so the compiler vectorizes a loop of it (std::exp is a
-// call per element): 2^(x log2 e) as 2^k times a degree-6 polynomial for 2^f, f in
-// [-0.5, 0.5], within ~2 ulp. x is clamped at -87 so 2^k stays a normal float; the inputs
-// are scores minus their maximum, and exp(-87) is negligible beside the maximum's 1.
+// exp(x) for the softmax without a call per element (std::exp): the scalar form, for tails
+// and CPUs without AVX-512; exp_ps below is the same on 16 lanes. 2^(x log2 e) as 2^k times
+// a degree-6 polynomial for 2^f, f in [-0.5, 0.5], within ~2 ulp. x is clamped at -87 so
+// 2^k stays a normal float; the inputs are scores minus their maximum, and exp(-87) is
+// negligible beside the maximum's 1.
 inline float softmax_exp(float x) {
   x = std::max(x, -87.f);
   const float t = x * 1.44269504f;
@@ -403,7 +404,6 @@ constexpr bool kHasPrefillAttention = true;
 // packed so that a register holds one pair of dimensions (two bf16 in a 32-bit lane) of the
 // 16 keys: broadcasting a query's matching pair and one dpbf16 per pair of dimensions leaves
 // the 16 scores in one register, with no horizontal sums.
-
 template <int NR>
 inline void qk_tile(const uint32_t* const* qrows, const uint32_t* ktile, int64_t pairs,
                     float* const* out) {
@@ -584,6 +584,10 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& cache,
 constexpr bool kHasPrefillAttention = false;
 #endif
 
+// Bytes of one quant_linear tile: 16 outputs x 32 inputs of `bits` each, then 16 float16 d
+// and 16 float16 m.
+constexpr int64_t tile_bytes(int64_t bits) { return bits * 64 + 2 * 16 * 2; }
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 constexpr bool kHasQuantLinear = true;
 
@@ -596,8 +600,6 @@ constexpr bool kHasQuantLinear = true;
 // (x ~ xq * dx, as GGML's Q8_1), so that vpdpbusd multiplies 4 pairs per lane in integers:
 //   y[n] = sum_g d[n,g] * dx[g] * sum_k q[n,k] xq[k]  +  m[n,g] * dx[g] * sum_k xq[k].
 // Every row is computed alone, in the same order whatever the number of rows.
-template <int Bits>
-constexpr int64_t tile_bytes() { return Bits * 64 + 2 * 16 * 2; }
 
 void quantize_rows_q8(const c10::BFloat16* x, int64_t M, int64_t K, int8_t* xq, float* dx,
                       float* sx) {
@@ -635,10 +637,11 @@ void quant_rows(const uint8_t* tile, int64_t groups, const int8_t* const* xq,
   const __m512i low = _mm512_set1_epi8(0x0f);
   __m512 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g, tile += tile_bytes<Bits>()) {
+  for (int64_t g = 0; g < groups; ++g, tile += tile_bytes(Bits)) {
     // The weights stream from memory once per call: ask for them a few groups ahead.
-    for (int64_t i = 0; i < tile_bytes<Bits>(); i += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(tile + kPrefetchGroups * tile_bytes<Bits>() + i),
+    for (int64_t i = 0; i < tile_bytes(Bits); i += 64)
+      _mm_prefetch(
+          reinterpret_cast<const char*>(tile + kPrefetchGroups * tile_bytes(Bits) + i),
                    _MM_HINT_T0);
     __m512i w[8];
     if constexpr (Bits == 4) {
@@ -757,7 +760,7 @@ at::Tensor quant_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor
   auto dh = d.to(at::kHalf).contiguous(), mh = m.to(at::kHalf).contiguous();
   TORCH_CHECK(dh.dim() == 2 && dh.size(0) == N && dh.size(1) == G && mh.sizes() == dh.sizes(),
               "d and m must be [N, K / 32]");
-  const int64_t tb = bits * 64 + 64;
+  const int64_t tb = tile_bytes(bits);
   auto out = at::zeros({N / 16, G, tb}, q.options());
   const uint8_t* qp = qc.data_ptr<uint8_t>();
   const auto* dp = reinterpret_cast<const uint16_t*>(dh.data_ptr());
@@ -793,14 +796,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) * 32 == x.size(1), "packed weight shape");
   const int64_t M = x.size(0), K = x.size(1), T = packed.size(0), G = K / 32, N = T * 16;
   const int64_t tb = packed.size(2);
-  TORCH_CHECK(tb == 4 * 64 + 64 || tb == 8 * 64 + 64, "not quant_pack's tiles");
+  TORCH_CHECK(tb == tile_bytes(4) || tb == tile_bytes(8), "not quant_pack's tiles");
   auto out = at::empty({M, N}, x.options());
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
   auto xc = x.contiguous();
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * G), sx(M * G);
   quantize_rows_q8(xc.data_ptr<c10::BFloat16>(), M, K, xq.data(), dx.data(), sx.data());
-  const QuantRowsFn* fns = tb == tile_bytes<4>() ? kQuantRowFns<4> : kQuantRowFns<8>;
+  const QuantRowsFn* fns = tb == tile_bytes(4) ? kQuantRowFns<4> : kQuantRowFns<8>;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   c10::BFloat16* yp = out.data_ptr<c10::BFloat16>();
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
