@@ -124,12 +124,12 @@ def test_fused_decode_layers_equal_the_modules(tmp_path, arch, dtype, quantizati
     step = [ForwardItem([7 + i], len(p), t, 1)
             for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
     backend = model.layers[0].self_attn.backend
-    assert backend.fused_decode_inputs(backend.build_metadata(AttentionBatch(
+    assert backend.fused_inputs(backend.build_metadata(AttentionBatch(
         [1] * batch, [len(p) + 1 for p in prompts], tables, torch.zeros(batch, dtype=torch.long),
-        bs))) is not None
+        bs)), dtype) is not None
     fused_caches = [c.clone() for c in caches]
     fused = run_forward(model, fused_caches, bs, step, torch.device("cpu"))
-    backend.fused_decode_inputs = lambda meta: None  # the modules, layer by layer
+    backend.fused_inputs = lambda meta, dtype: None  # the modules, layer by layer
     plain = run_forward(model, caches, bs, step, torch.device("cpu"))
     assert torch.equal(fused, plain)
     assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches, strict=True))
@@ -138,6 +138,46 @@ def test_fused_decode_layers_equal_the_modules(tmp_path, arch, dtype, quantizati
 def _has_prefill_kernel() -> bool:
     kernels = cpu_ops.ops()
     return kernels is not None and kernels.has_prefill_attention()
+
+
+@pytest.mark.skipif(not _has_prefill_kernel(), reason="prefill_attention needs AVX512-BF16")
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_fused_layers_with_prompt_work_equal_the_modules(tmp_path, quantization):
+    """A step with prompt work through the C++ run_layers gives exactly the hidden states and
+    K/V of the Python modules. The step holds a decode row, a chunk after cached context, a
+    fresh prompt and a verification of drafts (several rows attended as decode rows)."""
+    from kvserve.models.loader import load_model
+    from kvserve.worker.model_runner import ForwardItem, allocate_kv_caches, run_forward
+    from tests.conftest import build_tiny_model
+
+    # head_dim 32: the prefill kernel's smallest
+    path = build_tiny_model(tmp_path, "llama", hidden_size=128, num_heads=4, num_kv_heads=2)
+    model = load_model(path, torch.bfloat16, torch.device("cpu"),
+                       lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads,
+                                                     c.head_dim)).model
+    if quantization != "none":
+        model.quantize_(quantization)
+    bs, g = 4, torch.Generator().manual_seed(2)
+    caches = allocate_kv_caches(model, 64 * bs, torch.bfloat16, torch.device("cpu"))
+    tokens = lambda n: torch.randint(2, 300, (n,), generator=g).tolist()  # noqa: E731
+    tables = [list(range(16 * i, 16 * i + 16)) for i in range(4)]
+    context = {0: tokens(9), 1: tokens(21), 3: tokens(14)}
+    run_forward(model, caches, bs, [ForwardItem(p, 0, tables[i], 0) for i, p in context.items()],
+                torch.device("cpu"))
+    step = [ForwardItem(tokens(1), 9, tables[0], 1),  # a decode
+            ForwardItem(tokens(13), 21, tables[1], 1),  # a chunk after its cached context
+            ForwardItem(tokens(17), 0, tables[2], 1),  # a fresh prompt
+            ForwardItem(tokens(3), 14, tables[3], 3)]  # a decode verifying two drafts
+    backend = model.layers[0].self_attn.backend
+    meta = backend.build_metadata(AttentionBatch(
+        [1, 13, 17, 3], [10, 34, 17, 17], tables, torch.zeros(34, dtype=torch.long), bs))
+    assert len(meta.prefills) == 2 and backend.fused_inputs(meta, torch.bfloat16) is not None
+    fused_caches = [c.clone() for c in caches]
+    fused = run_forward(model, fused_caches, bs, step, torch.device("cpu"))
+    backend.fused_inputs = lambda meta, dtype: None  # the modules, layer by layer
+    plain = run_forward(model, caches, bs, step, torch.device("cpu"))
+    assert torch.equal(fused, plain)
+    assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches, strict=True))
 
 
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(32, 6, 2), (64, 9, 3), (64, 4, 4)])

@@ -50,7 +50,9 @@ class AttentionBackend(ABC):
         Writes k/v into the cache at the batch's slots, then attends every query to its
         request's context (causally within the request)."""
 
-    def fused_decode_inputs(self, meta: object) -> tuple | None:
-        """For a step the C++ `decode_layers` can run whole: (slot_mapping, block tables,
-        context lengths, block size, scale); None when it cannot (the default)."""
+    def fused_inputs(self, meta: object, dtype: torch.dtype) -> tuple | None:
+        """For a step the C++ `run_layers` can run whole (activations in `dtype`): the
+        attention arguments it takes after the caches (see there); None when it cannot (the
+        default)."""
+        del meta, dtype
         return None

@@ -143,13 +143,29 @@ class TorchPagedAttention(AttentionBackend):
                 ~valid, float("-inf"))[None, :, None, :]
         return meta
 
-    def fused_decode_inputs(self, meta: TorchAttentionMetadata) -> tuple | None:
-        # The C++ path stores K/V unquantized and reads them with decode_attention.
-        if (not meta.decode_only or self.quantized or meta.slot_mapping.device.type != "cpu"
-                or cpu_ops.ops() is None):
+    def fused_inputs(self, meta: TorchAttentionMetadata, dtype: torch.dtype) -> tuple | None:
+        # The C++ path stores K/V unquantized and reads them with the kernels forward() uses:
+        # decode_attention, and prefill_attention when a step has prompt spans.
+        if (self.quantized or meta.slot_mapping.device.type != "cpu"
+                or (kernels := cpu_ops.ops()) is None):
             return None
-        return (meta.slot_mapping, meta.decode_blocks, meta.decode_lens, meta.block_size,
-                self.scale)
+        none = torch.empty(0, dtype=torch.long)
+        if meta.decode_only:
+            assert meta.decode_blocks is not None
+            return (meta.slot_mapping, none, meta.decode_blocks.view(meta.num_tokens, -1),
+                    meta.decode_lens, none, [], meta.block_size, self.scale)
+        if (dtype != torch.bfloat16 or self.head_dim % 32
+                or not kernels.has_prefill_attention()):
+            return None
+        spans = torch.tensor([[s.start, s.end, s.ctx_len] for s in meta.prefills])
+        if meta.decode_idx is None:
+            dec = (none, none, none)
+        else:
+            assert meta.decode_blocks is not None and meta.decode_lens is not None
+            dec = (meta.decode_idx, meta.decode_blocks.view(len(meta.decode_idx), -1),
+                   meta.decode_lens)
+        return (meta.slot_mapping, *dec, spans, [s.blocks for s in meta.prefills],
+                meta.block_size, self.scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:

@@ -713,32 +713,64 @@ constexpr int64_t kParamsPerLayer = 18;
 
 }  // namespace
 
-// decode_layers: every decoder layer of a decode-only step in one call, the same ATen and
-// kernel calls as the Python modules make (so the same results), without the Python between
-// them. Per layer, `params` holds: input norm weight; qkv, o, gate_up and down as (weight,
-// quantized, scales, bias); post-attention norm weight (see LlamaForCausalLM.fused_params).
-at::Tensor decode_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
-                         const std::vector<at::Tensor>& params,
-                         const std::vector<at::Tensor>& caches, const at::Tensor& slots,
-                         const at::Tensor& tables, const at::Tensor& lens, int64_t block_size,
-                         double scale, int64_t heads, int64_t kv_heads, double eps,
-                         int64_t small_batch, int64_t int4_group) {
+// run_layers: every decoder layer of a step in one call, the same ATen and kernel calls as the
+// Python modules make (so the same results), without the Python between them. Per layer,
+// `params` holds: input norm weight; qkv, o, gate_up and down as (weight, quantized, scales,
+// bias); post-attention norm weight (see LlamaForCausalLM.fused_params). The attention inputs
+// are those of TorchPagedAttention's metadata: decode rows (`dec_idx` into the step's rows, or
+// every row when there are no spans), their block tables [Bd, nb] and context lengths; prompt
+// spans [S, 3] (first row, end row, context length) with a block table each.
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& cache,
+                             const at::Tensor& table, int64_t ctx_len, int64_t block_size,
+                             double scale);
+
+at::Tensor layer_attention(const at::Tensor& q, const at::Tensor& cache,
+                           const at::Tensor& dec_idx, const at::Tensor& dec_tables,
+                           const at::Tensor& dec_lens, const at::Tensor& spans,
+                           const std::vector<at::Tensor>& span_tables, int64_t block_size,
+                           double scale) {
+  const int64_t S = spans.numel() ? spans.size(0) : 0;
+  if (S == 0) return decode_attention(q.contiguous(), cache, dec_tables, dec_lens, block_size, scale);
+  auto out = at::empty_like(q);
+  if (dec_idx.numel())
+    out.index_put_({dec_idx}, decode_attention(q.index({dec_idx}).contiguous(), cache,
+                                               dec_tables, dec_lens, block_size, scale));
+  const auto sp = spans.contiguous();
+  const int64_t* b = sp.data_ptr<int64_t>();
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t start = b[3 * i], n = b[3 * i + 1] - start;
+    out.narrow(0, start, n).copy_(prefill_attention(q.narrow(0, start, n).contiguous(), cache,
+                                                    span_tables[i], b[3 * i + 2], block_size,
+                                                    scale));
+  }
+  return out;
+}
+
+at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                      const std::vector<at::Tensor>& params,
+                      const std::vector<at::Tensor>& caches, const at::Tensor& slots,
+                      const at::Tensor& dec_idx, const at::Tensor& dec_tables,
+                      const at::Tensor& dec_lens, const at::Tensor& spans,
+                      const std::vector<at::Tensor>& span_tables, int64_t block_size,
+                      double scale, int64_t heads, int64_t kv_heads, double eps,
+                      int64_t small_batch, int64_t int4_group) {
   const int64_t L = static_cast<int64_t>(caches.size());
   TORCH_CHECK(static_cast<int64_t>(params.size()) == L * kParamsPerLayer, "params per layer");
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
-  const int64_t B = x.size(0), D = cos.size(-1);
-  const auto table = tables.view({B, -1});
+  TORCH_CHECK(static_cast<int64_t>(span_tables.size()) == (spans.numel() ? spans.size(0) : 0),
+              "one block table per span");
+  const int64_t T = x.size(0), D = cos.size(-1);
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* p = params.data() + l * kParamsPerLayer;
     const at::Tensor& cache = caches[l];
     auto qkv = linear(rms_norm(x, p[0], eps), p + 1, small_batch, int4_group)
-                   .view({B, heads + 2 * kv_heads, D});
+                   .view({T, heads + 2 * kv_heads, D});
     auto qk_in = qkv.narrow(1, 0, heads + kv_heads);
     auto qk = at::addcmul(qk_in * cos, qk_in.roll({D / 2}, {-1}), sin);
     store_kv(cache, slots, qk.narrow(1, heads, kv_heads),
              qkv.narrow(1, heads + kv_heads, kv_heads));
-    auto attn = decode_attention(qk.narrow(1, 0, heads).contiguous(), cache, table, lens,
-                                 block_size, scale);
+    auto attn = layer_attention(qk.narrow(1, 0, heads), cache, dec_idx, dec_tables, dec_lens,
+                                spans, span_tables, block_size, scale);
     x = x + linear(attn.flatten(1), p + 5, small_batch, int4_group);
     auto gate_up = linear(rms_norm(x, p[9], eps), p + 10, small_batch, int4_group).chunk(2, -1);
     x = x + linear(at::silu(gate_up[0]) * gate_up[1], p + 14, small_batch, int4_group);
@@ -853,7 +885,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& cache,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The compute entries release the GIL: they touch no Python object, and a decode step's
-  // decode_layers runs for milliseconds, during which the server's event loop must be free
+  // run_layers runs for milliseconds, during which the server's event loop must be free
   // to stream the previous step's tokens and take new requests.
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU)", nogil());
@@ -867,6 +899,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x @ W.T, W packed int4/int8 (CPU, AVX512-VNNI)",
         nogil());
   m.def("store_kv", &store_kv, "write K/V rows into their cache slots (CPU)", nogil());
-  m.def("decode_layers", &decode_layers, "all decoder layers of a decode-only step (CPU)",
-        nogil());
+  m.def("run_layers", &run_layers, "all decoder layers of a step (CPU)", nogil());
 }

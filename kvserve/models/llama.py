@@ -101,11 +101,11 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, x.dtype)  # once per step, shared by all layers
         attn = self.layers[0].self_attn
-        fused = attn.backend.fused_decode_inputs(meta) if self.tp.size == 1 else None
+        fused = attn.backend.fused_inputs(meta, x.dtype) if self.tp.size == 1 else None
         if fused is not None:
-            # A decode-only step: all layers in one C++ call making the same ATen calls as
-            # the modules below, without ~50 us of Python per layer between them.
-            return self.norm(cpu_ops.ops().decode_layers(
+            # All layers in one C++ call making the same ATen and kernel calls as the modules
+            # below, without ~50 us of Python per layer between them.
+            return self.norm(cpu_ops.ops().run_layers(
                 x, *rope, self.fused_params(), kv_caches, *fused, attn.num_heads,
                 attn.num_kv_heads, self.norm.eps, SMALL_BATCH, INT4_GROUP))
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -113,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def fused_params(self) -> list[torch.Tensor]:
-        """Every layer's tensors in the order the C++ decode_layers reads them: input norm,
+        """Every layer's tensors in the order the C++ run_layers reads them: input norm,
         (weight, quantized, scales, bias) of qkv and o, post-attention norm, the same of
         gate_up and down; an empty tensor for what a layer lacks. Built once."""
         if self._fused is None:
