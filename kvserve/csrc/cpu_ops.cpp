@@ -724,13 +724,14 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& cache,
                              const at::Tensor& table, int64_t ctx_len, int64_t block_size,
                              double scale);
 
-at::Tensor layer_attention(const at::Tensor& q, const at::Tensor& cache,
-                           const at::Tensor& dec_idx, const at::Tensor& dec_tables,
-                           const at::Tensor& dec_lens, const at::Tensor& spans,
-                           const std::vector<at::Tensor>& span_tables, int64_t block_size,
-                           double scale) {
+static at::Tensor layer_attention(const at::Tensor& q, const at::Tensor& cache,
+                                  const at::Tensor& dec_idx, const at::Tensor& dec_tables,
+                                  const at::Tensor& dec_lens, const at::Tensor& spans,
+                                  const std::vector<at::Tensor>& span_tables,
+                                  int64_t block_size, double scale) {
   const int64_t S = spans.numel() ? spans.size(0) : 0;
-  if (S == 0) return decode_attention(q.contiguous(), cache, dec_tables, dec_lens, block_size, scale);
+  if (S == 0)
+    return decode_attention(q.contiguous(), cache, dec_tables, dec_lens, block_size, scale);
   auto out = at::empty_like(q);
   if (dec_idx.numel())
     out.index_put_({dec_idx}, decode_attention(q.index({dec_idx}).contiguous(), cache,
