@@ -96,6 +96,31 @@ def test_rms_norm_kernel_matches_reference(monkeypatch, dtype, rows, cols):
     torch.testing.assert_close(fast, slow)
 
 
+def _paged_model(path, dtype: torch.dtype, quantization: str):
+    """A tiny model from `path` on the torch paged backend, its weights quantized as asked."""
+    from kvserve.models.loader import load_model
+
+    model = load_model(path, dtype, torch.device("cpu"),
+                       lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads,
+                                                     c.head_dim)).model
+    if quantization != "none":
+        model.quantize_(quantization)
+    return model
+
+
+def _assert_fused_equals_modules(model, caches: list[torch.Tensor], bs: int, step) -> None:
+    """Run `step` through the C++ run_layers and through the modules layer by layer, each on
+    its own copy of `caches`: the hidden states and the K/V written must be identical."""
+    from kvserve.worker.model_runner import run_forward
+
+    fused_caches = [c.clone() for c in caches]
+    fused = run_forward(model, fused_caches, bs, step, torch.device("cpu"))
+    model.layers[0].self_attn.backend.fused_inputs = lambda meta, dtype: None  # the modules
+    plain = run_forward(model, caches, bs, step, torch.device("cpu"))
+    assert torch.equal(fused, plain)
+    assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches, strict=True))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: qkv bias, tied embeddings
 @pytest.mark.parametrize("dtype,quantization", [(torch.float32, "none"),
                                                 (torch.bfloat16, "none"),
@@ -103,18 +128,13 @@ def test_rms_norm_kernel_matches_reference(monkeypatch, dtype, rows, cols):
                                                 (torch.bfloat16, "int4")])
 @pytest.mark.parametrize("batch", [1, 3, 12])  # 12 rows: past SMALL_BATCH, the plain weights
 def test_fused_decode_layers_equal_the_modules(tmp_path, arch, dtype, quantization, batch):
-    """A decode-only step through the C++ decode_layers gives exactly the hidden states (and
+    """A decode-only step through the C++ run_layers gives exactly the hidden states (and
     K/V) of the Python modules: the same ATen calls in the same order."""
-    from kvserve.models.loader import load_model
     from kvserve.worker.model_runner import ForwardItem, allocate_kv_caches, run_forward
     from tests.conftest import build_tiny_model
 
     path = build_tiny_model(tmp_path / arch, arch, tie=arch == "qwen2")
-    model = load_model(path, dtype, torch.device("cpu"),
-                       lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads,
-                                                     c.head_dim)).model
-    if quantization != "none":
-        model.quantize_(quantization)
+    model = _paged_model(path, dtype, quantization)
     bs, g = 4, torch.Generator().manual_seed(1)
     caches = allocate_kv_caches(model, 16 * batch * bs, dtype, torch.device("cpu"))
     prompts = [torch.randint(2, 300, (5 + 3 * i,), generator=g).tolist() for i in range(batch)]
@@ -127,12 +147,7 @@ def test_fused_decode_layers_equal_the_modules(tmp_path, arch, dtype, quantizati
     assert backend.fused_inputs(backend.build_metadata(AttentionBatch(
         [1] * batch, [len(p) + 1 for p in prompts], tables, torch.zeros(batch, dtype=torch.long),
         bs)), dtype) is not None
-    fused_caches = [c.clone() for c in caches]
-    fused = run_forward(model, fused_caches, bs, step, torch.device("cpu"))
-    backend.fused_inputs = lambda meta, dtype: None  # the modules, layer by layer
-    plain = run_forward(model, caches, bs, step, torch.device("cpu"))
-    assert torch.equal(fused, plain)
-    assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches, strict=True))
+    _assert_fused_equals_modules(model, caches, bs, step)
 
 
 def _has_prefill_kernel() -> bool:
@@ -146,17 +161,12 @@ def test_fused_layers_with_prompt_work_equal_the_modules(tmp_path, quantization)
     """A step with prompt work through the C++ run_layers gives exactly the hidden states and
     K/V of the Python modules. The step holds a decode row, a chunk after cached context, a
     fresh prompt and a verification of drafts (several rows attended as decode rows)."""
-    from kvserve.models.loader import load_model
     from kvserve.worker.model_runner import ForwardItem, allocate_kv_caches, run_forward
     from tests.conftest import build_tiny_model
 
     # head_dim 32: the prefill kernel's smallest
     path = build_tiny_model(tmp_path, "llama", hidden_size=128, num_heads=4, num_kv_heads=2)
-    model = load_model(path, torch.bfloat16, torch.device("cpu"),
-                       lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads,
-                                                     c.head_dim)).model
-    if quantization != "none":
-        model.quantize_(quantization)
+    model = _paged_model(path, torch.bfloat16, quantization)
     bs, g = 4, torch.Generator().manual_seed(2)
     caches = allocate_kv_caches(model, 64 * bs, torch.bfloat16, torch.device("cpu"))
     tokens = lambda n: torch.randint(2, 300, (n,), generator=g).tolist()  # noqa: E731
@@ -172,12 +182,7 @@ def test_fused_layers_with_prompt_work_equal_the_modules(tmp_path, quantization)
     meta = backend.build_metadata(AttentionBatch(
         [1, 13, 17, 3], [10, 34, 17, 17], tables, torch.zeros(34, dtype=torch.long), bs))
     assert len(meta.prefills) == 2 and backend.fused_inputs(meta, torch.bfloat16) is not None
-    fused_caches = [c.clone() for c in caches]
-    fused = run_forward(model, fused_caches, bs, step, torch.device("cpu"))
-    backend.fused_inputs = lambda meta, dtype: None  # the modules, layer by layer
-    plain = run_forward(model, caches, bs, step, torch.device("cpu"))
-    assert torch.equal(fused, plain)
-    assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches, strict=True))
+    _assert_fused_equals_modules(model, caches, bs, step)
 
 
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(32, 6, 2), (64, 9, 3), (64, 4, 4)])
@@ -211,7 +216,7 @@ def test_prefill_attention_kernel_matches_sdpa(monkeypatch, head_dim, heads, kv_
     n = sum(q for q, _ in spans)
     q, k, v = (torch.randn(n, h, head_dim, generator=g).to(torch.bfloat16)
                for h in (heads, kv_heads, kv_heads))
-    assert backend._prefill_kernels(q, cache) is not None
+    assert backend._prefill_kernels(q.dtype, cache.device) is not None
     fast = backend.forward(q, k, v, cache.clone(), meta)
     slow = _torch_path(monkeypatch, lambda: backend.forward(q, k, v, cache.clone(), meta))
     torch.testing.assert_close(fast.float(), slow.float(), atol=2e-2, rtol=2e-2)
