@@ -40,8 +40,7 @@ def main() -> None:
     def load(dtype: torch.dtype, method: str) -> LlamaForCausalLM:
         model = load_model(path, dtype, torch.device("cpu"), lambda c: TorchPagedAttention(
             c.num_heads, c.num_kv_heads, c.head_dim)).model
-        if method != "none":
-            model.quantize_(method)
+        model.pack_(method)
         return model
 
     ref = load(torch.float32, "none")

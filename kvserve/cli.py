@@ -393,13 +393,10 @@ def cmd_roofline(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory, step_buffer_size=0))
     machine, points, ridge = roofline.run(engine, batches, args.prefill, args.steps,
                                           args.repeats)
-    qkv = engine.runner.model.layers[0].self_attn.qkv_proj.quantized
-    used = ("every step" if qkv is not None and qkv.serves_all_batches
-            else f"steps of up to {roofline.SMALL_BATCH} tokens")
     print(f"machine ({args.repeats} runs, median): {dtype_name(machine.dtype)} matmul "
           f"{machine.peak_gflops:.0f} GFLOP/s, read bandwidth {machine.read_gbs:.1f} GB/s; "
-          f"threads {torch.get_num_threads()}; quantized copies: {engine.quantization} "
-          f"({used})")
+          f"threads {torch.get_num_threads()}; quantization: {engine.quantization} "
+          f"({engine.runner.model.weight_kernel()})")
     print(roofline.HEADER)
     for p in points:
         print(p.row())

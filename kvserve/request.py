@@ -131,7 +131,6 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None  # set by the engine for seeded requests
     logprobs: list = field(default_factory=list)
     num_cached_tokens: int | None = None  # prompt tokens served from the cache at admission
     # Speculative decoding: unverified tokens after all_token_ids, scheduled like any other

@@ -8,10 +8,8 @@ prefill chunk does hundreds of FLOPs per weight byte, so it is judged against th
 ceiling. The batch where decode turns compute-bound is where the two terms meet.
 
 What a step is counted to need (`StepCost`):
-- weights: every projection in the format the step uses (the quantized copy up to
-  SMALL_BATCH rows, the compute-dtype weight above, or the quantized copy at every size where
-  it serves all batches), the LM head for the sampled rows only,
-  the norms;
+- weights: every projection in the form its kernel reads (a quantized copy, or the
+  compute-dtype weight), the LM head for the sampled rows only, the norms;
 - KV: the cache rows the step reads (each decode query its whole context; a prefill chunk
   its earlier context once) and its new rows (written);
 - activations: per token and layer, the hidden state and MLP intermediate read and written
@@ -31,7 +29,6 @@ from pathlib import Path
 import torch
 
 from kvserve.layers.linear import LinearBase
-from kvserve.layers.quant import SMALL_BATCH
 
 
 @dataclass
@@ -81,23 +78,19 @@ class CostModel:
         cfg = model.config
         self.cfg = cfg
         self.kv_per_token = kv_bytes_per_token
-        self.small_bytes = self.big_bytes = 0.0  # projection weights by path
+        self.weight_bytes = 0.0  # projection weights as their kernels read them
         self.params = 0  # projection parameters used by every token (LM head apart)
         head = model.lm_head
         for module in model.modules():
             if isinstance(module, LinearBase) and module is not head:
                 n = module.in_features * module.out_features
                 self.params += n
-                dense = n * module.weight.element_size()
-                q = module.quantized
-                self.small_bytes += q.nbytes if q is not None else dense
-                self.big_bytes += q.nbytes if q is not None and q.serves_all_batches else dense
+                p = module.packed
+                self.weight_bytes += p.nbytes if p is not None else \
+                    n * module.weight.element_size()
         self.head_params = head.weight.numel()
-        self.head_bytes_small = (head.quantized.nbytes if head.quantized is not None
-                                 else self.head_params * head.weight.element_size())
-        hq = head.quantized
-        self.head_bytes_big = (hq.nbytes if hq is not None and hq.serves_all_batches
-                               else self.head_params * head.weight.element_size())
+        self.head_bytes = (head.packed.nbytes if head.packed is not None
+                           else self.head_params * head.weight.element_size())
         self.norm_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                               if "norm" in n)
         self.act_size = model.embed_tokens.weight.element_size()
@@ -108,9 +101,7 @@ class CostModel:
         attend to `attended` (query, key) pairs in all, reading `kv_rows` cached K/V rows
         (default `attended`: every query reads its own context, as decode does)."""
         cfg = self.cfg
-        small = tokens <= SMALL_BATCH
-        weights = (self.small_bytes if small else self.big_bytes) + self.norm_bytes
-        weights += self.head_bytes_small if sampled <= SMALL_BATCH else self.head_bytes_big
+        weights = self.weight_bytes + self.norm_bytes + self.head_bytes
         attn_flops = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * attended
         flops = 2 * self.params * tokens + 2 * self.head_params * sampled + attn_flops
         # K/V: the rows read (all KV heads of a row: kv_per_token), and the new rows written.

@@ -16,6 +16,11 @@ Processing order for a row (the same for greedy and random rows up to the temper
    kept), and draw by inverse transform: one uniform number per row, located in the row's
    cumulative distribution. (An exponential race needs V random numbers per row; on the CPU
    drawing them cost ~44 ms for 64 x 49152 logits against ~1 ms for cumsum + searchsorted.)
+
+A seeded row's uniform number for its output token i is a hash of (seed, i)
+(`seeded_uniform`), not the next number of a stream: its tokens then depend only on its
+seed and its own distributions, whatever its batch, however often it was preempted, and
+however many numbers speculative decoding drew for it before (see spec_decode.rejection).
 """
 
 from __future__ import annotations
@@ -39,19 +44,26 @@ class SamplingRow(Protocol):
 
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    # Set for seeded requests; must live on the logits' device (see make_generator).
-    generator: torch.Generator | None
+    output_token_ids: list[int]  # a row samples output token len(output_token_ids)
     # Ids that end the request (model eos/eot); banned while len(output) < min_tokens.
     eos_token_ids: frozenset[int]
 
 
-def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A generator for a seeded request, on the device where sampling happens."""
-    gen = torch.Generator(device=device)
-    # manual_seed wants a value in [-2**63, 2**64); masking maps any Python int into it.
-    gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-    return gen
+_MASK64 = 2**64 - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers that spreads every input bit."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, index: int) -> float:
+    """The uniform number in [0, 1) (24 bits, exact in float32) with which a request seeded
+    with `seed` samples its output token `index`."""
+    return (_mix64((_mix64(seed & _MASK64) + 0x9E3779B97F4A7C15 * (index + 1)) & _MASK64)
+            >> 40) / 2**24
 
 
 @dataclass
@@ -91,8 +103,8 @@ class SamplingMetadata:
     bias_values: torch.Tensor | None
     ban_index: tuple[torch.Tensor, torch.Tensor] | None
     penalties: _Penalties | None
-    # Random rows with their own generator, (row, generator); drawn one row at a time.
-    seeded: list[tuple[int, torch.Generator]]
+    # Seeded random rows and their uniform numbers (seeded_uniform of the token they sample).
+    seeded: list[tuple[int, float]]
     any_unseeded_random: bool
     # Logprobs: which rows asked, and how many top entries each wants (clamped to V).
     logprob_rows: list[int]
@@ -156,7 +168,7 @@ class SamplingMetadata:
 
         temperature = min_p = top_k = top_p = None
         max_top_k = 0
-        seeded: list[tuple[int, torch.Generator]] = []
+        seeded: list[tuple[int, float]] = []
         any_unseeded_random = False
         if random_params:
             temperature = knob("temperature", 1.0)
@@ -172,11 +184,11 @@ class SamplingMetadata:
             if any(k < vocab_size for k in ks):
                 top_k = ints(ks)
                 max_top_k = max(k for k in ks if k < vocab_size)
-            for i, (row, g) in enumerate(zip(rows, greedy, strict=True)):
+            for i, (row, p, g) in enumerate(zip(rows, params, greedy, strict=True)):
                 if g:
                     continue
-                if row.generator is not None:
-                    seeded.append((i, row.generator))
+                if p.seed is not None:
+                    seeded.append((i, seeded_uniform(p.seed, len(row.output_token_ids))))
                 else:
                     any_unseeded_random = True
 
@@ -281,9 +293,9 @@ class Sampler:
 
     Random rows are drawn by inverse transform (a uniform ``u`` located in the row's cumulative
     distribution), which picks token i with probability ``probs[i]`` without a host round
-    trip. A seeded row draws its ``u`` from its own generator, one number per step, so its
-    tokens do not depend on the rest of the batch or its position in it; unseeded rows share
-    one batched draw.
+    trip. A seeded row's ``u`` is `seeded_uniform(seed, index of the token)`, so its tokens
+    do not depend on the rest of the batch or its position in it; unseeded rows share one
+    batched draw from torch's generator.
     """
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
@@ -309,12 +321,7 @@ class Sampler:
         greedy_tokens = logits.argmax(dim=-1) if meta.greedy_mask is not None else None
 
         probs = apply_truncation(logits, meta).softmax(dim=-1)
-        u = torch.empty(meta.batch_size, 1, device=probs.device)
-        if meta.any_unseeded_random:
-            u.uniform_()
-        for row, gen in meta.seeded:
-            u[row].uniform_(generator=gen)
-        random_tokens = inverse_cdf(probs, u)
+        random_tokens = inverse_cdf(probs, draw_uniforms(meta, probs.device).unsqueeze(1))
 
         if greedy_tokens is None:
             return random_tokens
@@ -456,6 +463,18 @@ def _top_k_top_p(
     if rest.numel():
         logits[rest] = _top_k_top_p_sorted(logits[rest], None, top_p[rest])
     return logits
+
+
+def draw_uniforms(meta: SamplingMetadata, device: torch.device) -> torch.Tensor:
+    """One uniform number per row [B]: seeded rows their own (see `seeded_uniform`), the
+    others from torch's generator (greedy rows' are unused)."""
+    u = torch.empty(meta.batch_size, device=device)
+    if meta.any_unseeded_random:
+        u.uniform_()
+    if meta.seeded:
+        rows, values = zip(*meta.seeded, strict=True)
+        u[list(rows)] = torch.tensor(values, dtype=u.dtype).to(u.device)
+    return u
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from kvserve.sampler import (
     SamplingMetadata,
     apply_processors,
     apply_truncation,
-    make_generator,
+    seeded_uniform,
 )
 from kvserve.sampling_params import SamplingParams
 
@@ -27,14 +27,11 @@ class Row:
     sampling_params: SamplingParams
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
     eos_token_ids: frozenset[int] = frozenset()
 
 
 def row(prompt: Sequence[int] = (), output: Sequence[int] = (), eos=(), **kw) -> Row:
-    params = SamplingParams(**kw)
-    gen = make_generator(params.seed, CPU) if params.seed is not None else None
-    return Row(params, list(prompt), list(output), gen, frozenset(eos))
+    return Row(SamplingParams(**kw), list(prompt), list(output), frozenset(eos))
 
 
 def sample(logits: torch.Tensor, rows: Sequence[Row]) -> SamplerOutput:
@@ -331,12 +328,25 @@ def test_empirical_frequencies_match_softmax() -> None:
 
 
 def test_seeded_row_frequencies_match_softmax() -> None:
-    logits = torch.tensor([[0.2, -0.3, 1.1, 0.0, -2.0, 0.7, 0.4]])
-    r = row(temperature=1.3, seed=99)
-    tokens = [sample(logits, [r]).token_ids[0] for _ in range(3000)]
-    counts = torch.bincount(torch.tensor(tokens), minlength=7).double()
-    probs = (logits[0].double() / 1.3).softmax(-1)
-    assert chi_square(counts, probs) < CHI2_BOUND
+    """Over positions of one seed, and over seeds at one position, seeded draws follow the
+    distribution (the hash behind seeded_uniform spreads both)."""
+    logits = torch.tensor([0.2, -0.3, 1.1, 0.0, -2.0, 0.7, 0.4])
+    probs = (logits.double() / 1.3).softmax(-1)
+    rows = [row(temperature=1.3, seed=99, output=[0] * i) for i in range(3000)]
+    by_position = sample(logits.expand(3000, 7), rows).token_ids
+    rows = [row(temperature=1.3, seed=s, output=[0] * 5) for s in range(3000)]
+    by_seed = sample(logits.expand(3000, 7), rows).token_ids
+    for tokens in (by_position, by_seed):
+        counts = torch.bincount(torch.tensor(tokens), minlength=7).double()
+        assert chi_square(counts, probs) < CHI2_BOUND
+
+
+def test_seeded_uniform_is_a_function_of_seed_and_position() -> None:
+    u = [seeded_uniform(7, i) for i in range(1000)]
+    assert u == [seeded_uniform(7, i) for i in range(1000)]
+    assert all(0.0 <= x < 1.0 for x in u) and len(set(u)) > 990
+    assert seeded_uniform(7, 3) != seeded_uniform(8, 3)
+    assert seeded_uniform(-1, 0) == seeded_uniform(2**64 - 1, 0)  # seeds are taken mod 2**64
 
 
 def test_top_p_frequencies_match_renormalised_nucleus() -> None:
@@ -394,20 +404,20 @@ def test_same_seed_same_tokens_different_seed_different_tokens() -> None:
     for _ in range(20):
         for i, t in enumerate(sample(logits, rows).token_ids):
             seqs[i].append(t)
+            rows[i].output_token_ids.append(t)
     assert seqs[0] == seqs[1]
     assert seqs[0] != seqs[2] and seqs[2] != seqs[3]
 
 
 def test_child_seeds_differ() -> None:
     parent = SamplingParams(n=2, seed=11)
-    rows = [
-        Row(parent.child(i), generator=make_generator(parent.child(i).seed, CPU)) for i in range(2)
-    ]
+    rows = [Row(parent.child(i)) for i in range(2)]
     logits = randn(1, 100).expand(2, 100)
     seqs = [[], []]
     for _ in range(10):
         for i, t in enumerate(sample(logits, rows).token_ids):
             seqs[i].append(t)
+            rows[i].output_token_ids.append(t)
     assert seqs[0] != seqs[1]
 
 

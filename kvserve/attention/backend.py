@@ -51,8 +51,9 @@ class AttentionBackend(ABC):
         request's context (causally within the request)."""
 
     def fused_inputs(self, meta: object, dtype: torch.dtype) -> tuple | None:
-        """For a step the C++ `run_layers` can run whole (activations in `dtype`): the
-        attention arguments it takes after the caches (see there); None when it cannot (the
-        default)."""
+        """When the C++ `run_layers` can run this backend's layers whole (activations in
+        `dtype`): the attention arguments it takes after the caches (slot mapping, sequences,
+        block tables, block size, scale; see there); None when it cannot (the default).
+        Decided by configuration, never by the step, so every step takes the same path."""
         del meta, dtype
         return None

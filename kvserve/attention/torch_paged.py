@@ -1,23 +1,25 @@
-"""Paged attention with stock torch ops; runs anywhere torch does.
+"""Paged attention over the layer's K/V cache: kvserve's C++ kernel where it runs, stock torch
+ops elsewhere.
 
 The cache of one layer is laid out head-major, [2, Hkv, num_slots, W] (W = head_dim D, or
-D + 2 for int8), so gathering a batch's context is one `index_select` per K and V whose
-result is already in the [Hkv, B, L, W] order the batched matmuls want (measured ~10x faster
-here than advanced indexing followed by a transpose, and than SDPA with a mask, for decode
-shapes).
+D + 2 for int8), addressed by slot = block id * block size + offset.
 
-Decode tokens (one query per request, or a few after context: speculative drafts) are
-attended in one batched call over a padded gather of their contexts; prompt chunks go one
-request at a time through SDPA, since padding a long chunk to the batch would waste more than
-the loop costs. Where the C++ kernels are built, decode rows read an unquantized cache in
-place instead (`decode_attention`), and on a CPU with AVX512-BF16 so do the prompt chunks of
-a bf16 cache (`prefill_attention`).
+On a CPU with AVX-512 (float32) or AVX512-BF16 (bf16), every row of a step goes through one
+C++ call, `paged_attention`, which computes a row the same way whether it is a decode token,
+a draft being verified or part of a prompt chunk, and whatever else is in the step (see
+kernels/csrc/attention.cpp): a request's output does not depend on its batch or on how its
+prompt was chunked.
 
-With `kv_cache_dtype="int8"` rows are quantized on write (layout in `kv_quant`). Prompt
-chunks dequantize what they gather; decode applies the per-row scales to its scores and
-probabilities instead. A prompt chunk with no earlier context attends its own fresh K/V, but
-passed through the same quantize/dequantize round trip, so every query sees the K/V the cache
-holds, whichever way a prompt was chunked or batched (up to float rounding).
+Elsewhere (a GPU, no compiler, another CPU) torch's ops run, and their results do depend on
+the batch (the engine logs it): decode rows (one query per request, or a few after context:
+speculative drafts) are attended in one batched call over a padded gather of their contexts
+(one `index_select` per K and V, already in the [Hkv, B, L, W] order the batched matmuls
+want); prompt chunks go one request at a time through SDPA.
+
+With `kv_cache_dtype="int8"` rows are quantized on write (layout in `kv_quant`) and
+dequantized on read, by the kernel as by the torch path. A prompt chunk with no earlier
+context attends its own fresh K/V on the torch path, but passed through the same
+quantize/dequantize round trip, so every query sees the K/V the cache holds.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention import cpu_ops
+from kvserve import kernels
 from kvserve.attention.backend import AttentionBackend, AttentionBatch
 from kvserve.attention.kv_quant import (
     dequantize_int8,
@@ -71,16 +73,62 @@ class PrefillSpan:
 
 
 @dataclass
-class TorchAttentionMetadata:
-    slot_mapping: torch.Tensor
-    num_tokens: int
-    block_size: int
+class TorchPathMetadata:
+    """What the torch path needs: decode rows batched, prompt chunks one by one."""
+
     decode_idx: torch.Tensor | None  # [Bd] positions of decode tokens in the flat batch
     decode_only: bool  # every token is a decode token, in batch order: no gather/scatter
     decode_blocks: torch.Tensor | None  # [Bd * nb] block tables, padded with block 0
     decode_bias: torch.Tensor | None  # [1, Bd, 1, nb * bs] 0 where valid, -inf elsewhere
     prefills: list[PrefillSpan]
     decode_lens: torch.Tensor | None = None  # [Bd] int64 context lengths
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor
+    num_tokens: int
+    block_size: int
+    seqs: torch.Tensor  # [S, 3] int64: first row, rows, context length (paged_attention)
+    tables: torch.Tensor  # [S, nb] int64 block tables, padded with block 0
+    batch: AttentionBatch
+    _torch_path: TorchPathMetadata | None = None
+
+    @property
+    def torch_path(self) -> TorchPathMetadata:
+        """Built on first use (only where the kernel does not run), shared by every layer."""
+        if self._torch_path is None:
+            self._torch_path = _torch_path_metadata(self.batch)
+        return self._torch_path
+
+
+def _torch_path_metadata(batch: AttentionBatch) -> TorchPathMetadata:
+    device = batch.slot_mapping.device
+    bs = batch.block_size
+    decode_rows, prefills = [], []  # decode rows: (flat position, request, context length)
+    start = 0
+    for i, (q, ctx) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
+        if q == 1 or (q <= MAX_ROWS_AS_DECODES and ctx > q):
+            decode_rows.extend((start + j, i, ctx - q + j + 1) for j in range(q))
+        else:
+            prefills.append(PrefillSpan(start, start + q, torch.tensor(
+                batch.block_tables[i][:-(-ctx // bs)], device=device), ctx))
+        start += q
+    meta = TorchPathMetadata(None, not prefills, None, None, prefills)
+    if decode_rows:
+        lens = [n for _, _, n in decode_rows]
+        width = -(-max(lens) // bs)
+        meta.decode_blocks = torch.tensor(
+            [b for _, i, n in decode_rows
+             for b in batch.block_tables[i][:-(-n // bs)] + [0] * (width - -(-n // bs))],
+            device=device)
+        valid = (torch.arange(width * bs, device=device)[None, :]
+                 < torch.tensor(lens, device=device)[:, None])
+        meta.decode_lens = torch.tensor(lens, device=device)
+        meta.decode_idx = torch.tensor([s for s, _, _ in decode_rows], device=device)
+        meta.decode_bias = torch.zeros(valid.shape, device=device).masked_fill_(
+            ~valid, float("-inf"))[None, :, None, :]
+    return meta
 
 
 def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -117,74 +165,48 @@ class TorchPagedAttention(AttentionBackend):
     def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         device = batch.slot_mapping.device
         bs = batch.block_size
-        decode_rows, prefills = [], []  # decode rows: (flat position, request, context length)
-        start = 0
-        for i, (q, ctx) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
-            if q == 1 or (q <= MAX_ROWS_AS_DECODES and ctx > q):
-                decode_rows.extend((start + j, i, ctx - q + j + 1) for j in range(q))
-            else:
-                prefills.append(PrefillSpan(start, start + q, torch.tensor(
-                    batch.block_tables[i][:-(-ctx // bs)], device=device), ctx))
+        seqs, start = [], 0
+        for q, ctx in zip(batch.query_lens, batch.context_lens, strict=True):
+            seqs.append((start, q, ctx))
             start += q
-        meta = TorchAttentionMetadata(batch.slot_mapping, start, bs, None, not prefills, None,
-                                      None, prefills)
-        if decode_rows:
-            lens = [n for _, _, n in decode_rows]
-            width = -(-max(lens) // bs)
-            meta.decode_blocks = torch.tensor(
-                [b for _, i, n in decode_rows
-                 for b in batch.block_tables[i][:-(-n // bs)] + [0] * (width - -(-n // bs))],
-                device=device)
-            valid = (torch.arange(width * bs, device=device)[None, :]
-                     < torch.tensor(lens, device=device)[:, None])
-            meta.decode_lens = torch.tensor(lens, device=device)
-            meta.decode_idx = torch.tensor([s for s, _, _ in decode_rows], device=device)
-            meta.decode_bias = torch.zeros(valid.shape, device=device).masked_fill_(
-                ~valid, float("-inf"))[None, :, None, :]
-        return meta
+        width = max(-(-ctx // bs) for ctx in batch.context_lens)
+        tables = [t[:width] + [0] * (width - len(t[:width])) for t in batch.block_tables]
+        return TorchAttentionMetadata(
+            batch.slot_mapping, start, bs, torch.tensor(seqs, dtype=torch.long, device=device),
+            torch.tensor(tables, dtype=torch.long, device=device), batch)
+
+    def ops_for(self, dtype: torch.dtype, device: torch.device):
+        """The C++ module when its paged_attention serves this layer (see kvserve.kernels)."""
+        return kernels.attention_kernels(dtype, device, self.head_dim)
 
     def fused_inputs(self, meta: TorchAttentionMetadata, dtype: torch.dtype) -> tuple | None:
-        # The C++ path stores K/V unquantized and reads them with the kernels forward() uses:
-        # decode_attention, and prefill_attention when a step has prompt spans.
-        if (self.quantized or meta.slot_mapping.device.type != "cpu"
-                or cpu_ops.ops() is None):
+        # The C++ path stores K/V unquantized (store_kv) and reads them with paged_attention,
+        # as forward() does.
+        if self.quantized or self.ops_for(dtype, meta.slot_mapping.device) is None:
             return None
-        if not meta.decode_only and self._prefill_kernels(dtype, meta.slot_mapping.device) is None:
-            return None
-        none = torch.empty(0, dtype=torch.long)
-        if meta.decode_idx is None:
-            dec = (none, none, none)
-        else:
-            assert meta.decode_blocks is not None and meta.decode_lens is not None
-            dec = (meta.decode_idx, meta.decode_blocks.view(len(meta.decode_idx), -1),
-                   meta.decode_lens)
-        spans = (torch.tensor([[s.start, s.end, s.ctx_len] for s in meta.prefills])
-                 if meta.prefills else none)
-        return (meta.slot_mapping, *dec, spans, [s.blocks for s in meta.prefills],
-                meta.block_size, self.scale)
+        return meta.slot_mapping, meta.seqs, meta.tables, meta.block_size, self.scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
-        kernels = cpu_ops.ops() if not self.quantized and kv_cache.device.type == "cpu" else None
+        ops = self.ops_for(q.dtype, kv_cache.device)
         rows = None
-        if kernels is not None:
-            kernels.store_kv(kv_cache, meta.slot_mapping, k, v)  # what index_copy_ writes
+        if ops is not None and not self.quantized:
+            ops.store_kv(kv_cache, meta.slot_mapping, k, v)  # what index_copy_ writes
         else:
             # K and V written with one copy: [2, T, Hkv, W] -> slots of [2, Hkv, num_slots, W].
             rows = self._store(torch.stack((k, v)))
             kv_cache.index_copy_(2, meta.slot_mapping, rows.transpose(1, 2))
-        if meta.decode_only:
-            return self._decode(q, kv_cache, meta).flatten(1)
+        if ops is not None:
+            return ops.paged_attention(q, kv_cache, meta.seqs, meta.tables, meta.block_size,
+                                       self.scale).flatten(1)
+        path = meta.torch_path
+        if path.decode_only:
+            return self._decode(q, kv_cache, path, meta.block_size).flatten(1)
         out = torch.empty_like(q)
-        if meta.decode_idx is not None:
-            out[meta.decode_idx] = self._decode(q[meta.decode_idx], kv_cache, meta)
-        kernels = self._prefill_kernels(q.dtype, kv_cache.device)
-        for span in meta.prefills:
-            if kernels is not None:
-                out[span.start:span.end] = kernels.prefill_attention(
-                    q[span.start:span.end].contiguous(), kv_cache, span.blocks, span.ctx_len,
-                    meta.block_size, self.scale)
-                continue
+        if path.decode_idx is not None:
+            out[path.decode_idx] = self._decode(q[path.decode_idx], kv_cache, path,
+                                                meta.block_size)
+        for span in path.prefills:
             qp = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             if not span.has_context:
                 fresh = rows if rows is not None else torch.stack((k, v))
@@ -199,33 +221,14 @@ class TorchPagedAttention(AttentionBackend):
             out[span.start:span.end] = op.squeeze(0).transpose(0, 1)
         return out.flatten(1)
 
-    def _prefill_kernels(self, dtype: torch.dtype, device: torch.device):
-        """The C++ module when its prefill attention serves this call: a bf16 cache on a CPU
-        with AVX512-BF16 (measured here against SDPA: 0.17 vs 0.60 ms per layer for 32
-        queries after 1,024 cached tokens, 0.52 vs 3.5 ms for a causal 512-token chunk,
-        1.3 vs 7.4 ms for 512 queries after 512 cached tokens)."""
-        if (self.quantized or dtype != torch.bfloat16 or device.type != "cpu"
-                or self.head_dim % 32):
-            return None
-        kernels = cpu_ops.ops()
-        return kernels if kernels is not None and kernels.has_prefill_attention() else None
-
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
-                meta: TorchAttentionMetadata) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, path: TorchPathMetadata,
+                block_size: int) -> torch.Tensor:
         """q [Bd, H, D] -> [Bd, H, D]; query heads of one KV head are batched together."""
-        bias = meta.decode_bias
-        assert bias is not None and meta.decode_blocks is not None
+        bias = path.decode_bias
+        assert bias is not None and path.decode_blocks is not None
         bd, length = bias.shape[1], bias.shape[3]
         hkv, d = self.num_kv_heads, self.head_dim
-        if (not self.quantized and kv_cache.device.type == "cpu"
-                and (kernels := cpu_ops.ops()) is not None):
-            # One C++ call reading the blocks in place: per layer 12 vs ~45 us at batch 1 and
-            # 160 tokens, 41 vs ~80 us at 640 tokens, 0.59 vs 0.70 ms at batch 32 x 288
-            # (0.43 ms at 32 x 330 since its softmax and accumulation vectorize; 0.65 before).
-            return kernels.decode_attention(q.contiguous(), kv_cache,
-                                            meta.decode_blocks.view(bd, -1), meta.decode_lens,
-                                            meta.block_size, self.scale)
-        kv = _gather(kv_cache, meta.decode_blocks, meta.block_size)  # K and V in one gather
+        kv = _gather(kv_cache, path.decode_blocks, block_size)  # K and V in one gather
         # Small batches do the math in float32: bf16 batched matmuls of these sizes cost a
         # fixed ~17 us each here against ~6 us in float32, and the conversion is cheap.
         math = torch.float32 if bd * length <= SMALL_DECODE_TOKENS else q.dtype

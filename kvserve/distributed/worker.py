@@ -160,9 +160,9 @@ class TensorParallelWorkers:
             raise ValueError(f"--tensor-parallel-size {size} needs {size} CUDA devices, "
                              f"{torch.cuda.device_count()} visible")
         if device == "cpu":
-            from kvserve.attention import cpu_ops
+            from kvserve import kernels
 
-            cpu_ops.ops()  # build the C++ kernels once here, not in every rank at the same time
+            kernels.ops()  # build the C++ kernels once here, not in every rank at the same time
         cores = len(os.sched_getaffinity(0))
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout,

@@ -33,7 +33,6 @@ from kvserve.kv_cache.planner import capacity_gain, dtype_name, kv_token_bytes, 
 from kvserve.kv_cache.tiers import build_store, cache_fingerprint
 from kvserve.models.loader import read_model_config, resolve_model, shard_config
 from kvserve.request import Request, RequestStatus, timeline_segments
-from kvserve.sampler import make_generator
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
 from kvserve.spec_decode import build_drafter
@@ -258,13 +257,14 @@ class LLMEngine:
             self.runner.keep_hidden = self.drafter.needs_hidden
             log.info("speculative decoding: %s", self.spec)
         per_tok = kv_token_bytes(shard_config(cfg, tp), cache.kv_cache_dtype, dtype).total
-        qkv = loaded.model.layers[0].self_attn.qkv_proj.quantized
-        log.info("loaded %s (%s, %d layers, %s weights, %s; quantized copies: %s%s) in %.1fs",
+        log.info("loaded %s (%s, %d layers, %s weights, %s; quantization %s: %s) in %.1fs",
                  path.name, cfg.architecture, cfg.num_layers, loaded.weight_format,
-                 dtype_name(dtype), self.quantization,
-                 "" if qkv is None else " for every batch (VNNI kernel)"
-                 if qkv.serves_all_batches else " for small batches",
+                 dtype_name(dtype), self.quantization, loaded.model.weight_kernel(),
                  time.perf_counter() - t0)
+        variant = loaded.model.batch_variant_parts()
+        if variant:
+            log.warning("not batch-invariant here: a request's tokens may depend on what else "
+                        "runs with it (%s)", "; ".join(variant))
         log.info("KV cache%s: %d blocks x %d tokens = %d tokens, %.1f KiB per token, %.2f GiB",
                  " (rank 0's heads)" if tp.size > 1 else "", num_blocks, cache.block_size,
                  num_blocks * cache.block_size, per_tok / 1024,
@@ -326,8 +326,6 @@ class LLMEngine:
                           eos, max_tokens, arrival, cache_salt=cache_salt)
             req.timeline.record = self._timeline_limit > 0
             req.timeline.add(arrival, "arrival", prompt_tokens=len(ids))
-            if sp.seed is not None:
-                req.generator = make_generator(sp.seed, self.config.device)
             group.samples.append(_Sample(req, IncrementalDetokenizer(
                 self.tokenizer, sp.skip_special_tokens, sp.stop or (),
                 sp.include_stop_str_in_output), i))

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve import kernels
 from kvserve.distributed.parallel import (
     SINGLE,
     TensorParallel,
@@ -20,7 +21,7 @@ from kvserve.distributed.parallel import (
     split,
     vocab_shard,
 )
-from kvserve.layers.quant import SMALL_BATCH, QuantizedWeight
+from kvserve.layers.quant import INT4_GROUP, DenseWeight, PackedWeight, QuantizedWeight
 
 Ranges = list[tuple[int, int]]  # (start, size) ranges of the full tensor, in shard order
 
@@ -45,24 +46,35 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
         # A row-parallel bias is added once, after the reduction, so it is never sharded.
         self.bias = nn.Parameter(torch.empty(shape[0]), requires_grad=False) if bias else None
-        self.quantized: QuantizedWeight | None = None
+        # The form the matmul reads (pack_); None: torch's F.linear on `weight`.
+        self.packed: PackedWeight | None = None
         # Row-parallel shards: each full row's largest magnitude, so an int8 copy scales a
         # shard as one process scales the whole row and both compute with the same integers.
         self.row_absmax: torch.Tensor | None = None
 
-    def quantize_(self, method: str, keep_weight: bool = False) -> None:
-        """Add a weight-only quantized copy of the (loaded) weight, used for small batches,
-        or for all of them when its kernel wins at every size; then the weight itself goes
-        (an empty tensor of its dtype stays in its place) unless `keep_weight`."""
-        self.quantized = QuantizedWeight(self.weight.data, method, self.row_absmax)
-        if self.quantized.serves_all_batches and not keep_weight:
-            self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+    def pack_(self, quantization: str, keep_weight: bool = False) -> None:
+        """Put the (loaded) weight in the form its kernel reads: a quantized copy (int4,
+        int8), or unquantized, repacked for the dense kernel where there is one. That form
+        then serves every batch and the weight itself goes (an empty tensor of its dtype
+        stays in its place) unless `keep_weight`."""
+        w = self.weight.data
+        if quantization != "none":
+            # Per-group int8 of a row-parallel shard cut at group boundaries is the same as
+            # one process's; other shards scale by their whole rows on torch's kernel.
+            aligned = self.tp_dim != 1 or all(
+                start % INT4_GROUP == 0 and size % INT4_GROUP == 0 for start, size in self.ranges)
+            self.packed = QuantizedWeight(w, quantization, None if aligned else self.row_absmax)
+        elif kernels.dense_kernels(w.dtype, w.device, *w.shape) is not None:
+            self.packed = DenseWeight(w)
+        else:
+            return
+        if not keep_weight:
+            self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T without the bias: the quantized copy for the batches it serves."""
-        q = self.quantized
-        if q is not None and (x.shape[0] <= SMALL_BATCH or q.serves_all_batches):
-            return q.matmul(x)
+        """x W^T without the bias."""
+        if self.packed is not None:
+            return self.packed.matmul(x)
         return F.linear(x, self.weight)
 
     def _shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:

@@ -1,36 +1,35 @@
-"""Weight-only quantized copies of linear weights.
+"""The weight a linear layer computes with, in the form its kernel reads (`PackedWeight`).
 
-Decode at batch 1 must read every weight once per token, so its time is the weight bytes over
-memory bandwidth: int8 halves the bytes of bf16 and int4 quarters them. torch ships CPU
-kernels for both (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) that dequantize on
-the fly. At larger batches the same kernels lose to the bf16 matmul (measured here: at 64 rows
-they take about twice as long), so a quantized layer keeps its compute-dtype weight for big
-batches and uses the quantized copy only up to `SMALL_BATCH` rows.
+Every form serves every batch size: a row's result must not depend on how many rows share
+the step (batch invariance), so there is no separate small-batch path.
 
-int4 and int8 in bf16 on a CPU with AVX512-VNNI instead run kvserve's C++ `quant_linear`,
-which quantizes the activations to int8 per group of 32 and multiplies in integers, as llama.cpp
-does for this format (Q4_1 weights x Q8_1 activations). Summed over one layer's four shapes
-x 30 layers it took 1.3 ms at 1 row (torch's int4 kernel 2.5, bf16 9.6), 8.2 ms at 32
-(bf16 17.4) and tied bf16 at 512 (120 ms): it serves every batch and the bf16 weight goes.
-The int8 activations cost some accuracy (benchmarks/RESULTS.md, weight_quant_accuracy.py).
+- `DenseWeight`: the float32 or bf16 weight repacked for kvserve's `dense_linear`.
+- `QuantizedWeight`, int4 or int8 copies. On a CPU with AVX512-VNNI they run kvserve's
+  `quant_linear`, which quantizes the activations (float32 or bf16) to int8 per group of 32
+  and multiplies in integers, as llama.cpp does for these formats (Q4_1 weights x Q8_1
+  activations): summed over one layer's four shapes x 30 layers it took 1.3 ms at 1 row
+  (torch's int4 kernel 2.5, bf16 9.6), 8.2 ms at 32 (bf16 17.4) and tied bf16 at 512
+  (120 ms). Elsewhere torch's int4/int8 kernels run (much slower at prompt sizes, and in
+  float32 at every size, which is why `--quantization auto` only quantizes where the VNNI
+  kernel runs in bf16). The int8 activations cost some accuracy (benchmarks/RESULTS.md,
+  weight_quant_accuracy.py).
 
-int8: symmetric, one scale per output row (per group of 32 on kvserve's kernel, as GGML's
-Q8_0). int4: asymmetric groups of 32 along the input
-dimension, w = q * scale + min, the layout of GGML's Q4_1 (scale and minimum per 32
-weights), so a Q4_1 GGUF's weights come back nearly exactly (torch's kernel stores it as
-(q - 8) * scale + zero).
+int8: symmetric, one scale per group of 32 on kvserve's kernel (GGML's Q8_0), per output row
+on torch's. int4: asymmetric groups of 32 along the input dimension, w = q * scale + min, the
+layout of GGML's Q4_1 (scale and minimum per 32 weights), so a Q4_1 GGUF's weights come back
+nearly exactly (torch's kernel stores it as (q - 8) * scale + zero).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
+
+from kvserve import kernels
 
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP = 32
-# Rows up to which the quantized kernels beat the bf16 matmul here. Their cost grows with the
-# rows past 2 and jumps past 8 (summed over the 3072x576, 576x1536 and 960x576 shapes: int4
-# 166 us against bf16 226 us at 8 rows, 247 against 216 at 10, 319 against 266 at 16).
-SMALL_BATCH = 8
 
 
 def check_quantization(name: str) -> str:
@@ -99,17 +98,6 @@ def _int8_groups(w: torch.Tensor, group: int = INT4_GROUP
     return q.view(n, k).to(torch.uint8), scale, -128 * scale
 
 
-def vnni_kernels(dtype: torch.dtype, n: int, k: int):
-    """The C++ module when its int4/int8 x int8 kernel (`quant_linear`) serves an [n, k]
-    weight in `dtype`: bf16, n a multiple of 16, k of 32, a CPU with AVX512-VNNI/BF16."""
-    if dtype != torch.bfloat16 or n % 16 or k % INT4_GROUP:
-        return None
-    from kvserve.attention import cpu_ops
-
-    kernels = cpu_ops.ops()
-    return kernels if kernels is not None and kernels.has_quant_linear() else None
-
-
 def dequantize_int4(packed_q: torch.Tensor, scales_zeros: torch.Tensor, n: int, k: int,
                     group: int = INT4_GROUP) -> torch.Tensor:
     """The float weight an int4 copy stands for (tests and accuracy reports)."""
@@ -117,15 +105,50 @@ def dequantize_int4(packed_q: torch.Tensor, scales_zeros: torch.Tensor, n: int, 
     return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed_q, group, scales_zeros).t()
 
 
-class QuantizedWeight:
-    """A quantized copy of one [N, K] weight and the matmul that uses it.
+class PackedWeight(ABC):
+    """A layer's weight [N, K] in the form one kernel reads, and the matmul with it."""
 
-    In bf16 on a CPU with AVX512-VNNI both methods use kvserve's own kernel (`quant_linear`,
-    int8 then per group of 32 rather than per row): it quantizes the activations to int8 per
-    group of 32 (as GGML's Q8_1) and multiplies in integers, which beats the bf16 matmul at
-    every batch size measured here (1 to 512 rows), so such a copy serves every batch
-    (`serves_all_batches`) and the layer may drop its bf16 weight. Elsewhere torch's kernels
-    serve small batches only."""
+    @abstractmethod
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ w.T in x's dtype; row i depends on x[i] only."""
+
+    @abstractmethod
+    def fused(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed, scales) as the C++ `run_layers` reads them (see its `linear`)."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes read per use of the whole weight."""
+
+
+class DenseWeight(PackedWeight):
+    """A float32 or bf16 weight repacked for `dense_linear` (see `kernels.dense_kernels`):
+    tiles of 16 outputs whose sums over the input run down register lanes in one order."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        ops = kernels.dense_kernels(weight.dtype, weight.device, n, k)
+        if ops is None:
+            raise ValueError(f"no dense kernel for a {weight.dtype} [{n}, {k}] weight on "
+                             f"{weight.device}")
+        self.kernels = ops
+        self.packed = ops.dense_pack(weight)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.dense_linear(x, self.packed)
+
+    def fused(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.packed, self.packed.new_empty(0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+
+class QuantizedWeight(PackedWeight):
+    """A quantized copy of one [N, K] weight: kvserve's `quant_linear` tiles where that
+    kernel runs (int8 then per group of 32), else torch's int4/int8 packing."""
 
     def __init__(self, weight: torch.Tensor, method: str,
                  row_absmax: torch.Tensor | None = None) -> None:
@@ -134,8 +157,8 @@ class QuantizedWeight:
         dtype = weight.dtype
         if method == "none":
             raise ValueError("nothing to quantize with method 'none'")
-        # A row-parallel int8 shard must scale by whole rows (row_absmax): torch's kernel.
-        self.kernels = (vnni_kernels(dtype, self.n, self.k)
+        # A row-parallel int8 shard that must scale by whole rows (row_absmax): torch's kernel.
+        self.kernels = (kernels.quant_kernels(dtype, weight.device, self.n, self.k)
                         if method == "int4" or row_absmax is None else None)
         if self.kernels is not None:
             q, d, m = (_int8_groups(weight) if method == "int8"
@@ -147,17 +170,15 @@ class QuantizedWeight:
         else:
             self.q, self.scales = quantize_int4(weight, dtype)
 
-    @property
-    def serves_all_batches(self) -> bool:
-        return self.kernels is not None
-
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ w.T in x's dtype."""
         if self.kernels is not None:
             return self.kernels.quant_linear(x.contiguous(), self.q)
         if self.method == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.q, INT4_GROUP, self.scales)
+
+    def fused(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q, self.scales
 
     @property
     def nbytes(self) -> int:

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.attention import cpu_ops
 from kvserve.attention.backend import AttentionBackend
 from kvserve.config import ModelConfig
 from kvserve.distributed.parallel import SINGLE, TensorParallel, head_shard
+from kvserve.kernels import norm_kernels, ops
 from kvserve.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -23,7 +23,7 @@ from kvserve.layers.linear import (
     VocabParallelEmbedding,
 )
 from kvserve.layers.norm import RMSNorm
-from kvserve.layers.quant import INT4_GROUP, SMALL_BATCH
+from kvserve.layers.quant import INT4_GROUP, DenseWeight, QuantizedWeight
 from kvserve.layers.rotary import RotaryEmbedding
 
 
@@ -105,24 +105,23 @@ class LlamaForCausalLM(nn.Module):
         if fused is not None:
             # All layers in one C++ call making the same ATen and kernel calls as the modules
             # below, without ~50 us of Python per layer between them.
-            return self.norm(cpu_ops.ops().run_layers(
+            return self.norm(ops().run_layers(
                 x, *rope, self.fused_params(), kv_caches, *fused, attn.num_heads,
-                attn.num_kv_heads, self.norm.eps, SMALL_BATCH, INT4_GROUP))
+                attn.num_kv_heads, self.norm.eps, INT4_GROUP))
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(rope, x, kv_cache, meta)
         return self.norm(x)
 
     def fused_params(self) -> list[torch.Tensor]:
         """Every layer's tensors in the order the C++ run_layers reads them: input norm,
-        (weight, quantized, scales, bias) of qkv and o, post-attention norm, the same of
+        (weight, packed, scales, bias) of qkv and o, post-attention norm, the same of
         gate_up and down; an empty tensor for what a layer lacks. Built once."""
         if self._fused is None:
             none = torch.empty(0)
 
             def linear(m: LinearBase) -> list[torch.Tensor]:
-                q = m.quantized
-                return [m.weight, none if q is None else q.q, none if q is None else q.scales,
-                        none if m.bias is None else m.bias]
+                packed, scales = m.packed.fused() if m.packed is not None else (none, none)
+                return [m.weight, packed, scales, none if m.bias is None else m.bias]
 
             self._fused = []
             for layer in self.layers:
@@ -131,6 +130,35 @@ class LlamaForCausalLM(nn.Module):
                                 *linear(a.o_proj), layer.post_attention_layernorm.weight,
                                 *linear(mlp.gate_up_proj), *linear(mlp.down_proj)]
         return self._fused
+
+    def weight_kernel(self) -> str:
+        """Which kernel the projections run on, in words (for logs)."""
+        packed = self.layers[0].self_attn.qkv_proj.packed
+        if isinstance(packed, DenseWeight):
+            return "kvserve's dense kernel"
+        if isinstance(packed, QuantizedWeight):
+            return f"{packed.method} on " + ("kvserve's VNNI kernel" if packed.kernels is not None
+                                             else "torch's kernel")
+        return "torch's matmul"
+
+    def batch_variant_parts(self) -> list[str]:
+        """The parts of a forward pass whose result for a row can depend on the other rows
+        of the step (torch's CPU and GPU kernels pick their blocking, and so their summation
+        order, by shape); empty when every part runs one of kvserve's batch-invariant
+        kernels (see kvserve.kernels)."""
+        parts = []
+        attn = self.layers[0].self_attn
+        dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
+        if attn.backend.ops_for(dtype, device) is None:
+            parts.append("attention on torch's ops")
+        if any(isinstance(m, LinearBase) and m.packed is None for m in self.modules()):
+            parts.append("matmuls on torch's F.linear")
+        if norm_kernels(dtype, device) is None:
+            parts.append("RMSNorm on torch's ops")
+        if self.tp.size > 2:
+            parts.append(f"the all-reduce over {self.tp.size} ranks (its summation order "
+                         "follows the message size)")
+        return parts
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [T, vocab] in float32, only for the rows the caller selected (the sampled
@@ -141,12 +169,13 @@ class LlamaForCausalLM(nn.Module):
             return logits
         return logits[:, :self.config.vocab_size]  # the last shard's zero padding
 
-    def quantize_(self, method: str) -> None:
-        """Weight-only quantized copies of every projection (see QuantizedWeight). The LM head
-        gets int8 whatever the method: its logits feed sampling directly."""
+    def pack_(self, quantization: str) -> None:
+        """Every projection in the form its kernel reads (see LinearBase.pack_): quantized
+        copies for int4/int8, where the LM head gets int8 whatever the method (its logits
+        feed sampling directly); the weights repacked for the dense kernel for none."""
         self._fused = None
         for module in self.modules():
             if isinstance(module, LinearBase) and module is not self.lm_head:
-                module.quantize_(method)
+                module.pack_(quantization)
         # The head's weight stays: it is the tied embedding, or the MTP drafter reads it.
-        self.lm_head.quantize_("int8", keep_weight=True)
+        self.lm_head.pack_("none" if quantization == "none" else "int8", keep_weight=True)

@@ -30,8 +30,10 @@ def build_drafter(spec: SpecConfig, target: LlamaForCausalLM, target_path, dtype
             raise ValueError(f"draft model {path.name} has a vocabulary of "
                              f"{loaded.config.vocab_size} tokens, the target "
                              f"{target.config.vocab_size}: they must share a tokenizer")
-        if check_quantization(spec.quantization) != "none":
-            loaded.model.quantize_(spec.quantization)
+        if check_quantization(spec.quantization) != "none" and device.type != "cpu":
+            raise ValueError("the draft model's quantization (int4 by default) uses CPU "
+                             f"kernels; set \"quantization\": \"none\" on {device.type}")
+        loaded.model.pack_(spec.quantization)
         return DraftModelDrafter(loaded.model, dtype, device, sched.max_num_batched_tokens)
     from kvserve.spec_decode.mtp import MTPDrafter
 

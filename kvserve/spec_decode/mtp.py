@@ -34,8 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve import kernels
 from kvserve.layers.linear import ReplicatedLinear
-from kvserve.layers.quant import QuantizedWeight, vnni_kernels
+from kvserve.layers.quant import QuantizedWeight
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.request import Request
 from kvserve.spec_decode.base import Drafter
@@ -125,7 +126,7 @@ class MTPDrafter(Drafter):
         # The draft vocabulary's rows of the LM head, copied once (9 MB for 8192 x 576 bf16).
         self.head = head.detach()[ids].clone() if self.vocab_ids is not None else None
         self.head_q: QuantizedWeight | None = None
-        if device.type == "cpu" and vnni_kernels(dtype, module.hidden, 2 * module.hidden):
+        if kernels.quant_kernels(dtype, device, module.hidden, 2 * module.hidden):
             # A draft step is one row through ~9 MB of bf16 weights and as much head: int8
             # on the VNNI kernel halves the bytes and skips torch's slow bf16 GEMV (a draft
             # step 1.06 -> 0.48 ms here). Drafts only propose; verification stays exact.
@@ -133,9 +134,9 @@ class MTPDrafter(Drafter):
                 old = getattr(self.module, name)
                 new = ReplicatedLinear(old.in_features, old.out_features).to(dtype)
                 new.load(old.weight.data)
-                new.quantize_("int8")
+                new.pack_("int8")
                 setattr(self.module, name, new)
-            if self.head is not None and vnni_kernels(dtype, *self.head.shape):
+            if self.head is not None and kernels.quant_kernels(dtype, device, *self.head.shape):
                 self.head_q = QuantizedWeight(self.head, "int8")
                 self.head = None
 

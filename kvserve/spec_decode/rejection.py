@@ -7,11 +7,18 @@ min_tokens see them), so the target distribution p_j is the one plain decoding w
 
 - Greedy requests accept d_{j+1} while it equals argmax p_j, then take argmax p_j at the
   first mismatch (or argmax p_k when all match): the same tokens as greedy decoding.
-- Random requests accept d_{j+1} with probability min(1, p_j(d)/q_j(d)), where q_j is the
-  distribution the drafter sampled d_{j+1} from (one-hot when it gives tokens only). At the
-  first rejection the token is drawn from max(0, p_j - q_j), normalised; when all k are
-  accepted a bonus token is drawn from p_k. Every emitted token is then distributed exactly
-  as p (Leviathan et al., 2023; Chen et al., 2023).
+- Seeded random requests do the same with the token the sampler would draw from p_j (with
+  the request's uniform number for that position, `seeded_uniform`): the tokens are those of
+  decoding without speculation, so a seed gives the same output with or without it, with
+  any acceptance. For a drafter that proposes tokens only (n-gram), d is accepted with
+  probability p_j(d), as rejection sampling would; a draft model samples its drafts with the
+  same uniform numbers, so where q is close to p its draft tends to be the target's token.
+- Unseeded random requests accept d_{j+1} with probability min(1, p_j(d)/q_j(d)), where q_j
+  is the distribution the drafter sampled d_{j+1} from (one-hot when it gives tokens only).
+  At the first rejection the token is drawn from max(0, p_j - q_j), normalised; when all k
+  are accepted a bonus token is drawn from p_k. Every emitted token is then distributed
+  exactly as p (Leviathan et al., 2023; Chen et al., 2023), with the best acceptance a
+  draft distribution allows.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from kvserve.sampler import (
     TokenLogprobs,
     apply_processors,
     apply_truncation,
+    draw_uniforms,
     inverse_cdf,
 )
 from kvserve.sampling_params import SamplingParams
@@ -39,7 +47,6 @@ class Row:
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None
     eos_token_ids: frozenset[int]
 
 
@@ -58,23 +65,27 @@ def plain_greedy(req: Request) -> bool:
 
 
 def process_rows(logits: torch.Tensor, rows: list[Row], device: torch.device
-                 ) -> tuple[SamplingMetadata, torch.Tensor, torch.Tensor | None]:
+                 ) -> tuple[SamplingMetadata, torch.Tensor, torch.Tensor | None,
+                            torch.Tensor | None]:
     """Rows of logits processed as the sampler processes them: (metadata, the greedy token
-    of each row, and the distribution of each row when any row samples, else None)."""
+    of each row, and when any row samples, the distribution of each row and the token the
+    sampler draws from it, else None and None)."""
     meta = SamplingMetadata.build(rows, logits.shape[-1], device)
     processed = apply_processors(logits.to(torch.float32, copy=True), meta)
     greedy = processed.argmax(dim=-1)
-    probs = None if meta.all_greedy else apply_truncation(processed, meta).softmax(dim=-1)
-    return meta, greedy, probs
+    if meta.all_greedy:
+        return meta, greedy, None, None
+    probs = apply_truncation(processed, meta).softmax(dim=-1)
+    return meta, greedy, probs, inverse_cdf(probs, draw_uniforms(meta, device).unsqueeze(1))
 
 
-def _accept_greedy(drafts: list[int], greedy: list[int], row: int) -> list[int]:
-    """The drafts that match the target's greedy tokens (rows row, row+1, ...), then the
-    target's token where they stop matching."""
+def _accept_matching(drafts: list[int], target: list[int], row: int) -> list[int]:
+    """The drafts that match the target's tokens (rows row, row+1, ...), then the target's
+    token where they stop matching."""
     a = 0
-    while a < len(drafts) and drafts[a] == greedy[row + a]:
+    while a < len(drafts) and drafts[a] == target[row + a]:
         a += 1
-    return drafts[:a] + [greedy[row + a]]
+    return drafts[:a] + [target[row + a]]
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
@@ -84,7 +95,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
         greedy_h = logits.argmax(dim=-1).tolist()
         tokens, o = [], 0
         for req in requests:
-            tokens.append(_accept_greedy(req.draft_token_ids, greedy_h, o))
+            tokens.append(_accept_matching(req.draft_token_ids, greedy_h, o))
             o += len(req.draft_token_ids) + 1
         return VerifyOutput(tokens, [[None] * len(t) for t in tokens])
     rows: list[Row] = []
@@ -92,10 +103,10 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
         out = req.output_token_ids
         for j in range(len(req.draft_token_ids) + 1):
             rows.append(Row(req.sampling_params, req.prompt_token_ids,
-                             out + req.draft_token_ids[:j], req.generator, req.eos_token_ids))
+                             out + req.draft_token_ids[:j], req.eos_token_ids))
     if logits.shape[0] != len(rows):
         raise ValueError(f"expected {len(rows)} rows of logits, got {logits.shape[0]}")
-    meta, greedy, probs = process_rows(logits, rows, device)
+    meta, greedy, probs, sampled = process_rows(logits, rows, device)
 
     # Host copies of what the decisions need: greedy argmaxes, and p(d) of each draft.
     draft_rows: list[int] = []
@@ -105,11 +116,12 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
     for req in requests:
         offsets.append(o)
         k = len(req.draft_token_ids)
-        if not req.sampling_params.is_greedy:
+        if _rejection_sampled(req):
             draft_rows.extend(range(o, o + k))
             draft_ids.extend(req.draft_token_ids)
         o += k + 1
     greedy_h = greedy.tolist()
+    sampled_h = sampled.tolist() if sampled is not None else []
     p_draft: list[float] = []
     if draft_rows:
         assert probs is not None
@@ -122,9 +134,12 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
         drafts = req.draft_token_ids
         k = len(drafts)
         if req.sampling_params.is_greedy:
-            tokens.append(_accept_greedy(drafts, greedy_h, o))
+            tokens.append(_accept_matching(drafts, greedy_h, o))
             continue
-        u = uniform(k, req.generator, device).tolist()
+        if not _rejection_sampled(req):
+            tokens.append(_accept_matching(drafts, sampled_h, o))
+            continue
+        u = torch.rand(k, device=device).tolist()
         q = req.draft_probs
         q_draft = ([1.0] * k if q is None else
                    q[torch.arange(k), torch.tensor(drafts)].tolist())
@@ -148,8 +163,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
                     residual = (p - req.draft_probs[a].to(p.device, torch.float32)).clamp_(min=0)
                 p = residual if residual.sum() > 0 else p
             dist.append(p)
-        u = torch.cat([uniform(1, req.generator, device) for _, _, req, _ in final])
-        drawn = inverse_cdf(torch.stack(dist), u.unsqueeze(1)).tolist()
+        u = torch.rand(len(final), 1, device=device)
+        drawn = inverse_cdf(torch.stack(dist), u).tolist()
         for (i, _, _, _), t in zip(final, drawn, strict=True):
             tokens[i].append(t)
 
@@ -162,7 +177,6 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
     return VerifyOutput(tokens, logprobs)
 
 
-def uniform(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """n uniform numbers from the request's own generator when it is seeded."""
-    u = torch.empty(n, device=device)
-    return u.uniform_(generator=generator) if generator is not None else u.uniform_()
+def _rejection_sampled(req: Request) -> bool:
+    """Random and unseeded: verified by rejection sampling (seeded: by matching)."""
+    return not req.sampling_params.is_greedy and req.sampling_params.seed is None

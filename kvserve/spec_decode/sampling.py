@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.request import Request
-from kvserve.sampler import inverse_cdf
-from kvserve.spec_decode.rejection import Row, plain_greedy, process_rows, uniform
+from kvserve.spec_decode.rejection import Row, plain_greedy, process_rows
 
 
 def sample_drafts(logits: torch.Tensor, requests: list[Request],
@@ -14,18 +13,17 @@ def sample_drafts(logits: torch.Tensor, requests: list[Request],
                   ) -> tuple[list[int], torch.Tensor | None]:
     """One draft token per request from draft-model `logits` [B, V], each row processed
     with the request's own sampling settings (as if its drafts so far were output).
-    Greedy requests take the argmax; others sample. Returns the tokens and, when any
-    request samples, the distributions q [B, V] they were drawn from."""
+    Greedy requests take the argmax; others sample, seeded ones with the uniform number the
+    target will use at that position. Returns the tokens and, when any request samples, the
+    distributions q [B, V] they were drawn from."""
     if all(plain_greedy(r) for r in requests):
         return logits.argmax(dim=-1).tolist(), None
     rows = [Row(r.sampling_params, r.prompt_token_ids,
-                r.output_token_ids + drafts[r.request_id], r.generator, r.eos_token_ids)
+                r.output_token_ids + drafts[r.request_id], r.eos_token_ids)
             for r in requests]
-    meta, greedy, q = process_rows(logits, rows, device)
-    if q is None:
+    meta, greedy, q, drawn = process_rows(logits, rows, device)
+    if q is None or drawn is None:
         return greedy.tolist(), None
-    u = torch.cat([uniform(1, r.generator, device) for r in requests]).unsqueeze(1)
-    drawn = inverse_cdf(q, u)
     if meta.greedy_mask is not None:
         drawn = torch.where(meta.greedy_mask, greedy, drawn)
     return drawn.tolist(), q

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.attention import cpu_ops
+from kvserve import kernels
 from kvserve.attention.backend import AttentionBatch
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.config import CacheConfig
@@ -36,21 +36,21 @@ log = logging.getLogger(__name__)
 def load_target(model: str | None, dtype: torch.dtype, device: torch.device,
                 kv_cache_dtype: str, quantization: str,
                 tp: TensorParallel = SINGLE) -> tuple[LoadedModel, str]:
-    """The served model (this rank's shard of it) with its attention backend and weight-only
-    quantized copies; returns it and the quantization applied (`auto` resolved: a GGUF keeps
-    its precision class on the CPU, nothing elsewhere)."""
+    """The served model (this rank's shard of it) with its attention backend and its weights
+    in the form their kernels read (LlamaForCausalLM.pack_); returns it and the quantization
+    applied. `auto` keeps a GGUF's precision class where kvserve's VNNI kernel runs it on bf16
+    activations, and is none elsewhere: torch's int4/int8 kernels are slower than the float
+    weights at prompt sizes (and in float32 at every size), and float32 is asked for exactness."""
     path = resolve_model(model)
     loaded = load_model(path, dtype, device,
                         lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads, c.head_dim,
                                                       kv_cache_dtype), tp)
     if quantization == "auto":
-        quantization = ("none" if device.type != "cpu"
-                        else auto_quantization(loaded.weight_format))
-    if check_quantization(quantization) != "none":
-        if device.type != "cpu":
-            raise ValueError("--quantization int8/int4 uses CPU kernels; use none on "
-                             f"{device.type}")
-        loaded.model.quantize_(quantization)
+        vnni = dtype == torch.bfloat16 and kernels.quant_kernels(dtype, device, 16, 32)
+        quantization = auto_quantization(loaded.weight_format) if vnni else "none"
+    if check_quantization(quantization) != "none" and device.type != "cpu":
+        raise ValueError(f"--quantization int8/int4 uses CPU kernels; use none on {device.type}")
+    loaded.model.pack_(quantization)
     return loaded, quantization
 
 
@@ -145,7 +145,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.keep_hidden = False  # set by a drafter that drafts from the target's states
         if device.type == "cpu":
-            cpu_ops.ops()  # build or load the C++ kernels now rather than in the first request
+            kernels.ops()  # build or load the C++ kernels now rather than in the first request
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,130 @@
+// Shared by the CPU kernels: what each file provides, and the small vector helpers they use.
+//
+// Batch invariance is the rule every kernel here keeps: an output row is computed by the same
+// instructions in the same order whatever the other rows of the call are, how many there
+// are, or which thread runs it. Work is split only across rows (or across outputs that are
+// summed separately); never along a reduction.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+// attention.cpp
+bool has_paged_attention(at::ScalarType dtype);
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& seqs,
+                           const at::Tensor& tables, int64_t block_size, double scale);
+
+// linear.cpp
+bool has_dense_linear(at::ScalarType dtype);
+at::Tensor dense_pack(const at::Tensor& w);
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed);
+bool has_quant_linear();
+at::Tensor quant_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
+                      int64_t bits);
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed);
+
+namespace kvs {
+
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+#if defined(__AVX512F__)
+// exp(x) on 16 lanes for the softmax, without a call per element: 2^(x log2 e) as 2^k times a
+// degree-6 polynomial for 2^f, f in [-0.5, 0.5], within ~2 ulp. x is clamped at -87 so 2^k
+// stays a normal float; the inputs are scores minus their maximum, and exp(-87) is
+// negligible beside the maximum's 1.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, k);
+  __m512 p = _mm512_set1_ps(0.000154035304f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00133335581f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00961812911f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0555041087f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240226507f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693147182f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// Values per 32-bit "unit", the operands of one multiply-add lane: a float32 value (fmadd),
+// or a pair of bf16 values (dpbf16, which adds both products to the lane).
+template <typename T>
+constexpr int64_t kPer = std::is_same_v<T, float> ? 1 : 2;
+
+// acc += a * b: a one unit broadcast to every lane, b a unit per lane.
+template <typename T>
+inline __m512 fma_unit(__m512 acc, const uint32_t* a, __m512i b) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_fmadd_ps(_mm512_set1_ps(*reinterpret_cast<const float*>(a)),
+                           _mm512_castsi512_ps(b), acc);
+  } else {
+#if defined(__AVX512BF16__)
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(*a)),
+                            (__m512bh)b);
+#else
+    static_assert(!std::is_same_v<T, T>, "bf16 needs AVX512-BF16");
+#endif
+  }
+}
+
+// 16 float32 results stored as T (bf16: rounded to nearest even).
+template <typename T>
+inline void store16(T* dst, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(dst, v);
+  } else {
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+    static_assert(!std::is_same_v<T, T>, "bf16 needs AVX512-BF16");
+#endif
+  }
+}
+
+// 16 x 16 32-bit transpose in registers: r[i] lane j -> r[j] lane i.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // r[4a + b] now holds, in its 128-bit lane L, column 4L + b of rows 4a .. 4a + 3; gather
+  // the lanes of the four row groups.
+  for (int b = 0; b < 4; ++b) {
+    const __m512i x0 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x88);
+    const __m512i x1 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xDD);
+    const __m512i x2 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x88);
+    const __m512i x3 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xDD);
+    t[b] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+    t[4 + b] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+    t[8 + b] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+    t[12 + b] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+#endif
+
+}  // namespace kvs

@@ -1,0 +1,179 @@
+// The per-layer pieces of a decoder step on the CPU and `run_layers`, which runs every decoder
+// layer of a step in one call: the same ATen and kernel calls as the Python modules make (so
+// the same results), without ~50 us of Python per layer between them. The compute-heavy
+// kernels live in attention.cpp and linear.cpp; this file also holds the module's bindings.
+//
+// rms_norm: x [N, C] -> x * rsqrt(mean(x^2) + eps) rounded to x's dtype, times the weight, as
+// the reference computes it (float32 statistics), each row alone.
+//
+// store_kv: K/V rows into their cache slots (what index_copy_ does, without the stacked copy).
+#include "common.h"
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float value(const T* p, int64_t i) {
+  if constexpr (std::is_same_v<T, float>) {
+    return p[i];
+  } else {
+    uint16_t bits;
+    std::memcpy(&bits, p + i, sizeof bits);
+    return kvs::bf16_to_float(bits);
+  }
+}
+
+constexpr int64_t kLanes = 16;  // partial sums of the sum of squares, so the compiler vectorizes
+
+template <typename T>
+void rms_rows(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
+  const int64_t N = x.size(0), C = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  // Rows are cheap (C ~ 1k): split only when there are many of them.
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(C);
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t c = 0; c < C; ++c) row[c] = value(xp + i * C, c);
+      float part[kLanes] = {0.f};
+      const int64_t body = C - C % kLanes;
+      for (int64_t c = 0; c < body; c += kLanes)
+        for (int64_t j = 0; j < kLanes; ++j) part[j] += row[c + j] * row[c + j];
+      float ss = 0.f;
+      for (int64_t j = 0; j < kLanes; ++j) ss += part[j];
+      for (int64_t c = body; c < C; ++c) ss += row[c] * row[c];
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(C) + static_cast<float>(eps));
+      T* o = op + i * C;
+      for (int64_t c = 0; c < C; ++c) {
+        const T normed = static_cast<T>(row[c] * r);  // rounded first, as the reference does
+        o[c] = static_cast<T>(static_cast<float>(normed) * value(wp, c));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(), "bad input");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "weight shape");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight dtypes differ");
+  auto out = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) {
+    rms_rows<float>(x, weight, eps, out);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    rms_rows<c10::BFloat16>(x, weight, eps, out);
+  } else {
+    TORCH_CHECK(false, "rms_norm supports float32 and bfloat16");
+  }
+  return out;
+}
+
+// K and V rows [T, Hkv, W] (rows contiguous) into the slots of cache [2, Hkv, slots, W]: the
+// same bytes as index_copy_ from a stacked, transposed copy, moved row by row.
+void store_kv(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& k,
+              const at::Tensor& v) {
+  TORCH_CHECK(cache.dim() == 4 && cache.size(0) == 2 && cache.is_contiguous(), "cache shape");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == cache.size(1) &&
+                  k.size(2) == cache.size(3), "k and v must be [T, Hkv, W]");
+  TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(),
+              "k, v and cache dtypes differ");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v rows must be contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0), "slots");
+  const int64_t T = k.size(0), Hkv = k.size(1), W = k.size(2), S = cache.size(2);
+  const int64_t es = cache.element_size(), row = W * es;
+  auto sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  auto* dst = static_cast<char*>(cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "slot out of range");
+    for (int64_t h = 0; h < Hkv; ++h) {
+      std::memcpy(dst + ((0 * Hkv + h) * S + sp[t]) * row,
+                  kp + (t * k.stride(0) + h * k.stride(1)) * es, row);
+      std::memcpy(dst + ((1 * Hkv + h) * S + sp[t]) * row,
+                  vp + (t * v.stride(0) + h * v.stride(1)) * es, row);
+    }
+  }
+}
+
+namespace {
+
+constexpr int64_t kParamsPerLayer = 18;
+
+// y = x W^T (+ b) as kvserve.layers.linear computes it, from (weight, packed, scales, bias):
+// quant_pack's tiles (uint8, 3-D) -> quant_linear; dense_pack's tiles (3-D, x's dtype) ->
+// dense_linear; torch's int4 (uint8) or int8 packing (2-D) -> torch's kernel; nothing packed
+// -> the plain weight. Missing pieces are empty tensors.
+at::Tensor linear(const at::Tensor& x, const at::Tensor* p, int64_t group) {
+  const at::Tensor &w = p[0], &q = p[1], &s = p[2], &b = p[3];
+  at::Tensor y;
+  if (q.dim() == 3) {
+    y = q.scalar_type() == at::kByte ? quant_linear(x, q) : dense_linear(x, q);
+  } else if (q.numel()) {
+    y = q.scalar_type() == at::kByte ? at::_weight_int4pack_mm_for_cpu(x, q, group, s)
+                                     : at::_weight_int8pack_mm(x, q, s);
+  } else {
+    y = at::linear(x, w);
+  }
+  return b.numel() ? y + b : y;
+}
+
+}  // namespace
+
+// run_layers: per layer, `params` holds: input norm weight; qkv, o, gate_up and down as
+// (weight, packed, scales, bias); post-attention norm weight (see
+// LlamaForCausalLM.fused_params). The attention inputs are paged_attention's: the step's
+// sequences [S, 3] (first row, rows, context length) and their block tables [S, nb].
+at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                      const std::vector<at::Tensor>& params,
+                      const std::vector<at::Tensor>& caches, const at::Tensor& slots,
+                      const at::Tensor& seqs, const at::Tensor& tables, int64_t block_size,
+                      double scale, int64_t heads, int64_t kv_heads, double eps,
+                      int64_t int4_group) {
+  const int64_t L = static_cast<int64_t>(caches.size());
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == L * kParamsPerLayer, "params per layer");
+  TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
+  const int64_t T = x.size(0), D = cos.size(-1);
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* p = params.data() + l * kParamsPerLayer;
+    const at::Tensor& cache = caches[l];
+    auto qkv = linear(rms_norm(x, p[0], eps), p + 1, int4_group)
+                   .view({T, heads + 2 * kv_heads, D});
+    auto qk_in = qkv.narrow(1, 0, heads + kv_heads);
+    auto qk = at::addcmul(qk_in * cos, qk_in.roll({D / 2}, {-1}), sin);
+    store_kv(cache, slots, qk.narrow(1, heads, kv_heads),
+             qkv.narrow(1, heads + kv_heads, kv_heads));
+    auto attn = paged_attention(qk.narrow(1, 0, heads), cache, seqs, tables, block_size, scale);
+    x = x + linear(attn.flatten(1), p + 5, int4_group);
+    auto gate_up = linear(rms_norm(x, p[9], eps), p + 10, int4_group).chunk(2, -1);
+    x = x + linear(at::silu(gate_up[0]) * gate_up[1], p + 14, int4_group);
+  }
+  return x;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The compute entries release the GIL: they touch no Python object, and a decode step's
+  // run_layers runs for milliseconds, during which the server's event loop must be free
+  // to stream the previous step's tokens and take new requests.
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  m.def("has_paged_attention", &has_paged_attention,
+        "whether paged_attention is built for this dtype");
+  m.def("paged_attention", &paged_attention, "attention of a step's rows, paged K/V (CPU)",
+        nogil());
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension of a 2-D tensor (CPU)",
+        nogil());
+  m.def("has_dense_linear", &has_dense_linear, "whether dense_linear is built for this dtype");
+  m.def("dense_pack", &dense_pack, "pack a float32/bf16 weight for dense_linear", nogil());
+  m.def("dense_linear", &dense_linear, "x @ W.T, W packed by dense_pack (CPU)", nogil());
+  m.def("has_quant_linear", &has_quant_linear, "whether quant_linear is built");
+  m.def("quant_pack", &quant_pack, "pack int4/int8 weights for quant_linear", nogil());
+  m.def("quant_linear", &quant_linear, "x @ W.T, W packed int4/int8 (CPU, AVX512-VNNI)",
+        nogil());
+  m.def("store_kv", &store_kv, "write K/V rows into their cache slots (CPU)", nogil());
+  m.def("run_layers", &run_layers, "all decoder layers of a step (CPU)", nogil());
+}

@@ -1,0 +1,317 @@
+// x W^T for every weight format, each output computed alone: its sum over the input
+// dimension runs in one order in one register lane, whatever the number of rows (batch
+// invariance), so there is no separate small-batch path anywhere.
+//
+// dense_pack / dense_linear: float32 or bf16 weights. The weight is repacked once into tiles
+// of 16 outputs, [N / 16][K / per][16 units]: unit u of output j at (u, j), a unit being one
+// float32 input or a pair of bf16 inputs (2u, 2u + 1). A microkernel keeps MR rows x NC
+// tiles of accumulators in registers and, per unit, broadcasts each row's unit against the
+// NC tiles' (fmadd, or dpbf16 for a pair). Work is split over tiles of outputs; the whole
+// input dimension is summed in one pass.
+//
+// quant_pack / quant_linear: int4 (GGML's Q4_1) or int8 weights in groups of 32, with x
+// quantized to int8 per group (GGML's Q8_1) and AVX512-VNNI integer dot products; faster
+// than torch's int4/int8 kernels and than the bf16 matmul at every batch size here.
+#include "common.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr bool kHasDenseF32 = true;
+constexpr int kMR = 8;  // rows per microkernel call
+constexpr int kNC = 3;  // tiles of 16 outputs per microkernel call
+
+template <typename T, int MR, int NC>
+void dense_block(const uint32_t* const* x, const uint32_t* w, int64_t U, T* const* y) {
+  __m512 acc[MR][NC];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t tile = U * 16;
+  for (int64_t u = 0; u < U; ++u) {
+    __m512i wv[NC];
+    for (int c = 0; c < NC; ++c) wv[c] = _mm512_loadu_si512(w + c * tile + u * 16);
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < NC; ++c) acc[r][c] = kvs::fma_unit<T>(acc[r][c], x[r] + u, wv[c]);
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) kvs::store16(y[r] + 16 * c, acc[r][c]);
+}
+
+template <typename T>
+using DenseFn = void (*)(const uint32_t* const*, const uint32_t*, int64_t, T* const*);
+
+template <typename T, int NC>
+constexpr DenseFn<T> kDenseRows[kMR] = {dense_block<T, 1, NC>, dense_block<T, 2, NC>,
+                                        dense_block<T, 3, NC>, dense_block<T, 4, NC>,
+                                        dense_block<T, 5, NC>, dense_block<T, 6, NC>,
+                                        dense_block<T, 7, NC>, dense_block<T, 8, NC>};
+
+template <typename T>
+DenseFn<T> dense_fn(int mr, int nc) {
+  return nc == 1 ? kDenseRows<T, 1>[mr - 1]
+         : nc == 2 ? kDenseRows<T, 2>[mr - 1] : kDenseRows<T, kNC>[mr - 1];
+}
+
+template <typename T>
+void dense_run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * 16;
+  const int64_t U = K / kvs::kPer<T>, blocks = (tiles + kNC - 1) / kNC;
+  const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr());
+  T* yp = static_cast<T*>(y.data_ptr());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int nc = static_cast<int>(std::min<int64_t>(kNC, tiles - b * kNC));
+      for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+        const int mr = static_cast<int>(std::min<int64_t>(kMR, M - m0));
+        const uint32_t* xr[kMR];
+        T* yr[kMR];
+        for (int r = 0; r < mr; ++r) {
+          xr[r] = xp + (m0 + r) * U;
+          yr[r] = yp + (m0 + r) * N + b * kNC * 16;
+        }
+        dense_fn<T>(mr, nc)(xr, wp + b * kNC * U * 16, U, yr);
+      }
+    }
+  });
+}
+#else
+constexpr bool kHasDenseF32 = false;
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kHasDenseBF16 = true;
+#else
+constexpr bool kHasDenseBF16 = false;
+#endif
+
+// Bytes of one quant_linear tile: 16 outputs x 32 inputs of `bits` each, then 16 float16 d
+// and 16 float16 m.
+constexpr int64_t tile_bytes(int64_t bits) { return bits * 64 + 2 * 16 * 2; }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+constexpr bool kHasQuantLinear = true;
+
+// quant_linear. Weights in groups of 32 inputs, w = q * d + m with q unsigned (4 bits: 0..15,
+// GGML's Q4_1; 8 bits: 0..255, an int8 weight stored as q = w / d + 128 with m = -128 d) and
+// d, m float16 per group and output. quant_pack lays them out in tiles of 16 outputs x 32
+// inputs: registers whose byte (lane j, byte b) of register c holds input 4c + b of output j
+// (4 bits: register c < 4 holds inputs 4c + b in its low nibbles and 4c + 16 + b in its high
+// ones), then the 16 d and the 16 m. Activations (float32 or bf16) are quantized per row and
+// group to int8 (x ~ xq * dx, as GGML's Q8_1), so that vpdpbusd multiplies 4 pairs per lane
+// in integers:
+//   y[n] = sum_g d[n,g] * dx[g] * sum_k q[n,k] xq[k]  +  m[n,g] * dx[g] * sum_k xq[k].
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+template <typename T>
+void quantize_rows_q8(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx) {
+  const int64_t G = K / 32;
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 a = load16(x + m * K + g * 32), b = load16(x + m * K + g * 32 + 16);
+        const float amax =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+        int8_t* dst = xq + m * K + g * 32;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qb));
+        dx[m * G + g] = d;
+        sx[m * G + g] =
+            d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+      }
+    }
+  });
+}
+
+constexpr int64_t kPrefetchGroups = 8;
+
+// NR rows x 16 outputs over all K / 32 groups of one column of tiles.
+template <int Bits, int NR, typename T>
+void quant_rows(const uint8_t* tile, int64_t groups, const int8_t* const* xq,
+                const float* const* dx, const float* const* sx, T* const* y) {
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, tile += tile_bytes(Bits)) {
+    // The weights stream from memory once per call: ask for them a few groups ahead.
+    for (int64_t i = 0; i < tile_bytes(Bits); i += 64)
+      _mm_prefetch(
+          reinterpret_cast<const char*>(tile + kPrefetchGroups * tile_bytes(Bits) + i),
+                   _MM_HINT_T0);
+    __m512i w[8];
+    if constexpr (Bits == 4) {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i p = _mm512_loadu_si512(tile + 64 * c);
+        w[c] = _mm512_and_si512(p, low);
+        w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+      }
+    } else {
+      for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(tile + 64 * c);
+    }
+    const auto* scales = reinterpret_cast<const __m256i*>(tile + Bits * 64);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(scales));
+    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(scales + 1));
+    for (int r = 0; r < NR; ++r) {
+      const auto* xr = reinterpret_cast<const int32_t*>(xq[r] + g * 32);
+      __m512i s = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) s = _mm512_dpbusd_epi32(s, w[c], _mm512_set1_epi32(xr[c]));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[r][g])),
+                               _mm512_cvtepi32_ps(s), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[r][g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) kvs::store16(y[r], acc[r]);
+}
+
+constexpr int kQuantRows = 8;
+template <typename T>
+using QuantRowsFn = void (*)(const uint8_t*, int64_t, const int8_t* const*, const float* const*,
+                             const float* const*, T* const*);
+template <int Bits, typename T>
+constexpr QuantRowsFn<T> kQuantRowFns[kQuantRows] = {
+    quant_rows<Bits, 1, T>, quant_rows<Bits, 2, T>, quant_rows<Bits, 3, T>,
+    quant_rows<Bits, 4, T>, quant_rows<Bits, 5, T>, quant_rows<Bits, 6, T>,
+    quant_rows<Bits, 7, T>, quant_rows<Bits, 8, T>};
+
+template <typename T>
+void quant_run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), T_ = packed.size(0), G = K / 32, N = T_ * 16;
+  const int64_t tb = packed.size(2);
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * G), sx(M * G);
+  quantize_rows_q8(x.data_ptr<T>(), M, K, xq.data(), dx.data(), sx.data());
+  const QuantRowsFn<T>* fns = tb == tile_bytes(4) ? kQuantRowFns<4, T> : kQuantRowFns<8, T>;
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  T* yp = out.data_ptr<T>();
+  at::parallel_for(0, T_, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t r0 = 0; r0 < M; r0 += kQuantRows) {
+        const int64_t nr = std::min<int64_t>(kQuantRows, M - r0);
+        const int8_t* xr[kQuantRows];
+        const float *dr[kQuantRows], *sr[kQuantRows];
+        T* yr[kQuantRows];
+        for (int64_t r = 0; r < nr; ++r) {
+          xr[r] = xq.data() + (r0 + r) * K;
+          dr[r] = dx.data() + (r0 + r) * G;
+          sr[r] = sx.data() + (r0 + r) * G;
+          yr[r] = yp + (r0 + r) * N + t * 16;
+        }
+        fns[nr - 1](wp + t * G * tb, G, xr, dr, sr, yr);
+      }
+    }
+  });
+}
+#else
+constexpr bool kHasQuantLinear = false;
+#endif
+
+}  // namespace
+
+bool has_dense_linear(at::ScalarType dtype) {
+  return dtype == at::kFloat ? kHasDenseF32 : dtype == at::kBFloat16 && kHasDenseBF16;
+}
+
+at::Tensor dense_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && has_dense_linear(w.scalar_type()),
+              "dense_pack: w must be [N, K] float32 or bf16 (with a kernel on this CPU)");
+  const int64_t N = w.size(0), K = w.size(1), per = w.scalar_type() == at::kFloat ? 1 : 2;
+  TORCH_CHECK(N % 16 == 0 && K % per == 0, "dense_pack needs N % 16 == 0 (and K even for bf16)");
+  const int64_t U = K / per;
+  // [N, U] units -> [N / 16, U, 16]: a transpose of each tile of 16 outputs.
+  return w.contiguous().view({N / 16, 16, U * per}).view(at::kInt).transpose(1, 2)
+      .contiguous().view(w.scalar_type()).view({N / 16, U, 16 * per});
+}
+
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(has_dense_linear(x.scalar_type()), "dense_linear: no kernel for this dtype");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.scalar_type() == x.scalar_type(),
+              "x [M, K] and dense_pack's tiles of x's dtype");
+  const int64_t per = x.scalar_type() == at::kFloat ? 1 : 2;
+  TORCH_CHECK(packed.size(1) * per == x.size(1) && packed.size(2) == 16 * per,
+              "packed weight shape does not match x");
+  auto xc = x.contiguous();
+  auto y = at::empty({x.size(0), packed.size(0) * 16}, x.options());
+#if defined(__AVX512F__)
+  if (x.scalar_type() == at::kFloat) {
+    dense_run<float>(xc, packed.contiguous(), y);
+  } else {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    dense_run<c10::BFloat16>(xc, packed.contiguous(), y);
+#endif
+  }
+#endif
+  return y;
+}
+
+bool has_quant_linear() { return kHasQuantLinear; }
+
+// quant_pack: q [N, K] uint8 (0..15 for bits 4, 0..255 for bits 8), d and m [N, K / 32] ->
+// quant_linear's tiles, [N / 16, K / 32, tile bytes] uint8 (N a multiple of 16, K of 32).
+at::Tensor quant_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
+                      int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "q must be [N, K] uint8");
+  const int64_t N = q.size(0), K = q.size(1), G = K / 32;
+  TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "quant_pack needs N % 16 == 0 and K % 32 == 0");
+  auto qc = q.contiguous();
+  auto dh = d.to(at::kHalf).contiguous(), mh = m.to(at::kHalf).contiguous();
+  TORCH_CHECK(dh.dim() == 2 && dh.size(0) == N && dh.size(1) == G && mh.sizes() == dh.sizes(),
+              "d and m must be [N, K / 32]");
+  const int64_t tb = tile_bytes(bits);
+  auto out = at::zeros({N / 16, G, tb}, q.options());
+  const uint8_t* qp = qc.data_ptr<uint8_t>();
+  const auto* dp = reinterpret_cast<const uint16_t*>(dh.data_ptr());
+  const auto* mp = reinterpret_cast<const uint16_t*>(mh.data_ptr());
+  uint8_t* op = out.data_ptr<uint8_t>();
+  for (int64_t t = 0; t < N / 16; ++t) {
+    for (int64_t g = 0; g < G; ++g) {
+      uint8_t* tile = op + (t * G + g) * tb;
+      for (int64_t j = 0; j < 16; ++j) {
+        const uint8_t* row = qp + (t * 16 + j) * K + g * 32;
+        for (int64_t k = 0; k < 32; ++k) {
+          if (bits == 8) {
+            tile[64 * (k / 4) + 4 * j + k % 4] = row[k];
+          } else {  // inputs 16.. go to the high nibbles of the registers of inputs 0..15
+            const int64_t lo = k % 16;
+            tile[64 * (lo / 4) + 4 * j + lo % 4] |=
+                static_cast<uint8_t>((row[k] & 15) << (k < 16 ? 0 : 4));
+          }
+        }
+        std::memcpy(tile + bits * 64 + 2 * j, dp + (t * 16 + j) * G + g, 2);
+        std::memcpy(tile + bits * 64 + 32 + 2 * j, mp + (t * 16 + j) * G + g, 2);
+      }
+    }
+  }
+  return out;
+}
+
+// quant_linear: x [M, K] float32 or bf16 times quant_pack's tiles [N / 16, K / 32, tile
+// bytes] (the tile size tells 4 from 8 bits) -> [M, N] in x's dtype.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(kHasQuantLinear, "quant_linear needs AVX512-VNNI and AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 ||
+                               x.scalar_type() == at::kFloat), "x must be [M, K] bf16/float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) * 32 == x.size(1), "packed weight shape");
+  const int64_t tb = packed.size(2);
+  TORCH_CHECK(tb == tile_bytes(4) || tb == tile_bytes(8), "not quant_pack's tiles");
+  auto out = at::empty({x.size(0), packed.size(0) * 16}, x.options());
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+  auto xc = x.contiguous();
+  if (x.scalar_type() == at::kFloat)
+    quant_run<float>(xc, packed, out);
+  else
+    quant_run<c10::BFloat16>(xc, packed, out);
+#endif
+  return out;
+}

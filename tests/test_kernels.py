@@ -1,0 +1,360 @@
+"""The C++ kernels: each agrees with the torch path it replaces, and each is batch-invariant
+(a row's result, bit for bit, is the same alone, in a batch of any size, in a prompt chunk or
+as a decode row, packed or read straight from the cache)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve import kernels
+from kvserve.attention.backend import AttentionBatch
+from kvserve.attention.kv_quant import quantize_int8
+from kvserve.attention.torch_paged import TorchPagedAttention
+from kvserve.layers.quant import DenseWeight, QuantizedWeight
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+
+
+def test_kernel_builds():
+    assert kernels.ops() is not None
+
+
+def _torch_path(monkeypatch, compute):
+    """compute() with the C++ kernels switched off (KVSERVE_NO_CPP), as on a machine
+    without them: the reference the kernels are checked against."""
+    monkeypatch.setenv("KVSERVE_NO_CPP", "1")
+    kernels.ops.cache_clear()
+    try:
+        return compute()
+    finally:
+        monkeypatch.delenv("KVSERVE_NO_CPP")
+        kernels.ops.cache_clear()
+
+
+def _attention_or_skip(dtype: torch.dtype) -> None:
+    if kernels.attention_kernels(dtype, "cpu", 64) is None:
+        pytest.skip(f"paged_attention has no {dtype} kernel on this CPU")
+
+
+def _paged_case(dtype, spans, block_size=16, heads=9, kv_heads=3, head_dim=64, kv="auto",
+                seed=0, shared=0):
+    """Random paged inputs for one step: spans of (new tokens, context length) per sequence,
+    their blocks scattered over the pool, the first `shared` blocks the same for every
+    sequence (a cached prefix)."""
+    g = torch.Generator().manual_seed(seed)
+    backend = TorchPagedAttention(heads, kv_heads, head_dim, kv)
+    num_blocks = 256
+    values = torch.randn(2, kv_heads, num_blocks * block_size, head_dim, generator=g)
+    cache = quantize_int8(values) if kv == "int8" else values.to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, slots, used = [], [], shared
+    for q, ctx in spans:
+        nb = -(-ctx // block_size) - shared
+        table = perm[:shared] + perm[used:used + nb]
+        used += nb
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size
+                  for p in range(ctx - q, ctx)]
+    meta = backend.build_metadata(AttentionBatch([q for q, _ in spans], [c for _, c in spans],
+                                                 tables, torch.tensor(slots), block_size))
+    n = sum(q for q, _ in spans)
+    q, k, v = (torch.randn(n, h, head_dim, generator=g).to(dtype)
+               for h in (heads, kv_heads, kv_heads))
+    return backend, q, k, v, cache, meta, tables
+
+
+@pytest.mark.parametrize("dtype,kv", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
+                                      (torch.bfloat16, "int8"), (torch.float32, "int8")])
+@pytest.mark.parametrize("head_dim,heads,kv_heads,block_size", [
+    (16, 4, 2, 4), (64, 9, 3, 16), (128, 8, 2, 16), (80, 4, 4, 16)])
+def test_paged_attention_matches_torch_path(monkeypatch, dtype, kv, head_dim, heads, kv_heads,
+                                            block_size):
+    """A step of prompt chunks (with and without cached context, lengths not multiples of
+    16), decode rows and a verification, against the torch path (SDPA and the batched
+    decode)."""
+    _attention_or_skip(dtype)
+    spans = [(37, 37), (21, 150), (1, 40), (1, 1), (70, 83), (3, 20)]
+    backend, q, k, v, cache, meta, _ = _paged_case(dtype, spans, block_size, heads, kv_heads,
+                                                   head_dim, kv)
+    fast = backend.forward(q, k, v, cache.clone(), meta)
+    slow = _torch_path(monkeypatch, lambda: backend.forward(q, k, v, cache.clone(), meta))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fast.float(), slow.float(), atol=tol, rtol=tol)
+
+
+def _rows_alone(ops, q, cache, tables, spans, block_size, scale):
+    """Every query row attended on its own, as a one-row sequence (a decode) at its
+    position."""
+    out, row = [], 0
+    for (n, ctx), table in zip(spans, tables, strict=True):
+        t = torch.tensor([table])
+        for i in range(n):
+            seqs = torch.tensor([[0, 1, ctx - n + i + 1]])
+            out.append(ops.paged_attention(q[row:row + 1].contiguous(), cache, seqs, t,
+                                           block_size, scale))
+            row += 1
+    return torch.cat(out)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       kv=st.sampled_from(["auto", "int8"]), head_dim=st.sampled_from([16, 32, 64]),
+       kv_heads=st.sampled_from([1, 2]), block_size=st.sampled_from([4, 16]),
+       threads=st.sampled_from([1, 2]))
+def test_paged_attention_rows_are_batch_invariant(data, dtype, kv, head_dim, kv_heads,
+                                                  block_size, threads):
+    """Random steps (prompt chunks, decodes, verifications, shared prefixes): each row of
+    the step is bit for bit the row attended alone as a decode, and a chunk split anywhere
+    gives the same rows. This covers both ways the kernel reads K/V (packed per step for
+    long chunks, or straight from the cache for short sequences)."""
+    _attention_or_skip(dtype)
+    spans = data.draw(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 60)).map(
+        lambda t: (t[0], t[0] + t[1])), min_size=1, max_size=5))
+    shared = data.draw(st.integers(0, min(c for _, c in spans) // block_size))
+    backend, q, _, _, cache, meta, tables = _paged_case(
+        dtype, spans, block_size, 4, kv_heads, head_dim, kv,
+        seed=data.draw(st.integers(0, 99)), shared=shared)
+    ops = kernels.ops()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        step = ops.paged_attention(q, cache, meta.seqs, meta.tables, block_size, backend.scale)
+        alone = _rows_alone(ops, q, cache, tables, spans, block_size, backend.scale)
+        assert torch.equal(step, alone)
+        # The first span's chunk in two pieces, as two steps would compute it.
+        n, ctx = spans[0]
+        if n > 1:
+            cut = data.draw(st.integers(1, n - 1))
+            t = meta.tables[:1]
+            head = ops.paged_attention(q[:cut].contiguous(), cache,
+                                       torch.tensor([[0, cut, ctx - n + cut]]), t,
+                                       block_size, backend.scale)
+            rest = ops.paged_attention(q[cut:n].contiguous(), cache,
+                                       torch.tensor([[0, n - cut, ctx]]), t, block_size,
+                                       backend.scale)
+            assert torch.equal(torch.cat([head, rest]), step[:n])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_paged_attention_refuses_bad_tables():
+    _attention_or_skip(torch.float32)
+    ops = kernels.ops()
+    cache = torch.zeros(2, 1, 64, 16)
+    q = torch.zeros(2, 1, 16)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops.paged_attention(q, cache, torch.tensor([[0, 2, 5]]), torch.tensor([[0, 99]]), 4, 1.0)
+    with pytest.raises(RuntimeError, match="cover the context"):
+        ops.paged_attention(q, cache, torch.tensor([[0, 2, 9]]), torch.tensor([[0, 1]]), 4, 1.0)
+    with pytest.raises(RuntimeError, match="rows out of range"):
+        ops.paged_attention(q, cache, torch.tensor([[1, 2, 5]]), torch.tensor([[0, 1]]), 4, 1.0)
+
+
+def _linear_forms():
+    """(name, dtype, constructor of the packed form) for every form served on this CPU."""
+    forms = []
+    for dtype in (torch.float32, torch.bfloat16):
+        if kernels.dense_kernels(dtype, "cpu", 16, 32) is not None:
+            forms.append((f"dense-{dtype}", dtype, DenseWeight))
+        for method in ("int4", "int8"):
+            forms.append((f"{method}-{dtype}", dtype,
+                          lambda w, m=method: QuantizedWeight(w, m)))
+    return forms
+
+
+@pytest.mark.parametrize("name,dtype,make", _linear_forms(), ids=lambda v: v
+                         if isinstance(v, str) else "")
+@pytest.mark.parametrize("n,k", [(48, 64), (576, 576), (1536, 576), (576, 1536)])
+def test_every_weight_form_is_batch_invariant(monkeypatch, name, dtype, make, n, k):
+    """Each row of x @ W.T is bit for bit the same at every batch size 1..64 (and 300), on
+    kvserve's dense and VNNI kernels and on torch's int4/int8 kernels, and close to the
+    float64 product of the weight the form stands for."""
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    packed = make(w)
+    x = torch.randn(300, k, generator=g).to(dtype)
+    full = packed.matmul(x)
+    alone = torch.cat([packed.matmul(x[i:i + 1]) for i in range(64)])
+    assert torch.equal(alone, full[:64])
+    for m in (2, 3, 7, 8, 9, 16, 17, 33, 64):
+        assert torch.equal(packed.matmul(x[:m]), full[:m])
+    ref = x.double() @ w.double().t()
+    err = (full.double() - ref).norm() / ref.norm()
+    bound = {"dense-torch.float32": 1e-6, "dense-torch.bfloat16": 1e-2}.get(name) or (
+        0.2 if name.startswith("int4") else 0.03)
+    assert err < bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_quantized_kernels_are_batch_invariant_too(monkeypatch, dtype):
+    """Without the VNNI kernel, torch's int4/int8 kernels serve every batch: rows agree too."""
+    monkeypatch.setattr(kernels, "quant_kernels", lambda *a: None)
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(96, 128, generator=g) * 0.05).to(dtype)
+    x = torch.randn(40, 128, generator=g).to(dtype)
+    for method in ("int4", "int8"):
+        packed = QuantizedWeight(w, method)
+        assert packed.kernels is None
+        full = packed.matmul(x)
+        assert torch.equal(torch.cat([packed.matmul(x[i:i + 1]) for i in range(40)]), full)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(1, 576), (7, 64), (130, 100)])
+def test_rms_norm_kernel_matches_reference(monkeypatch, dtype, rows, cols):
+    from kvserve.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(cols, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(cols, generator=g))
+    x = (torch.randn(rows, cols, generator=g) * 3).to(dtype)
+    fast = norm(x)
+    slow = _torch_path(monkeypatch, lambda: norm(x))
+    torch.testing.assert_close(fast, slow)
+
+
+def _paged_model(path, dtype: torch.dtype, quantization: str):
+    """A tiny model from `path` on the torch paged backend, its weights quantized as asked."""
+    from kvserve.models.loader import load_model
+
+    model = load_model(path, dtype, torch.device("cpu"),
+                       lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads,
+                                                     c.head_dim)).model
+    model.pack_(quantization)
+    return model
+
+
+def _assert_fused_equals_modules(model, caches: list[torch.Tensor], bs: int, step) -> None:
+    """Run `step` through the C++ run_layers and through the modules layer by layer, each on
+    its own copy of `caches`: the hidden states and the K/V written must be identical."""
+    from kvserve.worker.model_runner import run_forward
+
+    fused_caches = [c.clone() for c in caches]
+    fused = run_forward(model, fused_caches, bs, step, torch.device("cpu"))
+    model.layers[0].self_attn.backend.fused_inputs = lambda meta, dtype: None  # the modules
+    plain = run_forward(model, caches, bs, step, torch.device("cpu"))
+    assert torch.equal(fused, plain)
+    assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches, strict=True))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: qkv bias, tied embeddings
+@pytest.mark.parametrize("dtype,quantization", [(torch.float32, "none"),
+                                                (torch.bfloat16, "none"),
+                                                (torch.bfloat16, "int8"),
+                                                (torch.bfloat16, "int4")])
+@pytest.mark.parametrize("batch", [1, 3, 12])
+def test_fused_decode_layers_equal_the_modules(tmp_path, arch, dtype, quantization, batch):
+    """A decode-only step through the C++ run_layers gives exactly the hidden states (and
+    K/V) of the Python modules: the same ATen calls in the same order."""
+    from kvserve.worker.model_runner import ForwardItem, allocate_kv_caches, run_forward
+    from tests.conftest import build_tiny_model
+
+    path = build_tiny_model(tmp_path / arch, arch, tie=arch == "qwen2")
+    model = _paged_model(path, dtype, quantization)
+    bs, g = 4, torch.Generator().manual_seed(1)
+    caches = allocate_kv_caches(model, 16 * batch * bs, dtype, torch.device("cpu"))
+    prompts = [torch.randint(2, 300, (5 + 3 * i,), generator=g).tolist() for i in range(batch)]
+    tables = [list(range(16 * i, 16 * i + 16)) for i in range(batch)]
+    run_forward(model, caches, bs, [ForwardItem(p, 0, t, 0) for p, t in
+                                    zip(prompts, tables, strict=True)], torch.device("cpu"))
+    step = [ForwardItem([7 + i], len(p), t, 1)
+            for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
+    backend = model.layers[0].self_attn.backend
+    assert backend.fused_inputs(backend.build_metadata(AttentionBatch(
+        [1] * batch, [len(p) + 1 for p in prompts], tables, torch.zeros(batch, dtype=torch.long),
+        bs)), dtype) is not None
+    _assert_fused_equals_modules(model, caches, bs, step)
+
+
+@pytest.mark.parametrize("dtype,quantization", [(torch.float32, "none"),
+                                                (torch.bfloat16, "none"),
+                                                (torch.bfloat16, "int8"),
+                                                (torch.bfloat16, "int4")])
+def test_fused_layers_with_prompt_work_equal_the_modules(tmp_path, dtype, quantization):
+    """A step with prompt work through the C++ run_layers gives exactly the hidden states and
+    K/V of the Python modules. The step holds a decode row, a chunk after cached context, a
+    fresh prompt and a verification of drafts."""
+    from kvserve.worker.model_runner import ForwardItem, allocate_kv_caches, run_forward
+    from tests.conftest import build_tiny_model
+
+    _attention_or_skip(dtype)
+    path = build_tiny_model(tmp_path, "llama", hidden_size=128, num_heads=4, num_kv_heads=2)
+    model = _paged_model(path, dtype, quantization)
+    bs, g = 4, torch.Generator().manual_seed(2)
+    caches = allocate_kv_caches(model, 64 * bs, dtype, torch.device("cpu"))
+    tokens = lambda n: torch.randint(2, 300, (n,), generator=g).tolist()  # noqa: E731
+    tables = [list(range(16 * i, 16 * i + 16)) for i in range(4)]
+    context = {0: tokens(9), 1: tokens(21), 3: tokens(14)}
+    run_forward(model, caches, bs, [ForwardItem(p, 0, tables[i], 0) for i, p in context.items()],
+                torch.device("cpu"))
+    step = [ForwardItem(tokens(1), 9, tables[0], 1),  # a decode
+            ForwardItem(tokens(13), 21, tables[1], 1),  # a chunk after its cached context
+            ForwardItem(tokens(17), 0, tables[2], 1),  # a fresh prompt
+            ForwardItem(tokens(3), 14, tables[3], 3)]  # a decode verifying two drafts
+    backend = model.layers[0].self_attn.backend
+    meta = backend.build_metadata(AttentionBatch(
+        [1, 13, 17, 3], [10, 34, 17, 17], tables, torch.zeros(34, dtype=torch.long), bs))
+    assert backend.fused_inputs(meta, dtype) is not None
+    _assert_fused_equals_modules(model, caches, bs, step)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_what_index_copy_writes(dtype):
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, 3, 64, 32, generator=g).to(dtype)
+    qkv = torch.randn(7, 12, 32, generator=g).to(dtype)  # k and v are views, as in a layer
+    k, v = qkv.narrow(1, 6, 3), qkv.narrow(1, 9, 3)
+    slots = torch.randperm(64, generator=g)[:7]
+    want = cache.clone()
+    want.index_copy_(2, slots, torch.stack((k, v)).transpose(1, 2))
+    kernels.ops().store_kv(cache, slots, k, v)
+    assert torch.equal(cache, want)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.ops().store_kv(cache, torch.tensor([64] * 7), k, v)
+
+
+def test_kernels_release_the_gil():
+    """A long kernel call must leave the interpreter free: the server's event loop streams
+    tokens and takes requests while the engine thread is inside a step. The main thread
+    spins while a worker makes one long call; with the GIL held through the call, the
+    main thread's longest pause would be the whole call."""
+    import itertools
+    import sys
+    import threading
+    import time
+
+    ops = kernels.ops()
+    g = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, dim, ctx, block = 32, 128, 2, 64, 2048, 16
+    cache = torch.randn(2, kv_heads, batch * ctx, dim, generator=g)
+    q = torch.randn(batch, heads, dim, generator=g)
+    tables = torch.arange(batch * ctx // block).view(batch, -1)
+    seqs = torch.tensor([[b, 1, ctx] for b in range(batch)])
+    span: list[float] = []
+
+    def call():
+        span.append(time.perf_counter())
+        ops.paged_attention(q, cache, seqs, tables, block, dim ** -0.5)
+        span.append(time.perf_counter())
+
+    worker = threading.Thread(target=call)
+    turns = [time.perf_counter()]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)  # hand the GIL back and forth quickly around the call
+    try:
+        worker.start()
+        while worker.is_alive():
+            turns.append(time.perf_counter())
+        worker.join()
+    finally:
+        sys.setswitchinterval(switch)
+    call_s = span[1] - span[0]
+    longest = max(b - a for a, b in itertools.pairwise(turns))
+    assert call_s > 0.01
+    assert longest < call_s / 2, f"main thread paused {longest:.3f} s in a {call_s:.3f} s call"
