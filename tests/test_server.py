@@ -10,6 +10,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from kvserve.engine.llm_engine import EngineArgs, LLMEngine
 from tests.server_utils import metric, run_server
@@ -21,10 +22,9 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def server(real_model_path):
-    # float32 and no quantized copies, so that greedy text does not depend on batch
-    # composition (bf16 rounding, or kernels that switch with the batch size)
-    args = EngineArgs(model=str(real_model_path), dtype="float32", kv_cache_memory="512MiB",
-                      quantization="none")
+    # The default configuration (on this CPU: bf16, int4 copies, prefix caching): a
+    # request's text does not depend on its batch or on prefix-cache hits.
+    args = EngineArgs(model=str(real_model_path), kv_cache_memory="512MiB")
     with run_server(args) as (url, app):
         yield url, app
 
@@ -84,6 +84,52 @@ def test_chat_and_stream_agree(client):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == r.choices[0].message.content
     assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+
+def _invariant_or_skip() -> None:
+    from kvserve import kernels
+
+    if kernels.attention_kernels(torch.bfloat16, "cpu", 64) is None and \
+            kernels.attention_kernels(torch.float32, "cpu", 64) is None:
+        pytest.skip("no batch-invariant kernels on this CPU")
+
+
+def test_repeated_chat_requests_give_identical_text(client):
+    """The same greedy chat request again (its prompt now in the prefix cache), streamed and
+    not, and next to other requests: the same text every time."""
+    _invariant_or_skip()
+    messages = [{"role": "system", "content": "You are a careful assistant."},
+                {"role": "user", "content": "Explain in two sentences why the sky is blue."}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=48, temperature=0)
+    texts = [client.chat.completions.create(**kw).choices[0].message.content]
+    for _ in range(2):
+        r = client.chat.completions.create(**kw)
+        assert r.usage.prompt_tokens_details.cached_tokens > 0
+        texts.append(r.choices[0].message.content)
+        stream = client.chat.completions.create(**kw, stream=True)
+        texts.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+
+    async def crowded() -> str:
+        aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key="x", max_retries=0)
+        others = [aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Say {i} words."}],
+            max_tokens=32, temperature=0.8, seed=i) for i in range(6)]
+        mine = aclient.chat.completions.create(**kw)
+        results = await asyncio.gather(mine, *others)
+        return results[0].choices[0].message.content
+
+    texts.append(asyncio.run(crowded()))
+    assert len(texts[0]) > 20 and all(t == texts[0] for t in texts)
+
+
+def test_repeated_seeded_sampling_gives_identical_text(client):
+    _invariant_or_skip()
+    kw = dict(model=MODEL, prompt="Write a short poem about rivers.", max_tokens=32,
+              temperature=0.9, top_p=0.95, seed=42, extra_body={"ignore_eos": True})
+    texts = [client.completions.create(**kw).choices[0].text for _ in range(2)]
+    stream = client.completions.create(**kw, stream=True)
+    texts.append("".join(c.choices[0].text for c in stream if c.choices))
+    assert texts[0] and texts[0] == texts[1] == texts[2]
 
 
 def test_max_completion_tokens_and_stop(client):
@@ -382,8 +428,7 @@ def test_streaming_with_speculative_decoding(client, real_model_path):
     messages = [{"role": "user", "content": prompt}]
     want = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
                                           temperature=0).choices[0].message.content
-    args = EngineArgs(model=str(real_model_path), dtype="float32", kv_cache_memory="256MiB",
-                      quantization="none",
+    args = EngineArgs(model=str(real_model_path), kv_cache_memory="256MiB",
                       speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     with run_server(args) as (url, _):
         spec = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
