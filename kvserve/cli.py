@@ -42,8 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
-                   help="weight-only int8/int4 copies for decode-sized batches (CPU); auto "
-                        "keeps a GGUF's precision class (Q4_1 -> int4)")
+                   help="weight-only int8/int4 quantization (CPU); auto keeps a GGUF's "
+                        "precision class (Q4_1 -> int4) where the VNNI kernel runs it in bf16, "
+                        "else none")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="auto = the compute dtype; int8 = per-token, per-head quantized K/V "
                         "(~1.9x the tokens in the same memory)")

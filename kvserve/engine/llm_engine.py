@@ -81,8 +81,8 @@ class EngineArgs:
     kv_cache_memory: int | str = "1GiB"
     num_kv_blocks: int | None = None  # exact block count, overriding the memory budget
     kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or "int8"
-    # weight-only copies (for small batches, or every batch on the VNNI kernel): auto (keep a
-    # GGUF's precision class) | none | int8 | int4
+    # weight-only quantization: auto (a GGUF's precision class where the VNNI kernel runs it
+    # on bf16 activations, else none) | none | int8 | int4
     quantization: str = "auto"
     enable_prefix_caching: bool = True
     host_kv_cache_memory: int | str = 0  # host tier of the prefix cache; 0 = none
