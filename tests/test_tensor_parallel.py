@@ -134,6 +134,23 @@ def test_tp2_greedy_matches_one_process_uneven_kv_heads(uneven_gqa_dir, kw):
     assert one == two
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tp2_requests_are_independent_of_their_batch(uneven_gqa_dir, dtype):
+    """Two ranks add two partial sums, which is exact in either order, so under tensor
+    parallelism too a request's tokens and logprobs do not depend on its batch, on chunking
+    or on prefix-cache hits (the solo runs leave the prompts cached)."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    with LLM(str(uneven_gqa_dir), dtype=dtype, kv_cache_memory="8MiB",
+             tensor_parallel_size=2, max_num_batched_tokens=16) as llm:
+        if llm.engine.runner.model.batch_variant_parts():
+            pytest.skip("no batch-invariant kernels here")
+        alone = [llm.generate([p], params)[0].outputs[0] for p in TINY_PROMPTS]
+        together = [o.outputs[0] for o in llm.generate(TINY_PROMPTS, params)]
+    for a, b in zip(alone, together, strict=True):
+        assert a.token_ids == b.token_ids
+        assert [lp.logprob for lp in a.logprobs] == [lp.logprob for lp in b.logprobs]
+
+
 def test_tp2_greedy_matches_one_process_replicated_kv_head(mqa_dir):
     one, two = _both(mqa_dir, TINY_PROMPTS, dtype="float32", quantization="int4",
                      kv_cache_memory="8MiB")

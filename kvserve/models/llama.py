@@ -135,7 +135,9 @@ class LlamaForCausalLM(nn.Module):
         """Which kernel the projections run on, in words (for logs)."""
         packed = self.layers[0].self_attn.qkv_proj.packed
         if isinstance(packed, DenseWeight):
-            return "kvserve's dense kernel"
+            amx = packed.packed.dtype == torch.bfloat16 and packed.kernels.dense_uses_amx(
+                self.config.hidden_size)
+            return "kvserve's dense kernel" + (" (AMX)" if amx else "")
         if isinstance(packed, QuantizedWeight):
             return f"{packed.method} on " + ("kvserve's VNNI kernel" if packed.kernels is not None
                                              else "torch's kernel")

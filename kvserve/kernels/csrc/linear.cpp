@@ -9,6 +9,13 @@
 // NC tiles' (fmadd, or dpbf16 for a pair). Work is split over tiles of outputs; the whole
 // input dimension is summed in one pass.
 //
+// bf16 on a CPU with AMX (where the kernel may use its tiles): the same packing is the layout
+// AMX's B tiles want (16 pairs of inputs x 16 outputs, 64 bytes a row), and every call of a
+// layer whose input dimension is a multiple of 32 runs on AMX instead, whatever its number
+// of rows: 3-10x faster than the dpbf16 kernel from 32 rows up, and not slower at one row.
+// AMX sums the 32 products of a tile step in its own order (not dpbf16's), so a layer never
+// mixes the two; rows are padded to tiles of 16 with zeros, which leave the others alone.
+//
 // quant_pack / quant_linear: int4 (GGML's Q4_1) or int8 weights in groups of 32, with x
 // quantized to int8 per group (GGML's Q8_1) and AVX512-VNNI integer dot products; faster
 // than torch's int4/int8 kernels and than the bf16 matmul at every batch size here.
@@ -16,6 +23,12 @@
 
 #include <algorithm>
 #include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KVS_AMX 1
+#endif
 
 namespace {
 
@@ -87,6 +100,110 @@ constexpr bool kHasDenseBF16 = true;
 #else
 constexpr bool kHasDenseBF16 = false;
 #endif
+
+#if defined(KVS_AMX)
+// Linux hands a process AMX's tile state only once asked (ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); the answer holds for every thread and the whole run.
+bool amx_usable() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Every tile 16 rows x 64 bytes: C (float32 16 x 16) in 0..3, A (16 rows x 32 bf16) in 4..5,
+// B (16 input pairs x 16 outputs) in 6..7.
+void amx_configure() {
+  TileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// MT tiles of 16 rows (a, row stride lda bytes) x NT tiles of 16 outputs (b, tile stride
+// ldb bytes), over `chunks` steps of 32 inputs -> c [MT * 16][NT * 16] float32.
+template <int MT, int NT>
+void amx_block(const char* a, int64_t lda, const char* b, int64_t ldb, int64_t chunks,
+               float* c) {
+  _tile_zero(0);
+  if constexpr (NT > 1) _tile_zero(1);
+  if constexpr (MT > 1) _tile_zero(2);
+  if constexpr (MT > 1 && NT > 1) _tile_zero(3);
+  for (int64_t k = 0; k < chunks; ++k) {
+    _tile_loadd(4, a + k * 64, lda);
+    if constexpr (MT > 1) _tile_loadd(5, a + 16 * lda + k * 64, lda);
+    _tile_loadd(6, b + k * 1024, 64);
+    if constexpr (NT > 1) _tile_loadd(7, b + ldb + k * 1024, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MT > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (MT > 1 && NT > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  const int64_t ldc = NT * 16 * 4;
+  _tile_stored(0, c, ldc);
+  if constexpr (NT > 1) _tile_stored(1, c + 16, ldc);
+  if constexpr (MT > 1) _tile_stored(2, c + 16 * NT * 16, ldc);
+  if constexpr (MT > 1 && NT > 1) _tile_stored(3, c + 16 * NT * 16 + 16, ldc);
+}
+
+void amx_run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * 16;
+  const int64_t chunks = K / 32, ldb = K / 2 * 64, lda = K * 2;
+  const int64_t blocks = (tiles + 1) / 2, mtiles = (M + 15) / 16;
+  const auto* xp = static_cast<const char*>(x.data_ptr());
+  const auto* wp = static_cast<const char*>(packed.data_ptr());
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    amx_configure();
+    alignas(64) float c[32 * 32];
+    std::vector<char> pad;  // the last rows, padded to whole tiles with zeros
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int nt = static_cast<int>(std::min<int64_t>(2, tiles - nb * 2));
+      for (int64_t mt = 0; mt < mtiles; mt += 2) {
+        const int mtn = static_cast<int>(std::min<int64_t>(2, mtiles - mt));
+        const int64_t rows = std::min<int64_t>(mtn * 16, M - mt * 16);
+        const char* a = xp + mt * 16 * lda;
+        if (rows < mtn * 16) {
+          pad.assign(mtn * 16 * lda, 0);
+          std::memcpy(pad.data(), a, rows * lda);
+          a = pad.data();
+        }
+        const char* b = wp + nb * 2 * ldb;
+        if (mtn == 2 && nt == 2)
+          amx_block<2, 2>(a, lda, b, ldb, chunks, c);
+        else if (mtn == 2)
+          amx_block<2, 1>(a, lda, b, ldb, chunks, c);
+        else if (nt == 2)
+          amx_block<1, 2>(a, lda, b, ldb, chunks, c);
+        else
+          amx_block<1, 1>(a, lda, b, ldb, chunks, c);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int j = 0; j < nt; ++j)
+            kvs::store16(yp + (mt * 16 + r) * N + nb * 32 + j * 16,
+                         _mm512_loadu_ps(c + r * nt * 16 + j * 16));
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+// Whether a bf16 layer with `k` inputs runs on AMX (fixed for the run: see above).
+bool uses_amx(int64_t k) {
+#if defined(KVS_AMX)
+  return k % 32 == 0 && amx_usable();
+#else
+  (void)k;
+  return false;
+#endif
+}
 
 // Bytes of one quant_linear tile: 16 outputs x 32 inputs of `bits` each, then 16 float16 d
 // and 16 float16 m.
@@ -246,6 +363,12 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed) {
   if (x.scalar_type() == at::kFloat) {
     dense_run<float>(xc, packed.contiguous(), y);
   } else {
+#if defined(KVS_AMX)
+    if (uses_amx(x.size(1))) {
+      amx_run(xc, packed.contiguous(), y);
+      return y;
+    }
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     dense_run<c10::BFloat16>(xc, packed.contiguous(), y);
 #endif
@@ -253,6 +376,8 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed) {
 #endif
   return y;
 }
+
+bool dense_uses_amx(int64_t k) { return uses_amx(k); }
 
 bool has_quant_linear() { return kHasQuantLinear; }
 
