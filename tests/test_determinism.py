@@ -242,3 +242,28 @@ def test_forward_rows_do_not_depend_on_the_batch(tiny_llama_dir):
             caches = allocate_kv_caches(model, 16 * 12 * 4, dtype, torch.device("cpu"))
             alone = run_forward(model, caches, 4, [it], torch.device("cpu"))
             assert torch.equal(alone[0], together[i])
+
+
+def test_a_configuration_that_is_not_invariant_says_so(tiny_llama_dir, monkeypatch, caplog):
+    """Without the C++ kernels torch's ops run: the start-up log says so, in one line."""
+    import logging
+
+    from kvserve import kernels
+
+    monkeypatch.setenv("KVSERVE_NO_CPP", "1")
+    kernels.ops.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvserve.engine.llm_engine"):
+            engine = LLMEngine(EngineArgs(model=str(tiny_llama_dir), dtype="float32",
+                                          num_kv_blocks=16, block_size=4))
+    finally:
+        monkeypatch.delenv("KVSERVE_NO_CPP")
+        kernels.ops.cache_clear()
+    lines = [r.getMessage() for r in caplog.records if "not batch-invariant" in r.getMessage()]
+    assert len(lines) == 1
+    assert "attention on torch's ops" in lines[0] and "F.linear" in lines[0]
+    assert engine.runner.model.batch_variant_parts()
+    invariant = LLMEngine(EngineArgs(model=str(tiny_llama_dir), dtype="float32",
+                                     num_kv_blocks=16, block_size=4))
+    if kernels.attention_kernels(torch.float32, "cpu", 16) is not None:
+        assert invariant.runner.model.batch_variant_parts() == []
