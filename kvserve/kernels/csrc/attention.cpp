@@ -45,7 +45,6 @@ struct Seq {
 };
 
 #if defined(__AVX512F__)
-constexpr bool kHasF32 = true;
 constexpr int kRowBlock = 12;          // query rows computed together, one accumulator each
 constexpr int64_t kDirectRows = 8;     // sequences with at most this many rows go direct
 constexpr int64_t kItemPositions = 4;  // query positions per work item of a packed chunk
@@ -401,20 +400,12 @@ void attend(const at::Tensor& q, const at::Tensor& cache, const std::vector<Seq>
     }
   });
 }
-#else
-constexpr bool kHasF32 = false;
-#endif
-
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-constexpr bool kHasBF16 = true;
-#else
-constexpr bool kHasBF16 = false;
 #endif
 
 }  // namespace
 
 bool has_paged_attention(at::ScalarType dtype) {
-  return dtype == at::kFloat ? kHasF32 : dtype == at::kBFloat16 && kHasBF16;
+  return dtype == at::kFloat ? kvs::kAvx512 : dtype == at::kBFloat16 && kvs::kAvx512Bf16;
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& seqs,

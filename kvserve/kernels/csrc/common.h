@@ -35,6 +35,18 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed);
 
 namespace kvs {
 
+// What this build's instruction set allows (built with -march=native: this machine's CPU).
+#if defined(__AVX512F__)
+constexpr bool kAvx512 = true;
+#else
+constexpr bool kAvx512 = false;
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kAvx512Bf16 = true;
+#else
+constexpr bool kAvx512Bf16 = false;
+#endif
+
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
   float f;

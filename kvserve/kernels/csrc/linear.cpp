@@ -33,7 +33,6 @@
 namespace {
 
 #if defined(__AVX512F__)
-constexpr bool kHasDenseF32 = true;
 constexpr int kMR = 8;  // rows per microkernel call
 constexpr int kNC = 3;  // tiles of 16 outputs per microkernel call
 
@@ -91,14 +90,6 @@ void dense_run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y) {
     }
   });
 }
-#else
-constexpr bool kHasDenseF32 = false;
-#endif
-
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-constexpr bool kHasDenseBF16 = true;
-#else
-constexpr bool kHasDenseBF16 = false;
 #endif
 
 #if defined(KVS_AMX)
@@ -336,7 +327,7 @@ constexpr bool kHasQuantLinear = false;
 }  // namespace
 
 bool has_dense_linear(at::ScalarType dtype) {
-  return dtype == at::kFloat ? kHasDenseF32 : dtype == at::kBFloat16 && kHasDenseBF16;
+  return dtype == at::kFloat ? kvs::kAvx512 : dtype == at::kBFloat16 && kvs::kAvx512Bf16;
 }
 
 at::Tensor dense_pack(const at::Tensor& w) {
