@@ -139,8 +139,8 @@ class LlamaForCausalLM(nn.Module):
                 self.config.hidden_size)
             return "kvserve's dense kernel" + (" (AMX)" if amx else "")
         if isinstance(packed, QuantizedWeight):
-            return f"{packed.method} on " + ("kvserve's VNNI kernel" if packed.kernels is not None
-                                             else "torch's kernel")
+            return ("kvserve's VNNI kernel" if packed.kernels is not None
+                    else f"torch's {packed.method} kernel")
         return "torch's matmul"
 
     def batch_variant_parts(self) -> list[str]:
