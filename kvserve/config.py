@@ -30,7 +30,7 @@ class RopeScaling:
 class ModelConfig:
     """Shape of a Llama-family decoder, read from GGUF metadata or config.json."""
 
-    architecture: str  # "llama" or "qwen2"
+    architecture: str  # "llama", "qwen2" or "qwen3"
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -44,6 +44,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     name: str = ""
 
     def __post_init__(self) -> None:

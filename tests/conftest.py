@@ -38,7 +38,14 @@ def build_tiny_model(root: Path, arch: str = "llama", tie: bool = False, seed: i
 
     Weights are scaled up from the usual 0.02 init so the next-token distribution is peaked:
     greedy outputs then do not hinge on float rounding."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     common = dict(vocab_size=320, hidden_size=hidden_size, intermediate_size=128,
                   num_hidden_layers=num_layers, num_attention_heads=num_heads,
@@ -49,8 +56,13 @@ def build_tiny_model(root: Path, arch: str = "llama", tie: bool = False, seed: i
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
-    else:
+    elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "qwen3":
+        # heads x head_dim (4 x 32) wider than the hidden size, as Qwen3-0.6B's 16 x 128 is
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=2 * hidden_size // num_heads))
+    else:
+        raise ValueError(f"no tiny {arch} model")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -83,6 +95,11 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", tie=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3", tie=True)
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,9 @@ def write_gguf(hf_dir, out, arch: str | None = None,
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
     w.add_rope_freq_base((cfg.get("rope_parameters") or cfg)["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
@@ -57,6 +60,8 @@ def write_gguf(hf_dir, out, arch: str | None = None,
                  "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
                  "self_attn.v_proj.bias": "attn_v.bias",
                  "self_attn.o_proj.weight": "attn_output.weight",
+                 "self_attn.q_norm.weight": "attn_q_norm.weight",
+                 "self_attn.k_norm.weight": "attn_k_norm.weight",
                  "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
                  "mlp.down_proj.weight": "ffn_down.weight"}
     for key, arr in sd.items():
@@ -86,19 +91,18 @@ def write_gguf(hf_dir, out, arch: str | None = None,
 IDS = torch.randint(0, 320, (29,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_f32_gguf_matches_the_checkpoint(arch, tiny_llama_dir, tiny_qwen2_dir, tmp_path):
-    hf_dir = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_f32_gguf_matches_the_checkpoint(arch, tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir,
+                                         tmp_path):
+    hf_dir = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "qwen3": tiny_qwen3_dir}[arch]
     path = tmp_path / f"tiny-{arch}.gguf"
     write_gguf(hf_dir, path)
     from_gguf = load_model(path, torch.float32, torch.device("cpu"), _backend)
     from_dir = load_model(hf_dir, torch.float32, torch.device("cpu"), _backend)
     c1, c2 = from_gguf.config, from_dir.config
-    assert (c1.num_layers, c1.num_heads, c1.num_kv_heads, c1.head_dim, c1.vocab_size,
-            c1.tie_word_embeddings, c1.qkv_bias) == (c2.num_layers, c2.num_heads,
-                                                     c2.num_kv_heads, c2.head_dim,
-                                                     c2.vocab_size, c2.tie_word_embeddings,
-                                                     c2.qkv_bias)
+    fields = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+              "tie_word_embeddings", "qkv_bias", "qk_norm")
+    assert [getattr(c1, f) for f in fields] == [getattr(c2, f) for f in fields]
     torch.testing.assert_close(paged_logits(from_gguf.model, IDS, [29], "cpu"),
                                paged_logits(from_dir.model, IDS, [29], "cpu"))
 

@@ -243,7 +243,8 @@ def _assert_fused_equals_modules(model, caches: list[torch.Tensor], bs: int, ste
     assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches, strict=True))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: qkv bias, tied embeddings
+# qwen2: qkv bias, tied embeddings; qwen3: q/k norms, heads x head_dim wider than hidden
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype,quantization", [(torch.float32, "none"),
                                                 (torch.bfloat16, "none"),
                                                 (torch.bfloat16, "int8"),
@@ -255,7 +256,7 @@ def test_fused_decode_layers_equal_the_modules(tmp_path, arch, dtype, quantizati
     from kvserve.worker.model_runner import ForwardItem, allocate_kv_caches, run_forward
     from tests.conftest import build_tiny_model
 
-    path = build_tiny_model(tmp_path / arch, arch, tie=arch == "qwen2")
+    path = build_tiny_model(tmp_path / arch, arch, tie=arch != "llama")
     model = _paged_model(path, dtype, quantization)
     bs, g = 4, torch.Generator().manual_seed(1)
     caches = allocate_kv_caches(model, 16 * batch * bs, dtype, torch.device("cpu"))

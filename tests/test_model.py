@@ -44,11 +44,12 @@ def paged_logits(model, ids: list[int], chunks: list[int], device: str,
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tiny_model_matches_transformers(arch, tiny_llama_dir, tiny_qwen2_dir, device):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_model_matches_transformers(arch, tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir,
+                                         device):
     from transformers import AutoModelForCausalLM
 
-    path = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
+    path = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "qwen3": tiny_qwen3_dir}[arch]
     ours = load_model(path, torch.float32, torch.device(device), _backend).model
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     ids = torch.randint(0, 320, (37,), generator=torch.Generator().manual_seed(1)).tolist()

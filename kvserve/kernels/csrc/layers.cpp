@@ -12,6 +12,8 @@
 #include <cmath>
 #include <vector>
 
+#include <pybind11/stl.h>
+
 namespace {
 
 template <typename T>
@@ -101,57 +103,77 @@ void store_kv(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor
   }
 }
 
+// One layer's tensors by name, as the model builds them once (LlamaForCausalLM.fused_weights);
+// an empty tensor stands for what a layer lacks. A linear is (weight, packed, scales, bias).
+struct LinearWeights {
+  at::Tensor weight, packed, scales, bias;
+};
+
+struct LayerWeights {
+  at::Tensor input_norm, post_attention_norm;
+  at::Tensor q_norm, k_norm;  // per-head RMSNorm of q and k before RoPE (Qwen3)
+  LinearWeights qkv, o, gate_up, down;
+};
+
+// Every layer's weights, held on the C++ side so a step passes one reference.
+struct DecoderWeights {
+  std::vector<LayerWeights> layers;
+};
+
 namespace {
 
-constexpr int64_t kParamsPerLayer = 18;
-
-// y = x W^T (+ b) as kvserve.layers.linear computes it, from (weight, packed, scales, bias):
-// quant_pack's tiles (uint8, 3-D) -> quant_linear; dense_pack's tiles (3-D, x's dtype) ->
-// dense_linear; torch's int4 (uint8) or int8 packing (2-D) -> torch's kernel; nothing packed
-// -> the plain weight. Missing pieces are empty tensors.
-at::Tensor linear(const at::Tensor& x, const at::Tensor* p, int64_t group) {
-  const at::Tensor &w = p[0], &q = p[1], &s = p[2], &b = p[3];
+// y = x W^T (+ b) as kvserve.layers.linear computes it: quant_pack's tiles (uint8, 3-D) ->
+// quant_linear; dense_pack's tiles (3-D, x's dtype) -> dense_linear; torch's int4 (uint8) or
+// int8 packing (2-D) -> torch's kernel; nothing packed -> the plain weight.
+at::Tensor linear(const at::Tensor& x, const LinearWeights& w, int64_t group) {
+  const at::Tensor& q = w.packed;
   at::Tensor y;
   if (q.dim() == 3) {
     y = q.scalar_type() == at::kByte ? quant_linear(x, q) : dense_linear(x, q);
   } else if (q.numel()) {
-    y = q.scalar_type() == at::kByte ? at::_weight_int4pack_mm_for_cpu(x, q, group, s)
-                                     : at::_weight_int8pack_mm(x, q, s);
+    y = q.scalar_type() == at::kByte ? at::_weight_int4pack_mm_for_cpu(x, q, group, w.scales)
+                                     : at::_weight_int8pack_mm(x, q, w.scales);
   } else {
-    y = at::linear(x, w);
+    y = at::linear(x, w.weight);
   }
-  return b.numel() ? y + b : y;
+  return w.bias.numel() ? y + w.bias : y;
+}
+
+// RMSNorm of each head's rows [T, n, D] (a slice of the qkv output) with one weight [D].
+at::Tensor head_norm(const at::Tensor& heads, const at::Tensor& weight, double eps) {
+  const auto shape = heads.sizes().vec();
+  return rms_norm(heads.reshape({-1, shape.back()}).contiguous(), weight, eps).view(shape);
 }
 
 }  // namespace
 
-// run_layers: per layer, `params` holds: input norm weight; qkv, o, gate_up and down as
-// (weight, packed, scales, bias); post-attention norm weight (see
-// LlamaForCausalLM.fused_params). The attention inputs are paged_attention's: the step's
-// sequences [S, 3] (first row, rows, context length) and their block tables [S, nb].
+// run_layers: the step's decoder layers; the attention inputs are paged_attention's: the
+// step's sequences [S, 3] (first row, rows, context length) and their block tables [S, nb].
 at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
-                      const std::vector<at::Tensor>& params,
-                      const std::vector<at::Tensor>& caches, const at::Tensor& slots,
-                      const at::Tensor& seqs, const at::Tensor& tables, int64_t block_size,
-                      double scale, int64_t heads, int64_t kv_heads, double eps,
-                      int64_t int4_group) {
-  const int64_t L = static_cast<int64_t>(caches.size());
-  TORCH_CHECK(static_cast<int64_t>(params.size()) == L * kParamsPerLayer, "params per layer");
+                      const DecoderWeights& weights, const std::vector<at::Tensor>& caches,
+                      const at::Tensor& slots, const at::Tensor& seqs, const at::Tensor& tables,
+                      int64_t block_size, double scale, int64_t heads, int64_t kv_heads,
+                      double eps, int64_t int4_group) {
+  TORCH_CHECK(weights.layers.size() == caches.size(), "one cache per layer");
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
   const int64_t T = x.size(0), D = cos.size(-1);
-  for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* p = params.data() + l * kParamsPerLayer;
+  for (size_t l = 0; l < caches.size(); ++l) {
+    const LayerWeights& w = weights.layers[l];
     const at::Tensor& cache = caches[l];
-    auto qkv = linear(rms_norm(x, p[0], eps), p + 1, int4_group)
+    auto qkv = linear(rms_norm(x, w.input_norm, eps), w.qkv, int4_group)
                    .view({T, heads + 2 * kv_heads, D});
-    auto qk_in = qkv.narrow(1, 0, heads + kv_heads);
+    auto qk_in = w.q_norm.numel()
+                     ? at::cat({head_norm(qkv.narrow(1, 0, heads), w.q_norm, eps),
+                                head_norm(qkv.narrow(1, heads, kv_heads), w.k_norm, eps)}, 1)
+                     : qkv.narrow(1, 0, heads + kv_heads);
     auto qk = at::addcmul(qk_in * cos, qk_in.roll({D / 2}, {-1}), sin);
     store_kv(cache, slots, qk.narrow(1, heads, kv_heads),
              qkv.narrow(1, heads + kv_heads, kv_heads));
     auto attn = paged_attention(qk.narrow(1, 0, heads), cache, seqs, tables, block_size, scale);
-    x = x + linear(attn.flatten(1), p + 5, int4_group);
-    auto gate_up = linear(rms_norm(x, p[9], eps), p + 10, int4_group).chunk(2, -1);
-    x = x + linear(at::silu(gate_up[0]) * gate_up[1], p + 14, int4_group);
+    x = x + linear(attn.flatten(1), w.o, int4_group);
+    auto gate_up = linear(rms_norm(x, w.post_attention_norm, eps), w.gate_up, int4_group)
+                       .chunk(2, -1);
+    x = x + linear(at::silu(gate_up[0]) * gate_up[1], w.down, int4_group);
   }
   return x;
 }
@@ -176,5 +198,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x @ W.T, W packed int4/int8 (CPU, AVX512-VNNI)",
         nogil());
   m.def("store_kv", &store_kv, "write K/V rows into their cache slots (CPU)", nogil());
+  py::class_<LinearWeights>(m, "LinearWeights")
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(), py::arg("weight"),
+           py::arg("packed"), py::arg("scales"), py::arg("bias"));
+  py::class_<LayerWeights>(m, "LayerWeights")
+      .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm, at::Tensor q_norm,
+                       at::Tensor k_norm, LinearWeights qkv, LinearWeights o,
+                       LinearWeights gate_up, LinearWeights down) {
+             return LayerWeights{input_norm, post_attention_norm, q_norm, k_norm,
+                                 qkv,        o,                   gate_up, down};
+           }),
+           py::kw_only(), py::arg("input_norm"), py::arg("post_attention_norm"),
+           py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"), py::arg("o"),
+           py::arg("gate_up"), py::arg("down"));
+  py::class_<DecoderWeights>(m, "DecoderWeights")
+      .def(py::init<std::vector<LayerWeights>>(), py::arg("layers"));
   m.def("run_layers", &run_layers, "all decoder layers of a step (CPU)", nogil());
 }
