@@ -72,22 +72,24 @@ def _paged_case(dtype, spans, block_size=16, heads=9, kv_heads=3, head_dim=64, k
                                       (torch.bfloat16, "int8"), (torch.float32, "int8")])
 @pytest.mark.parametrize("head_dim,heads,kv_heads,block_size", [
     (16, 4, 2, 4), (64, 9, 3, 16), (128, 8, 2, 16), (80, 4, 4, 16)])
+@pytest.mark.parametrize("window", [0, 23])
 def test_paged_attention_matches_torch_path(monkeypatch, dtype, kv, head_dim, heads, kv_heads,
-                                            block_size):
+                                            block_size, window):
     """A step of prompt chunks (with and without cached context, lengths not multiples of
     16), decode rows and a verification, against the torch path (SDPA and the batched
-    decode)."""
+    decode), with and without a sliding window."""
     _attention_or_skip(dtype)
     spans = [(37, 37), (21, 150), (1, 40), (1, 1), (70, 83), (3, 20)]
     backend, q, k, v, cache, meta, _ = _paged_case(dtype, spans, block_size, heads, kv_heads,
                                                    head_dim, kv)
-    fast = backend.forward(q, k, v, cache.clone(), meta)
-    slow = _torch_path(monkeypatch, lambda: backend.forward(q, k, v, cache.clone(), meta))
+    fast = backend.forward(q, k, v, cache.clone(), meta, window)
+    slow = _torch_path(monkeypatch,
+                       lambda: backend.forward(q, k, v, cache.clone(), meta, window))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fast.float(), slow.float(), atol=tol, rtol=tol)
 
 
-def _rows_alone(ops, q, cache, tables, spans, block_size, scale):
+def _rows_alone(ops, q, cache, tables, spans, block_size, scale, window=0):
     """Every query row attended on its own, as a one-row sequence (a decode) at its
     position."""
     out, row = [], 0
@@ -96,22 +98,22 @@ def _rows_alone(ops, q, cache, tables, spans, block_size, scale):
         for i in range(n):
             seqs = torch.tensor([[0, 1, ctx - n + i + 1]])
             out.append(ops.paged_attention(q[row:row + 1].contiguous(), cache, seqs, t,
-                                           block_size, scale))
+                                           block_size, scale, window))
             row += 1
     return torch.cat(out)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        kv=st.sampled_from(["auto", "int8"]), head_dim=st.sampled_from([16, 32, 64]),
        kv_heads=st.sampled_from([1, 2]), block_size=st.sampled_from([4, 16]),
-       threads=st.sampled_from([1, 2]))
+       threads=st.sampled_from([1, 2]), window=st.sampled_from([0, 0, 5, 17, 40]))
 def test_paged_attention_rows_are_batch_invariant(data, dtype, kv, head_dim, kv_heads,
-                                                  block_size, threads):
+                                                  block_size, threads, window):
     """Random steps (prompt chunks, decodes, verifications, shared prefixes): each row of
     the step is bit for bit the row attended alone as a decode, and a chunk split anywhere
     gives the same rows. This covers both ways the kernel reads K/V (packed per step for
-    long chunks, or straight from the cache for short sequences)."""
+    long chunks, or straight from the cache for short sequences), and sliding windows."""
     _attention_or_skip(dtype)
     spans = data.draw(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 60)).map(
         lambda t: (t[0], t[0] + t[1])), min_size=1, max_size=5))
@@ -123,8 +125,9 @@ def test_paged_attention_rows_are_batch_invariant(data, dtype, kv, head_dim, kv_
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        step = ops.paged_attention(q, cache, meta.seqs, meta.tables, block_size, backend.scale)
-        alone = _rows_alone(ops, q, cache, tables, spans, block_size, backend.scale)
+        step = ops.paged_attention(q, cache, meta.seqs, meta.tables, block_size, backend.scale,
+                                   window)
+        alone = _rows_alone(ops, q, cache, tables, spans, block_size, backend.scale, window)
         assert torch.equal(step, alone)
         # The first span's chunk in two pieces, as two steps would compute it.
         n, ctx = spans[0]
@@ -133,10 +136,10 @@ def test_paged_attention_rows_are_batch_invariant(data, dtype, kv, head_dim, kv_
             t = meta.tables[:1]
             head = ops.paged_attention(q[:cut].contiguous(), cache,
                                        torch.tensor([[0, cut, ctx - n + cut]]), t,
-                                       block_size, backend.scale)
+                                       block_size, backend.scale, window)
             rest = ops.paged_attention(q[cut:n].contiguous(), cache,
                                        torch.tensor([[0, n - cut, ctx]]), t, block_size,
-                                       backend.scale)
+                                       backend.scale, window)
             assert torch.equal(torch.cat([head, rest]), step[:n])
     finally:
         torch.set_num_threads(before)

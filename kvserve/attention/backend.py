@@ -43,12 +43,13 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: object) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: object, window: int = 0) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D], kv_cache of `kv_cache_shape` and
         `kv_cache_tensor_dtype` -> out [T, H * D] in q's dtype.
 
         Writes k/v into the cache at the batch's slots, then attends every query to its
-        request's context (causally within the request)."""
+        request's context (causally within the request); with a sliding `window`, a query
+        at position p to keys p - window + 1 .. p only."""
 
     def fused_inputs(self, meta: object, dtype: torch.dtype) -> tuple | None:
         """When the C++ `run_layers` can run this backend's layers whole (activations in

@@ -24,7 +24,7 @@ quantize/dequantize round trip, so every query sees the K/V the cache holds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,7 @@ class PrefillSpan:
     end: int
     blocks: torch.Tensor  # the request's blocks up to ctx_len
     ctx_len: int  # tokens of context, the chunk's own included
+    window: int = 0  # sliding window: a query at p sees keys p - window + 1 .. p; 0: all
     _mask: torch.Tensor | None = None
 
     @property
@@ -67,8 +68,11 @@ class PrefillSpan:
         if self._mask is None:
             device = self.blocks.device
             qpos = torch.arange(self.ctx_len - (self.end - self.start), self.ctx_len,
-                                device=device)
-            self._mask = torch.arange(self.ctx_len, device=device)[None, :] <= qpos[:, None]
+                                device=device)[:, None]
+            keys = torch.arange(self.ctx_len, device=device)[None, :]
+            self._mask = keys <= qpos
+            if self.window:
+                self._mask &= keys > qpos - self.window
         return self._mask
 
 
@@ -92,17 +96,17 @@ class TorchAttentionMetadata:
     seqs: torch.Tensor  # [S, 3] int64: first row, rows, context length (paged_attention)
     tables: torch.Tensor  # [S, nb] int64 block tables, padded with block 0
     batch: AttentionBatch
-    _torch_path: TorchPathMetadata | None = None
+    _torch_paths: dict[int, TorchPathMetadata] = field(default_factory=dict)
 
-    @property
-    def torch_path(self) -> TorchPathMetadata:
-        """Built on first use (only where the kernel does not run), shared by every layer."""
-        if self._torch_path is None:
-            self._torch_path = _torch_path_metadata(self.batch)
-        return self._torch_path
+    def torch_path(self, window: int) -> TorchPathMetadata:
+        """Built on first use (only where the kernel does not run), one per sliding window,
+        shared by every layer with that window."""
+        if window not in self._torch_paths:
+            self._torch_paths[window] = _torch_path_metadata(self.batch, window)
+        return self._torch_paths[window]
 
 
-def _torch_path_metadata(batch: AttentionBatch) -> TorchPathMetadata:
+def _torch_path_metadata(batch: AttentionBatch, window: int) -> TorchPathMetadata:
     device = batch.slot_mapping.device
     bs = batch.block_size
     decode_rows, prefills = [], []  # decode rows: (flat position, request, context length)
@@ -112,7 +116,7 @@ def _torch_path_metadata(batch: AttentionBatch) -> TorchPathMetadata:
             decode_rows.extend((start + j, i, ctx - q + j + 1) for j in range(q))
         else:
             prefills.append(PrefillSpan(start, start + q, torch.tensor(
-                batch.block_tables[i][:-(-ctx // bs)], device=device), ctx))
+                batch.block_tables[i][:-(-ctx // bs)], device=device), ctx, window))
         start += q
     meta = TorchPathMetadata(None, not prefills, None, None, prefills)
     if decode_rows:
@@ -122,8 +126,9 @@ def _torch_path_metadata(batch: AttentionBatch) -> TorchPathMetadata:
             [b for _, i, n in decode_rows
              for b in batch.block_tables[i][:-(-n // bs)] + [0] * (width - -(-n // bs))],
             device=device)
-        valid = (torch.arange(width * bs, device=device)[None, :]
-                 < torch.tensor(lens, device=device)[:, None])
+        keys = torch.arange(width * bs, device=device)[None, :]
+        ends = torch.tensor(lens, device=device)[:, None]
+        valid = (keys < ends) & (keys >= ends - window) if window else keys < ends
         meta.decode_lens = torch.tensor(lens, device=device)
         meta.decode_idx = torch.tensor([s for s, _, _ in decode_rows], device=device)
         meta.decode_bias = torch.zeros(valid.shape, device=device).masked_fill_(
@@ -187,7 +192,8 @@ class TorchPagedAttention(AttentionBackend):
         return meta.slot_mapping, meta.seqs, meta.tables, meta.block_size, self.scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: TorchAttentionMetadata,
+                window: int = 0) -> torch.Tensor:
         ops = self.ops_for(q.dtype, kv_cache.device)
         rows = None
         if ops is not None and not self.quantized:
@@ -198,8 +204,8 @@ class TorchPagedAttention(AttentionBackend):
             kv_cache.index_copy_(2, meta.slot_mapping, rows.transpose(1, 2))
         if ops is not None:
             return ops.paged_attention(q, kv_cache, meta.seqs, meta.tables, meta.block_size,
-                                       self.scale).flatten(1)
-        path = meta.torch_path
+                                       self.scale, window).flatten(1)
+        path = meta.torch_path(window)
         if path.decode_only:
             return self._decode(q, kv_cache, path, meta.block_size).flatten(1)
         out = torch.empty_like(q)
@@ -211,8 +217,9 @@ class TorchPagedAttention(AttentionBackend):
             if not span.has_context:
                 fresh = rows if rows is not None else torch.stack((k, v))
                 kv = self._load(fresh[:, span.start:span.end], q.dtype).transpose(1, 2)
-                op = F.scaled_dot_product_attention(qp, kv[0:1], kv[1:2], is_causal=True,
-                                                    enable_gqa=True)
+                causal = {"attn_mask": span.mask} if span.window else {"is_causal": True}
+                op = F.scaled_dot_product_attention(qp, kv[0:1], kv[1:2], enable_gqa=True,
+                                                    **causal)
             else:
                 kv = _gather(kv_cache, span.blocks, meta.block_size)[:, :, :span.ctx_len]
                 kv = self._load(kv, q.dtype)

@@ -18,7 +18,9 @@
 //   P.V: one accumulator lane per output dimension, summed over the keys in order (bf16: a
 //     pair of consecutive keys per dpbf16); times 1 / sum.
 // Keys past a row's position and past the context enter as exact zeros, so the number of
-// 16-key tiles a row block spans does not change a row's result.
+// 16-key tiles a row block spans does not change a row's result. With a sliding window W (a
+// local layer), a row at position p sees keys p - W + 1 .. p: the keys before enter as exact
+// zeros too, and whole tiles of them are skipped, which changes nothing either.
 //
 // Those sums run down register lanes when K is laid out as [unit][16 keys] per tile and V
 // (bf16) as pairs of keys interleaved. A long chunk has K and V repacked that way once per
@@ -41,7 +43,9 @@ constexpr int64_t kTile = 16;  // keys per tile: the 16 lanes of one register of
 struct Seq {
   int64_t first, rows, len;  // first row in q, rows (the last positions), context length
   const int64_t* table;
+  int64_t t0;  // the first tile any of its rows sees (0 but with a sliding window)
   int64_t tiles() const { return (len + kTile - 1) / kTile; }
+  int64_t held() const { return tiles() - t0; }  // tiles a packed copy holds
 };
 
 #if defined(__AVX512F__)
@@ -49,14 +53,16 @@ constexpr int kRowBlock = 12;          // query rows computed together, one accu
 constexpr int64_t kDirectRows = 8;     // sequences with at most this many rows go direct
 constexpr int64_t kItemPositions = 4;  // query positions per work item of a packed chunk
 
-// Where a work item's K and V come from: a packed copy (kpk [tiles][U][16], vpk [tiles * 16
-// / per][D] units), or the cache rows themselves (krows / vrows: a pointer per position).
+// Where a work item's K and V come from: a packed copy of tiles t0 .. (kpk [tiles][U][16],
+// vpk [tiles * 16 / per][D] units), or the cache rows themselves (krows / vrows: a pointer
+// per position; those before tile t0 unused).
 struct Context {
   const uint32_t* kpk;
   const uint32_t* vpk;
   const uint32_t* const* krows;
   const uint32_t* const* vrows;
   int64_t len;
+  int64_t t0;
 };
 
 inline void prefetch_rows(const uint32_t* const* rows, int64_t from, int64_t to,
@@ -76,7 +82,7 @@ inline void scores_tile(const uint32_t* const* q, const Context& c, int64_t kt, 
     const uint32_t* kt_units;
     alignas(64) uint32_t local[16 * 128];  // only bf16 with U % 16 == 8 comes here: U < 128
     if (!Direct) {
-      kt_units = c.kpk + kt * U * kTile;
+      kt_units = c.kpk + (kt - c.t0) * U * kTile;
     } else {
       for (int64_t u = 0; u < U; ++u)
         for (int64_t j = 0; j < 16; ++j) {
@@ -108,19 +114,28 @@ inline void scores_tile(const uint32_t* const* q, const Context& c, int64_t kt, 
   for (int r = 0; r < NR; ++r) _mm512_storeu_ps(sc[r] + kt * kTile, acc[r]);
 }
 
-// The softmax of one row's n keys over `tiles` tiles of scores, into P (pb); returns 1 / sum.
+// Lanes of tile t holding keys first .. n - 1.
+inline __mmask16 live_keys(int64_t t, int64_t first, int64_t n) {
+  const int64_t lo = std::clamp<int64_t>(first - t * kTile, 0, kTile);
+  const int64_t hi = std::clamp<int64_t>(n - t * kTile, 0, kTile);
+  return static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+}
+
+// The softmax of one row's keys first .. n - 1 over tiles t_lo .. tiles - 1 of scores, into P
+// (pb, by absolute key); returns 1 / sum.
 template <typename T>
-inline float softmax_row(const float* s, int64_t n, int64_t tiles, float scale, uint32_t* pb) {
-  const int64_t full = n / kTile;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n % kTile)) - 1);
+inline float softmax_row(const float* s, int64_t first, int64_t n, int64_t t_lo, int64_t tiles,
+                         float scale, uint32_t* pb) {
   __m512 top = _mm512_set1_ps(-INFINITY);
-  for (int64_t t = 0; t < full; ++t) top = _mm512_max_ps(top, _mm512_loadu_ps(s + t * kTile));
-  top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, s + full * kTile));
+  for (int64_t t = first / kTile; t * kTile < n; ++t) {
+    const __mmask16 live = live_keys(t, first, n);
+    top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, s + t * kTile));
+  }
   const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top) * scale);
   const __m512 sc16 = _mm512_set1_ps(scale);
   __m512 sum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < tiles; ++t) {
-    const __mmask16 live = t < full ? 0xffff : t == full ? tail : 0;
+  for (int64_t t = t_lo; t < tiles; ++t) {
+    const __mmask16 live = live_keys(t, first, n);
     const __m512 e = _mm512_maskz_mov_ps(
         live, kvs::exp_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s + t * kTile), sc16, shift)));
     sum = _mm512_add_ps(sum, e);
@@ -157,33 +172,37 @@ inline __m512i v_units(const uint32_t* a, const uint32_t* b, int64_t d0) {
 // V unit j of the context (a key; bf16: keys 2j and 2j + 1), dimensions d0 .. d0 + 15.
 template <typename T, bool Direct>
 inline __m512i v_unit(const Context& c, int64_t j, int64_t d0, int64_t D) {
-  if constexpr (!Direct) return _mm512_loadu_si512(c.vpk + j * D + d0);
   constexpr int64_t per = kvs::kPer<T>;
+  if constexpr (!Direct) return _mm512_loadu_si512(c.vpk + (j - c.t0 * kTile / per) * D + d0);
   const int64_t t = j * per;
   return v_units<T>(t < c.len ? c.vrows[t] : nullptr,
                     per == 2 && t + 1 < c.len ? c.vrows[t + 1] : nullptr, d0);
 }
 
-// NR rows of one KV head; row r sees nkeys[r] keys. sc and pb: per row, room for the tiles'
-// scores and P.
+// NR rows of one KV head; row r sees keys first[r] .. nkeys[r] - 1. sc and pb: per row,
+// room for the scores and P of every tile (indexed by absolute key).
 template <typename T, int NR, bool Direct>
-void row_block(const uint32_t* const* q, const int64_t* nkeys, float* const* sc,
-               uint32_t* const* pb, const Context& c, int64_t D, float scale,
+void row_block(const uint32_t* const* q, const int64_t* first, const int64_t* nkeys,
+               float* const* sc, uint32_t* const* pb, const Context& c, int64_t D, float scale,
                T* const* out) {
   constexpr int64_t per = kvs::kPer<T>;
   const int64_t U = D / per;
-  int64_t most = 0;
-  for (int r = 0; r < NR; ++r) most = std::max(most, nkeys[r]);
-  const int64_t tiles = (most + kTile - 1) / kTile;
-  for (int64_t t = 0; t < tiles; ++t) scores_tile<T, NR, Direct>(q, c, t, U, sc);
+  int64_t most = 0, least = nkeys[0];
+  for (int r = 0; r < NR; ++r) {
+    most = std::max(most, nkeys[r]);
+    least = std::min(least, first[r]);
+  }
+  const int64_t tiles = (most + kTile - 1) / kTile, t_lo = least / kTile;
+  for (int64_t t = t_lo; t < tiles; ++t) scores_tile<T, NR, Direct>(q, c, t, U, sc);
   float inv[NR];
-  for (int r = 0; r < NR; ++r) inv[r] = softmax_row<T>(sc[r], nkeys[r], tiles, scale, pb[r]);
+  for (int r = 0; r < NR; ++r)
+    inv[r] = softmax_row<T>(sc[r], first[r], nkeys[r], t_lo, tiles, scale, pb[r]);
   const int64_t vunits = tiles * kTile / per, tile_units = kTile / per;
   constexpr bool fetch = Direct;  // V rows 2 tiles ahead, on the first pass
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
     __m512 acc[NR];
     for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < vunits; ++j) {
+    for (int64_t j = t_lo * tile_units; j < vunits; ++j) {
       if (fetch && d0 == 0 && j % tile_units == 0) {
         const int64_t ahead = (j / tile_units + 2) * kTile;
         if (ahead < c.len)
@@ -198,8 +217,9 @@ void row_block(const uint32_t* const* q, const int64_t* nkeys, float* const* sc,
 }
 
 template <typename T>
-using RowBlockFn = void (*)(const uint32_t* const*, const int64_t*, float* const*,
-                            uint32_t* const*, const Context&, int64_t, float, T* const*);
+using RowBlockFn = void (*)(const uint32_t* const*, const int64_t*, const int64_t*,
+                            float* const*, uint32_t* const*, const Context&, int64_t, float,
+                            T* const*);
 template <typename T, bool Direct>
 constexpr RowBlockFn<T> kRowBlocks[kRowBlock] = {
     row_block<T, 1, Direct>, row_block<T, 2, Direct>,  row_block<T, 3, Direct>,
@@ -277,7 +297,7 @@ struct Item {
 
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& cache, const std::vector<Seq>& seqs,
-            int64_t block_size, float scale, at::Tensor& out) {
+            int64_t block_size, int64_t window, float scale, at::Tensor& out) {
   constexpr int64_t per = kvs::kPer<T>;
   const int64_t H = q.size(1), D = q.size(2), Hkv = cache.size(1), G = H / Hkv;
   const int64_t U = D / per, tile_units = 2 * kTile * D / per, qstride = q.stride(0);
@@ -295,9 +315,9 @@ void attend(const at::Tensor& q, const at::Tensor& cache, const std::vector<Seq>
   for (int64_t s = 0; s < S; ++s) {
     if (few || rows.int8 || seqs[s].rows > kDirectRows) {
       offset[s] = packed_units;
-      packed_units += Hkv * seqs[s].tiles() * tile_units;
+      packed_units += Hkv * seqs[s].held() * tile_units;
       pack_jobs.emplace_back(s, jobs);
-      jobs += Hkv * seqs[s].tiles();
+      jobs += Hkv * seqs[s].held();
     }
   }
   // Reused across calls (by the calling thread): a fresh allocation of this size is mapped
@@ -314,10 +334,10 @@ void attend(const at::Tensor& q, const at::Tensor& cache, const std::vector<Seq>
                                          [](int64_t j, const auto& p) { return j < p.second; }) -
                         1;
         const Seq& sq = seqs[it->first];
-        const int64_t local = job - it->second, g = local / sq.tiles(), kt = local % sq.tiles();
-        uint32_t* base = packed + offset[it->first] + g * sq.tiles() * tile_units;
-        rows.pack_tile(g, sq.table, sq.len, kt, base + kt * U * kTile,
-                       base + sq.tiles() * U * kTile + kt * (kTile / per) * D, scratch.data());
+        const int64_t local = job - it->second, g = local / sq.held(), i = local % sq.held();
+        uint32_t* base = packed + offset[it->first] + g * sq.held() * tile_units;
+        rows.pack_tile(g, sq.table, sq.len, sq.t0 + i, base + i * U * kTile,
+                       base + sq.held() * U * kTile + i * (kTile / per) * D, scratch.data());
       }
     });
   }
@@ -342,7 +362,8 @@ void attend(const at::Tensor& q, const at::Tensor& cache, const std::vector<Seq>
   // The costliest first (a chunk's last rows see the most keys), so uneven items balance.
   const auto cost = [&](const Item& it) {
     const Seq& sq = seqs[it.seq];
-    return (sq.len - sq.rows + (it.r0 + it.nr) / G) * it.nr;
+    const int64_t seen = sq.len - sq.rows + (it.r0 + it.nr) / G;
+    return (window ? std::min(seen, window) : seen) * it.nr;
   };
   std::stable_sort(items.begin(), items.end(),
                    [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
@@ -360,14 +381,14 @@ void attend(const at::Tensor& q, const at::Tensor& cache, const std::vector<Seq>
       const Item& it = items[i];
       const Seq& sq = seqs[it.seq];
       const int64_t tiles = sq.tiles();
-      Context ctx{nullptr, nullptr, nullptr, nullptr, sq.len};
+      Context ctx{nullptr, nullptr, nullptr, nullptr, sq.len, sq.t0};
       if (offset[it.seq] >= 0) {
-        ctx.kpk = packed + offset[it.seq] + it.g * tiles * tile_units;
-        ctx.vpk = ctx.kpk + tiles * U * kTile;
+        ctx.kpk = packed + offset[it.seq] + it.g * sq.held() * tile_units;
+        ctx.vpk = ctx.kpk + sq.held() * U * kTile;
       } else {
         krows.resize(sq.len);
         vrows.resize(sq.len);
-        for (int64_t t = 0; t < sq.len; ++t) {
+        for (int64_t t = sq.t0 * kTile; t < sq.len; ++t) {
           krows[t] = rows.row(0, it.g, sq.table, t, nullptr);
           vrows[t] = rows.row(1, it.g, sq.table, t, nullptr);
         }
@@ -383,7 +404,7 @@ void attend(const at::Tensor& q, const at::Tensor& cache, const std::vector<Seq>
         const uint32_t* qrows[kRowBlock];
         float* sc[kRowBlock];
         uint32_t* pb[kRowBlock];
-        int64_t nkeys[kRowBlock];
+        int64_t nkeys[kRowBlock], first[kRowBlock];
         T* orows[kRowBlock];
         for (int64_t r = 0; r < nr; ++r) {
           const int64_t row = it.r0 + r0 + r, pos = row / G, h = it.g * G + row % G;
@@ -391,10 +412,11 @@ void attend(const at::Tensor& q, const at::Tensor& cache, const std::vector<Seq>
           sc[r] = scores.data() + r * tiles * kTile;
           pb[r] = probs.data() + r * tiles * kTile;
           nkeys[r] = sq.len - sq.rows + pos + 1;
+          first[r] = window ? std::max<int64_t>(0, nkeys[r] - window) : 0;
           orows[r] = op + ((sq.first + pos) * H + h) * D;
         }
         (ctx.kpk != nullptr ? kRowBlocks<T, false> : kRowBlocks<T, true>)[nr - 1](
-            qrows, nkeys, sc, pb, ctx, D, scale, orows);
+            qrows, first, nkeys, sc, pb, ctx, D, scale, orows);
         r0 += nr;
       }
     }
@@ -409,7 +431,8 @@ bool has_paged_attention(at::ScalarType dtype) {
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& seqs,
-                           const at::Tensor& tables, int64_t block_size, double scale) {
+                           const at::Tensor& tables, int64_t block_size, double scale,
+                           int64_t window) {
   TORCH_CHECK(has_paged_attention(q.scalar_type()),
               "paged_attention: no kernel for this dtype on this CPU");
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 4 && cache.size(0) == 2, "bad shapes");
@@ -418,6 +441,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
   TORCH_CHECK(cache.is_contiguous(), "cache must be contiguous");
   TORCH_CHECK(D % 16 == 0 && D <= 256, "head_dim must be a multiple of 16, at most 256");
   TORCH_CHECK(H % Hkv == 0, "heads must be a multiple of KV heads");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   const bool int8 = cache.scalar_type() == at::kChar;
   TORCH_CHECK(int8 ? cache.size(3) == D + 2
                    : cache.scalar_type() == q.scalar_type() && cache.size(3) == D,
@@ -439,15 +463,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
     TORCH_CHECK(len >= rows && len <= nb * block_size, "the table must cover the context");
     for (int64_t j = 0; j < (len + block_size - 1) / block_size; ++j)
       TORCH_CHECK(t[i * nb + j] >= 0 && t[i * nb + j] < blocks, "block id out of range");
-    list.push_back({first, rows, len, t + i * nb});
+    const int64_t t0 = window ? std::max<int64_t>(0, len - rows + 1 - window) / kTile : 0;
+    list.push_back({first, rows, len, t + i * nb, t0});
   }
   auto out = at::empty({q.size(0), H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
 #if defined(__AVX512F__)
   if (q.scalar_type() == at::kFloat) {
-    attend<float>(q, cache, list, block_size, static_cast<float>(scale), out);
+    attend<float>(q, cache, list, block_size, window, static_cast<float>(scale), out);
   } else {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    attend<c10::BFloat16>(q, cache, list, block_size, static_cast<float>(scale), out);
+    attend<c10::BFloat16>(q, cache, list, block_size, window, static_cast<float>(scale), out);
 #endif
   }
 #endif

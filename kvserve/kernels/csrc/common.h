@@ -21,7 +21,8 @@
 // attention.cpp
 bool has_paged_attention(at::ScalarType dtype);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& seqs,
-                           const at::Tensor& tables, int64_t block_size, double scale);
+                           const at::Tensor& tables, int64_t block_size, double scale,
+                           int64_t window);
 
 // linear.cpp
 bool has_dense_linear(at::ScalarType dtype);

@@ -169,7 +169,8 @@ at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
     auto qk = at::addcmul(qk_in * cos, qk_in.roll({D / 2}, {-1}), sin);
     store_kv(cache, slots, qk.narrow(1, heads, kv_heads),
              qkv.narrow(1, heads + kv_heads, kv_heads));
-    auto attn = paged_attention(qk.narrow(1, 0, heads), cache, seqs, tables, block_size, scale);
+    auto attn = paged_attention(qk.narrow(1, 0, heads), cache, seqs, tables, block_size, scale,
+                                0);
     x = x + linear(attn.flatten(1), w.o, int4_group);
     auto gate_up = linear(rms_norm(x, w.post_attention_norm, eps), w.gate_up, int4_group)
                        .chunk(2, -1);
@@ -186,7 +187,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_paged_attention", &has_paged_attention,
         "whether paged_attention is built for this dtype");
   m.def("paged_attention", &paged_attention, "attention of a step's rows, paged K/V (CPU)",
-        nogil());
+        py::arg("q"), py::arg("cache"), py::arg("seqs"), py::arg("tables"),
+        py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, nogil());
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension of a 2-D tensor (CPU)",
         nogil());
   m.def("has_dense_linear", &has_dense_linear, "whether dense_linear is built for this dtype");
