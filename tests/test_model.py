@@ -15,7 +15,7 @@ from kvserve.worker.model_runner import ModelRunner
 
 
 def _backend(c):
-    return TorchPagedAttention(c.num_heads, c.num_kv_heads, c.head_dim)
+    return TorchPagedAttention.for_model(c)
 
 
 @torch.inference_mode()
@@ -44,12 +44,13 @@ def paged_logits(model, ids: list[int], chunks: list[int], device: str,
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_model_matches_transformers(arch, tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir,
-                                         device):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
+def test_tiny_model_matches_transformers(arch, request, device):
+    """Logits of every position, the prompt computed whole, token by token and in mixed
+    chunks; the mistral and gemma3 models' sliding windows (8) are far shorter than it."""
     from transformers import AutoModelForCausalLM
 
-    path = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "qwen3": tiny_qwen3_dir}[arch]
+    path = request.getfixturevalue(f"tiny_{arch}_dir")
     ours = load_model(path, torch.float32, torch.device(device), _backend).model
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     ids = torch.randint(0, 320, (37,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -38,6 +38,7 @@ from kvserve.attention.kv_quant import (
     quantize_int8,
     split_int8,
 )
+from kvserve.config import ModelConfig
 
 # Decode batches with at most this many context tokens in all (batch x padded length) do their
 # attention math in float32.
@@ -146,12 +147,18 @@ def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> to
 
 class TorchPagedAttention(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", scale: float = 0.0) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = scale or head_dim**-0.5
         self.kv_cache_dtype = kv_cache_dtype
         self.row_width = kv_row_width(head_dim, kv_cache_dtype)  # validates the name
         self.quantized = kv_cache_dtype == "int8"
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, kv_cache_dtype: str = "auto") -> TorchPagedAttention:
+        """The backend for a model's (or a rank's shard's) attention."""
+        return cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kv_cache_dtype,
+                   cfg.attention_scale)
 
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:
         return (2, self.num_kv_heads, num_slots, self.row_width)

@@ -1,4 +1,7 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Gemma 3) over a paged KV
+cache. What the families differ in is a field of ModelConfig: q/k norms, sliding windows per
+layer and their RoPE base, the attention scale, Gemma's embedding scale, float32 norm
+scaling, norms on the attention's and MLP's outputs, and the MLP's activation.
 
 The model sees one flat batch of tokens from many requests; which request a token belongs to
 and where its K/V live is the attention backend's business (`meta`).
@@ -11,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
-from kvserve.config import ModelConfig
+from kvserve.config import ModelConfig, RopeScaling
 from kvserve.distributed.parallel import SINGLE, TensorParallel, head_shard
 from kvserve.kernels import norm_kernels, ops
 from kvserve.layers.linear import (
@@ -28,9 +31,10 @@ from kvserve.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, window: int = 0,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.window = window  # sliding window of this layer (0: the whole context)
         shard = head_shard(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
         self.num_heads, self.num_kv_heads = shard.q_count, shard.kv_count
         self.head_dim = d = cfg.head_dim
@@ -38,11 +42,12 @@ class Attention(nn.Module):
                                           cfg.qkv_bias, tp)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, False, tp,
                                         [(shard.q_start * d, shard.q_count * d)])
-        self.rotary = rotary
         self.backend = backend
-        # Qwen3: each head of q and k RMS-normed (one weight per head dimension) before RoPE.
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Qwen3, Gemma 3: each head of q and k RMS-normed (one weight per head dimension)
+        # before RoPE.
+        norm = cfg.norm_scale_in_float32
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, norm) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, norm) if cfg.qk_norm else None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 kv_cache: torch.Tensor, meta: object) -> torch.Tensor:
@@ -51,8 +56,9 @@ class Attention(nn.Module):
         qk = qkv[:, :h + hkv]
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h:h + hkv])), 1)
-        qk = self.rotary.apply(qk, *rope)  # q and k heads rotated together
-        out = self.backend.forward(qk[:, :h], qk[:, h:], qkv[:, h + hkv:], kv_cache, meta)
+        qk = RotaryEmbedding.apply(qk, *rope)  # q and k heads rotated together
+        out = self.backend.forward(qk[:, :h], qk[:, h:], qkv[:, h + hkv:], kv_cache, meta,
+                                   self.window)
         return self.o_proj(out)
 
 
@@ -62,25 +68,40 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
+        self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+    """x + attn(norm(x)), then x + mlp(norm(x)); with sandwich norms (Gemma) the attention's
+    and the MLP's outputs are normed too before they are added. `post_attention_layernorm`
+    is the MLP's input norm, as Llama checkpoints name it (Gemma's pre_feedforward_layernorm;
+    its post_attention_layernorm is `attn_out_norm` here)."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, window: int = 0,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, backend, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_in_float32)
+
+        self.input_layernorm = norm()
+        self.self_attn = Attention(cfg, backend, window, tp)
+        self.attn_out_norm = norm() if cfg.sandwich_norms else None
+        self.post_attention_layernorm = norm()
         self.mlp = MLP(cfg, tp)
+        self.mlp_out_norm = norm() if cfg.sandwich_norms else None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 kv_cache: torch.Tensor, meta: object) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
+        x = x + (h if self.attn_out_norm is None else self.attn_out_norm(h))
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h if self.mlp_out_norm is None else self.mlp_out_norm(h))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -90,12 +111,15 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta,
-                                 cfg.rope_scaling)
-        self.rotary = rotary
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta,
+                                      cfg.rope_scaling)
+        # Sliding-window layers with a RoPE base of their own (Gemma 3), without scaling.
+        self.rotary_local = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position, cfg.rope_local_theta,
+            RopeScaling()) if cfg.rope_local_theta else None
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, backend, tp) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            DecoderLayer(cfg, backend, cfg.window(i), tp) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_in_float32)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         self._fused = None  # fused_weights(), built on first use
         if cfg.tie_word_embeddings:
@@ -105,18 +129,30 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor], meta: object) -> torch.Tensor:
         """input_ids/positions [T] -> final hidden states [T, hidden] (normed)."""
         x = self.embed_tokens(input_ids)
+        if self.config.embedding_scale != 1.0:
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         rope = self.rotary.tables(positions, x.dtype)  # once per step, shared by all layers
         attn = self.layers[0].self_attn
-        fused = attn.backend.fused_inputs(meta, x.dtype) if self.tp.size == 1 else None
+        fused = (attn.backend.fused_inputs(meta, x.dtype)
+                 if self.tp.size == 1 and self.fused_layers_supported else None)
         if fused is not None:
             # All layers in one C++ call making the same ATen and kernel calls as the modules
             # below, without ~50 us of Python per layer between them.
             return self.norm(ops().run_layers(
                 x, *rope, self.fused_weights(), kv_caches, *fused, attn.num_heads,
                 attn.num_kv_heads, self.norm.eps, INT4_GROUP))
+        local = self.rotary_local.tables(positions, x.dtype) if self.rotary_local else rope
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(rope, x, kv_cache, meta)
+            x = layer(local if layer.self_attn.window else rope, x, kv_cache, meta)
         return self.norm(x)
+
+    @property
+    def fused_layers_supported(self) -> bool:
+        """Whether the C++ run_layers computes these layers (not yet: Gemma's float32 norm
+        scaling, sandwich norms, GELU, and a second RoPE base; those run on the modules)."""
+        c = self.config
+        return not (c.norm_scale_in_float32 or c.sandwich_norms or c.hidden_act != "silu"
+                    or c.rope_local_theta)
 
     def fused_weights(self):
         """Every layer's tensors by name, as the C++ run_layers reads them (its
@@ -135,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
                 return none if norm is None else norm.weight
 
             self._fused = k.DecoderWeights([k.LayerWeights(
-                input_norm=layer.input_layernorm.weight,
+                window=layer.self_attn.window, input_norm=layer.input_layernorm.weight,
                 post_attention_norm=layer.post_attention_layernorm.weight,
                 q_norm=weight(layer.self_attn.q_norm), k_norm=weight(layer.self_attn.k_norm),
                 qkv=linear(layer.self_attn.qkv_proj), o=linear(layer.self_attn.o_proj),

