@@ -246,8 +246,10 @@ def _assert_fused_equals_modules(model, caches: list[torch.Tensor], bs: int, ste
     assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches, strict=True))
 
 
-# qwen2: qkv bias, tied embeddings; qwen3: q/k norms, heads x head_dim wider than hidden
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+# qwen2: qkv bias, tied embeddings; qwen3: q/k norms, heads x head_dim wider than hidden;
+# mistral: sliding windows; gemma3: windows with their own RoPE, float32 norms around
+# attention and MLP, GELU
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
 @pytest.mark.parametrize("dtype,quantization", [(torch.float32, "none"),
                                                 (torch.bfloat16, "none"),
                                                 (torch.bfloat16, "int8"),
@@ -280,7 +282,8 @@ def test_fused_decode_layers_equal_the_modules(tmp_path, arch, dtype, quantizati
                                                 (torch.bfloat16, "none"),
                                                 (torch.bfloat16, "int8"),
                                                 (torch.bfloat16, "int4")])
-def test_fused_layers_with_prompt_work_equal_the_modules(tmp_path, dtype, quantization):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_fused_layers_with_prompt_work_equal_the_modules(tmp_path, dtype, quantization, arch):
     """A step with prompt work through the C++ run_layers gives exactly the hidden states and
     K/V of the Python modules. The step holds a decode row, a chunk after cached context, a
     fresh prompt and a verification of drafts."""
@@ -288,7 +291,8 @@ def test_fused_layers_with_prompt_work_equal_the_modules(tmp_path, dtype, quanti
     from tests.conftest import build_tiny_model
 
     _attention_or_skip(dtype)
-    path = build_tiny_model(tmp_path, "llama", hidden_size=128, num_heads=4, num_kv_heads=2)
+    path = build_tiny_model(tmp_path, arch, hidden_size=128, num_heads=4, num_kv_heads=2,
+                            tie=arch == "gemma3")
     model = _paged_model(path, dtype, quantization)
     bs, g = 4, torch.Generator().manual_seed(2)
     caches = allocate_kv_caches(model, 64 * bs, dtype, torch.device("cpu"))

@@ -261,10 +261,6 @@ class LLMEngine:
                  path.name, cfg.architecture, cfg.num_layers, loaded.weight_format,
                  dtype_name(dtype), self.quantization, loaded.model.weight_kernel(),
                  time.perf_counter() - t0)
-        if not loaded.model.fused_layers_supported and device.type == "cpu":
-            log.info("%s runs on the Python modules: the fused C++ layer loop does not take "
-                     "its float32 norm scaling, sandwich norms, GELU and second RoPE base yet",
-                     cfg.architecture)
         variant = loaded.model.batch_variant_parts()
         if variant:
             log.warning("not batch-invariant here: a request's tokens may depend on what else "

@@ -132,27 +132,22 @@ class LlamaForCausalLM(nn.Module):
         if self.config.embedding_scale != 1.0:
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         rope = self.rotary.tables(positions, x.dtype)  # once per step, shared by all layers
+        local = self.rotary_local.tables(positions, x.dtype) if self.rotary_local else rope
         attn = self.layers[0].self_attn
-        fused = (attn.backend.fused_inputs(meta, x.dtype)
-                 if self.tp.size == 1 and self.fused_layers_supported else None)
+        fused = attn.backend.fused_inputs(meta, x.dtype) if self.tp.size == 1 else None
         if fused is not None:
             # All layers in one C++ call making the same ATen and kernel calls as the modules
             # below, without ~50 us of Python per layer between them.
             return self.norm(ops().run_layers(
-                x, *rope, self.fused_weights(), kv_caches, *fused, attn.num_heads,
+                x, *rope, *local, self.fused_weights(), kv_caches, *fused, attn.num_heads,
                 attn.num_kv_heads, self.norm.eps, INT4_GROUP))
-        local = self.rotary_local.tables(positions, x.dtype) if self.rotary_local else rope
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(local if layer.self_attn.window else rope, x, kv_cache, meta)
+            x = layer(local if self._local_rope(layer) else rope, x, kv_cache, meta)
         return self.norm(x)
 
-    @property
-    def fused_layers_supported(self) -> bool:
-        """Whether the C++ run_layers computes these layers (not yet: Gemma's float32 norm
-        scaling, sandwich norms, GELU, and a second RoPE base; those run on the modules)."""
-        c = self.config
-        return not (c.norm_scale_in_float32 or c.sandwich_norms or c.hidden_act != "silu"
-                    or c.rope_local_theta)
+    def _local_rope(self, layer: DecoderLayer) -> bool:
+        """Whether `layer` takes the sliding layers' RoPE tables."""
+        return self.rotary_local is not None and layer.self_attn.window > 0
 
     def fused_weights(self):
         """Every layer's tensors by name, as the C++ run_layers reads them (its
@@ -171,8 +166,11 @@ class LlamaForCausalLM(nn.Module):
                 return none if norm is None else norm.weight
 
             self._fused = k.DecoderWeights([k.LayerWeights(
-                window=layer.self_attn.window, input_norm=layer.input_layernorm.weight,
+                window=layer.self_attn.window, local_rope=self._local_rope(layer),
+                gelu=layer.mlp.gelu, input_norm=layer.input_layernorm.weight,
                 post_attention_norm=layer.post_attention_layernorm.weight,
+                attn_out_norm=weight(layer.attn_out_norm),
+                mlp_out_norm=weight(layer.mlp_out_norm),
                 q_norm=weight(layer.self_attn.q_norm), k_norm=weight(layer.self_attn.k_norm),
                 qkv=linear(layer.self_attn.qkv_proj), o=linear(layer.self_attn.o_proj),
                 gate_up=linear(layer.mlp.gate_up_proj), down=linear(layer.mlp.down_proj))

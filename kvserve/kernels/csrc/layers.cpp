@@ -119,9 +119,12 @@ struct LinearWeights {
 };
 
 struct LayerWeights {
-  int64_t window = 0;  // the attention's sliding window (0: the whole context)
-  at::Tensor input_norm, post_attention_norm;
-  at::Tensor q_norm, k_norm;  // per-head RMSNorm of q and k before RoPE (Qwen3)
+  int64_t window = 0;       // the attention's sliding window (0: the whole context)
+  bool local_rope = false;  // RoPE from the second tables (the sliding layers' own base)
+  bool gelu = false;        // GELU (tanh) gating the MLP instead of SiLU
+  at::Tensor input_norm, post_attention_norm;  // the attention's and the MLP's input norms
+  at::Tensor attn_out_norm, mlp_out_norm;      // norms on their outputs (Gemma)
+  at::Tensor q_norm, k_norm;  // per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
   LinearWeights qkv, o, gate_up, down;
 };
 
@@ -157,9 +160,12 @@ at::Tensor head_norm(const at::Tensor& heads, const at::Tensor& weight, double e
 
 }  // namespace
 
-// run_layers: the step's decoder layers; the attention inputs are paged_attention's: the
-// step's sequences [S, 3] (first row, rows, context length) and their block tables [S, nb].
+// run_layers: the step's decoder layers, as LlamaForCausalLM's modules compute them; cos/sin
+// are the RoPE tables of the step's positions, cos_local/sin_local those of the layers with
+// `local_rope`. The attention inputs are paged_attention's: the step's sequences [S, 3]
+// (first row, rows, context length) and their block tables [S, nb].
 at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& cos_local, const at::Tensor& sin_local,
                       const DecoderWeights& weights, const std::vector<at::Tensor>& caches,
                       const at::Tensor& slots, const at::Tensor& seqs, const at::Tensor& tables,
                       int64_t block_size, double scale, int64_t heads, int64_t kv_heads,
@@ -167,6 +173,9 @@ at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
   TORCH_CHECK(weights.layers.size() == caches.size(), "one cache per layer");
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
   const int64_t T = x.size(0), D = cos.size(-1);
+  const auto out_norm = [eps](const at::Tensor& h, const at::Tensor& w) {
+    return w.numel() ? rms_norm(h, w, eps) : h;
+  };
   for (size_t l = 0; l < caches.size(); ++l) {
     const LayerWeights& w = weights.layers[l];
     const at::Tensor& cache = caches[l];
@@ -176,15 +185,18 @@ at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
                      ? at::cat({head_norm(qkv.narrow(1, 0, heads), w.q_norm, eps),
                                 head_norm(qkv.narrow(1, heads, kv_heads), w.k_norm, eps)}, 1)
                      : qkv.narrow(1, 0, heads + kv_heads);
-    auto qk = at::addcmul(qk_in * cos, qk_in.roll({D / 2}, {-1}), sin);
+    const at::Tensor& c = w.local_rope ? cos_local : cos;
+    const at::Tensor& s = w.local_rope ? sin_local : sin;
+    auto qk = at::addcmul(qk_in * c, qk_in.roll({D / 2}, {-1}), s);
     store_kv(cache, slots, qk.narrow(1, heads, kv_heads),
              qkv.narrow(1, heads + kv_heads, kv_heads));
     auto attn = paged_attention(qk.narrow(1, 0, heads), cache, seqs, tables, block_size, scale,
                                 w.window);
-    x = x + linear(attn.flatten(1), w.o, int4_group);
+    x = x + out_norm(linear(attn.flatten(1), w.o, int4_group), w.attn_out_norm);
     auto gate_up = linear(rms_norm(x, w.post_attention_norm, eps), w.gate_up, int4_group)
                        .chunk(2, -1);
-    x = x + linear(at::silu(gate_up[0]) * gate_up[1], w.down, int4_group);
+    auto act = w.gelu ? at::gelu(gate_up[0], "tanh") : at::silu(gate_up[0]);
+    x = x + out_norm(linear(act * gate_up[1], w.down, int4_group), w.mlp_out_norm);
   }
   return x;
 }
@@ -214,15 +226,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(), py::arg("weight"),
            py::arg("packed"), py::arg("scales"), py::arg("bias"));
   py::class_<LayerWeights>(m, "LayerWeights")
-      .def(py::init([](int64_t window, at::Tensor input_norm, at::Tensor post_attention_norm,
-                       at::Tensor q_norm, at::Tensor k_norm, LinearWeights qkv, LinearWeights o,
-                       LinearWeights gate_up, LinearWeights down) {
-             return LayerWeights{window, input_norm, post_attention_norm, q_norm, k_norm,
-                                 qkv,    o,          gate_up,             down};
+      .def(py::init([](int64_t window, bool local_rope, bool gelu, at::Tensor input_norm,
+                       at::Tensor post_attention_norm, at::Tensor attn_out_norm,
+                       at::Tensor mlp_out_norm, at::Tensor q_norm, at::Tensor k_norm,
+                       LinearWeights qkv, LinearWeights o, LinearWeights gate_up,
+                       LinearWeights down) {
+             return LayerWeights{window,        local_rope,   gelu,   input_norm,
+                                 post_attention_norm, attn_out_norm, mlp_out_norm, q_norm,
+                                 k_norm,        qkv,          o,      gate_up,
+                                 down};
            }),
-           py::kw_only(), py::arg("window"), py::arg("input_norm"), py::arg("post_attention_norm"),
-           py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"), py::arg("o"),
-           py::arg("gate_up"), py::arg("down"));
+           py::kw_only(), py::arg("window"), py::arg("local_rope"), py::arg("gelu"),
+           py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("attn_out_norm"),
+           py::arg("mlp_out_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
+           py::arg("o"), py::arg("gate_up"), py::arg("down"));
   py::class_<DecoderWeights>(m, "DecoderWeights")
       .def(py::init<std::vector<LayerWeights>>(), py::arg("layers"));
   m.def("run_layers", &run_layers, "all decoder layers of a step (CPU)", nogil());
