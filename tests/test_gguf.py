@@ -142,3 +142,100 @@ def test_not_a_gguf_file(tmp_path):
     path.write_bytes(b"definitely not gguf" * 10)
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         load_model(path, torch.float32, torch.device("cpu"), _backend)
+
+
+def _random_blocks(kind: str, rows: int, cols: int, seed: int):
+    """Random raw blocks of a GGUF type, their float16 scale fields set to sane values (any
+    bits are a valid block but for NaN/inf halves)."""
+    from kvserve.models.gguf_quants import BLOCKS
+
+    rng = np.random.default_rng(seed)
+    per, size = BLOCKS[kind]
+    blocks = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
+    halves = 2 if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 1
+    vals = (rng.random((rows, cols // per, halves)) * 0.02 + 0.001).astype(np.float16)
+    if kind in ("Q4_1", "Q5_1"):
+        vals[..., 1] = -vals[..., 1]  # the minimum
+    blocks[..., :2 * halves] = vals.view(np.uint8).reshape(rows, cols // per, 2 * halves)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"])
+def test_gguf_blocks_decode_to_the_kernels_groups(kind):
+    """Each type's blocks as the VNNI kernel's groups (codes, scale, minimum per 32) stand for
+    exactly the weights gguf dequantizes; K-quants up to the float16 rounding of a super-block
+    scale times a sub-block scale."""
+    from kvserve.models.gguf_quants import decode_groups
+
+    raw = _random_blocks(kind, 8, 512, seed=len(kind))
+    ref = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind))
+    groups = decode_groups(raw, kind, 8, 512)
+    assert groups.bits == (4 if kind in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    assert int(groups.q.max()) < 2 ** (4 if groups.bits == 4 else 5 if kind != "Q8_0" else 8)
+    got = groups.dequantized().numpy()
+    if kind.endswith("_K"):
+        _assert_within_half_rounding(groups, got, ref)
+    else:
+        np.testing.assert_array_equal(got, ref)
+
+
+def _assert_within_half_rounding(groups, got, ref) -> None:
+    """|got - ref| within what rounding each group's scale and minimum to float16 allows:
+    2^-11 relative on each, q * |d| + |m| per weight."""
+    n, k = groups.q.shape
+    d = groups.d.abs().repeat_interleave(32, 1)
+    m = groups.m.abs().repeat_interleave(32, 1)
+    bound = (2.0 ** -11 * (groups.q.float() * d + m)).numpy() + 1e-7
+    assert (np.abs(got - ref) <= bound).all()
+
+
+def test_gemma3_tensors_keep_their_codes(gemma3_path):
+    """On the real Gemma 3 270M file: every projection of a type with an exact form decodes to
+    gguf's dequantization; Q6_K has none (its scales are per 16 inputs)."""
+    from kvserve.models.gguf_quants import decode_groups
+
+    reader = gguf.GGUFReader(str(gemma3_path))
+    seen = set()
+    for t in reader.tensors:
+        if not t.name.startswith("blk.1.") or len(t.shape) != 2:
+            continue
+        ref = gguf.quants.dequantize(t.data, t.tensor_type)
+        groups = decode_groups(t.data, t.tensor_type.name, *ref.shape)
+        seen.add(t.tensor_type.name)
+        if t.tensor_type.name == "Q6_K":
+            assert groups is None
+            continue
+        got = groups.dequantized().numpy()
+        if t.tensor_type.name.endswith("_K"):
+            _assert_within_half_rounding(groups, got, ref)
+        else:
+            np.testing.assert_array_equal(got, ref)
+    assert {"Q4_K", "Q5_0", "Q8_0", "Q6_K"} <= seen
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0,
+                                   gguf.GGMLQuantizationType.Q5_1,
+                                   gguf.GGMLQuantizationType.Q8_0])
+def test_quantized_gguf_serves_its_own_codes(qtype, tiny_llama_dir, tmp_path):
+    """`--quantization auto` in bf16: every projection keeps the file's codes on the VNNI
+    kernel, in its own precision class, and the model stays close to its float32 self."""
+    from kvserve import kernels
+    from kvserve.layers.linear import LinearBase
+
+    if kernels.quant_kernels(torch.bfloat16, "cpu", 16, 32) is None:
+        pytest.skip("needs the VNNI kernel")
+    path = tmp_path / "tiny-q.gguf"
+    write_gguf(tiny_llama_dir, path, qtype=qtype)
+    model = load_model(path, torch.bfloat16, torch.device("cpu"), _backend).model
+    ref = load_model(path, torch.float32, torch.device("cpu"), _backend).model
+    model.pack_("auto")
+    bits = 4 if qtype == gguf.GGMLQuantizationType.Q4_0 else 8
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and m is not model.lm_head]
+    assert all(m.packed.exact and m.packed.method == f"int{bits}" for m in layers)
+    a = paged_logits(ref, IDS, [29], "cpu")
+    b = paged_logits(model, IDS, [29], "cpu").float()
+    # bf16 activations, quantized to int8 per group, against float32 throughout (bf16 alone
+    # moves this tiny model's logits by 3-4% of their range; the codes' exactness is checked
+    # block by block above)
+    assert (a - b).abs().max() / a.abs().max() < 0.1
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.85

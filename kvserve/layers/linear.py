@@ -21,7 +21,14 @@ from kvserve.distributed.parallel import (
     split,
     vocab_shard,
 )
-from kvserve.layers.quant import INT4_GROUP, DenseWeight, PackedWeight, QuantizedWeight
+from kvserve.layers.quant import (
+    INT4_GROUP,
+    DenseWeight,
+    PackedWeight,
+    QuantGroups,
+    QuantizedWeight,
+    quantization_class,
+)
 
 Ranges = list[tuple[int, int]]  # (start, size) ranges of the full tensor, in shard order
 
@@ -51,14 +58,29 @@ class LinearBase(nn.Module):
         # Row-parallel shards: each full row's largest magnitude, so an int8 copy scales a
         # shard as one process scales the whole row and both compute with the same integers.
         self.row_absmax: torch.Tensor | None = None
+        # Per part (0 for a plain layer), the GGUF type its weight came as and, where that type
+        # has an exact form, its blocks as the VNNI kernel's groups (this rank's shard).
+        self.gguf_types: dict[int, str] = {}
+        self.gguf_groups: dict[int, QuantGroups | None] = {}
 
     def pack_(self, quantization: str, keep_weight: bool = False) -> None:
         """Put the (loaded) weight in the form its kernel reads: a quantized copy (int4,
         int8), or unquantized, repacked for the dense kernel where there is one. That form
         then serves every batch and the weight itself goes (an empty tensor of its dtype
-        stays in its place) unless `keep_weight`."""
+        stays in its place) unless `keep_weight`.
+
+        A GGUF weight whose type has an exact form (see models/gguf_quants.py) keeps its own
+        codes on the VNNI kernel, 4-bit ones widened to 8 for int8 or where parts mix; other
+        weights are quantized again. `auto` (per layer): the layer's own GGUF precision class,
+        none for float weights."""
         w = self.weight.data
-        if quantization != "none":
+        if quantization == "auto":
+            quantization = quantization_class(self.gguf_types.values())
+        groups = self._source_groups(quantization) if quantization != "none" else None
+        if groups is not None and (packed := QuantizedWeight.from_groups(
+                groups, w.dtype, w.device)) is not None:
+            self.packed = packed
+        elif quantization != "none":
             # Per-group int8 of a row-parallel shard cut at group boundaries is the same as
             # one process's; other shards scale by their whole rows on torch's kernel.
             aligned = self.tp_dim != 1 or all(
@@ -70,6 +92,37 @@ class LinearBase(nn.Module):
             return
         if not keep_weight:
             self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+
+    def _source_groups(self, quantization: str) -> QuantGroups | None:
+        """The GGUF groups of every part, in row order, as `quantization` holds them; None
+        when a part has none or int4 was asked of 8-bit codes."""
+        parts = [self.gguf_groups.get(i) for i in range(max(len(self.gguf_types), 1))]
+        if not parts or any(g is None for g in parts):
+            return None
+        if quantization == "int4" and any(g.bits == 8 for g in parts):
+            return None
+        bits = 8 if quantization == "int8" or any(g.bits == 8 for g in parts) else 4
+        return QuantGroups(torch.cat([g.q for g in parts]), torch.cat([g.d for g in parts]),
+                           torch.cat([g.m for g in parts]), bits)
+
+    def _shard_groups(self, g: QuantGroups | None, rows: tuple[int, int] | None
+                      ) -> QuantGroups | None:
+        """This rank's part of a full weight's groups: `rows` (start, size) of a column
+        shard, or the column ranges of a row-parallel shard when they fall on groups."""
+        if g is None:
+            return None
+        if rows is not None:
+            start, size = rows
+            return QuantGroups(g.q[start:start + size], g.d[start:start + size],
+                               g.m[start:start + size], g.bits)
+        if self.tp_dim != 1 or self.tp.size == 1:
+            return g
+        if any(start % INT4_GROUP or size % INT4_GROUP for start, size in self.ranges):
+            return None
+        cols = [(s // INT4_GROUP, n // INT4_GROUP) for s, n in self.ranges]
+        return QuantGroups(torch.cat([g.q[:, s:s + n] for s, n in self.ranges], 1),
+                           torch.cat([g.d[:, s:s + n] for s, n in cols], 1),
+                           torch.cat([g.m[:, s:s + n] for s, n in cols], 1), g.bits)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T without the bias."""
@@ -84,9 +137,18 @@ class LinearBase(nn.Module):
             return full
         return torch.cat([full.narrow(dim, start, size) for start, size in self.ranges], dim)
 
-    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Copy a full (unsharded) checkpoint weight [out, in] and bias into this rank's shard."""
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             gguf: tuple[str, QuantGroups | None] | None = None) -> None:
+        """Copy a full (unsharded) checkpoint weight [out, in] and bias into this rank's shard;
+        `gguf`: the weight's GGUF type and its groups (see pack_)."""
         _copy(self.weight, self._shard(weight, self.tp_dim or 0), "weight")
+        if gguf is not None:
+            kind, groups = gguf
+            if self.tp_dim == 0 and len(self.ranges) > 1:
+                groups = None  # rows from several ranges: quantized again from the shard
+            rows = self.ranges[0] if self.tp_dim == 0 else None
+            self.gguf_types[0] = kind
+            self.gguf_groups[0] = self._shard_groups(groups, rows)
         if self.tp_dim == 1 and self.tp.size > 1:
             # from the weight as stored (compute dtype), as quantize_ sees it in one process
             self.row_absmax = weight.to(self.weight.dtype).float().abs().amax(dim=1)
@@ -122,14 +184,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                           in zip(offsets, part_ranges, strict=True)])
         self.part_ranges = part_ranges
 
-    def load_part(self, index: int, tensor: torch.Tensor, what: str = "weight") -> None:
-        """Copy the full checkpoint weight (or bias) of part `index` into its rows."""
+    def load_part(self, index: int, tensor: torch.Tensor, what: str = "weight",
+                  gguf: tuple[str, QuantGroups | None] | None = None) -> None:
+        """Copy the full checkpoint weight (or bias) of part `index` into its rows; `gguf`:
+        the weight's GGUF type and its groups (see pack_)."""
         start, size = self.part_ranges[index]
         local = sum(s for _, s in self.part_ranges[:index])
         dst = self.weight if what == "weight" else self.bias
         if dst is None:
             raise ValueError("checkpoint has a bias for a layer built without one")
         _copy(dst.narrow(0, local, size), tensor.narrow(0, start, size), f"part {index} {what}")
+        if gguf is not None and what == "weight":
+            self.gguf_types[index] = gguf[0]
+            self.gguf_groups[index] = self._shard_groups(gguf[1], (start, size))
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -143,8 +210,9 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         super().__init__(hidden, sizes, bias, tp, [q, kv, kv])
 
-    def load_qkv(self, name: str, tensor: torch.Tensor, what: str = "weight") -> None:
-        self.load_part("qkv".index(name), tensor, what)
+    def load_qkv(self, name: str, tensor: torch.Tensor, what: str = "weight",
+                 gguf: tuple[str, QuantGroups | None] | None = None) -> None:
+        self.load_part("qkv".index(name), tensor, what, gguf)
 
 
 class RowParallelLinear(LinearBase):

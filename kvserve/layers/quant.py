@@ -23,6 +23,7 @@ nearly exactly (torch's kernel stores it as (q - 8) * scale + zero).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +31,36 @@ from kvserve import kernels
 
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP = 32
+# GGUF tensor types by the weight-only format that keeps their precision class.
+INT4_SOURCES = {"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "IQ3_S",
+                "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"}
+INT8_SOURCES = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}
+
+
+def quantization_class(gguf_types) -> str:
+    """The quantization that keeps the precision class of a layer's GGUF types: int4 for 4-bit
+    and smaller types, int8 when any part is 5- to 8-bit, none for float types (or none)."""
+    types = set(gguf_types)
+    if not types or types - INT4_SOURCES - INT8_SOURCES:
+        return "none"
+    return "int8" if types & INT8_SOURCES else "int4"
+
+
+@dataclass
+class QuantGroups:
+    """A weight [N, K] as the VNNI kernel's groups: codes q [N, K] uint8, scale d and minimum m
+    [N, K / 32] float32 (w = q * d + m; float16 values in the kernel's tiles), bits 4 or 8."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    bits: int
+
+    def dequantized(self) -> torch.Tensor:
+        n, k = self.q.shape
+        w = self.q.float().view(n, k // INT4_GROUP, INT4_GROUP) * self.d[..., None] + \
+            self.m[..., None]
+        return w.view(n, k)
 
 
 def check_quantization(name: str) -> str:
@@ -157,6 +188,7 @@ class QuantizedWeight(PackedWeight):
         dtype = weight.dtype
         if method == "none":
             raise ValueError("nothing to quantize with method 'none'")
+        self.exact = False  # quantized here (from_groups: a checkpoint's own codes)
         # A row-parallel int8 shard that must scale by whole rows (row_absmax): torch's kernel.
         self.kernels = (kernels.quant_kernels(dtype, weight.device, self.n, self.k)
                         if method == "int4" or row_absmax is None else None)
@@ -169,6 +201,22 @@ class QuantizedWeight(PackedWeight):
             self.q, self.scales = quantize_int8(weight, dtype, row_absmax)
         else:
             self.q, self.scales = quantize_int4(weight, dtype)
+
+    @classmethod
+    def from_groups(cls, groups: QuantGroups, dtype: torch.dtype,
+                    device: torch.device) -> QuantizedWeight | None:
+        """The VNNI kernel's copy of codes that already are its groups (a GGUF's own); None
+        where that kernel does not serve the shape or activations in `dtype`."""
+        n, k = groups.q.shape
+        kernels_ = kernels.quant_kernels(dtype, device, n, k)
+        if kernels_ is None:
+            return None
+        self = cls.__new__(cls)
+        self.method, self.n, self.k, self.kernels = f"int{groups.bits}", n, k, kernels_
+        self.q = kernels_.quant_pack(groups.q, groups.d, groups.m, groups.bits)
+        self.scales = torch.empty(0, dtype=dtype)
+        self.exact = True
+        return self
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:

@@ -9,6 +9,8 @@ and where its K/V live is the attention backend's business (`meta`).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -185,8 +187,15 @@ class LlamaForCausalLM(nn.Module):
                 self.config.hidden_size)
             return "kvserve's dense kernel" + (" (AMX)" if amx else "")
         if isinstance(packed, QuantizedWeight):
-            return ("kvserve's VNNI kernel" if packed.kernels is not None
-                    else f"torch's {packed.method} kernel")
+            if packed.kernels is None:
+                return f"torch's {packed.method} kernel"
+            layers = [m.packed for m in self.modules() if isinstance(m, LinearBase)
+                      and m is not self.lm_head and isinstance(m.packed, QuantizedWeight)]
+            methods = Counter(p.method for p in layers)
+            exact = sum(p.exact for p in layers)
+            return ("kvserve's VNNI kernel, " + ", ".join(f"{n} {k}" for k, n in
+                                                          sorted(methods.items()))
+                    + f" layers, {exact} of {len(layers)} with the GGUF's own codes")
         return "torch's matmul"
 
     def batch_variant_parts(self) -> list[str]:
@@ -219,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_(self, quantization: str) -> None:
         """Every projection in the form its kernel reads (see LinearBase.pack_): quantized
-        copies for int4/int8, where the LM head gets int8 whatever the method (its logits
+        copies for int4/int8/auto, where the LM head gets int8 whatever the method (its logits
         feed sampling directly); the weights repacked for the dense kernel for none."""
         self._fused = None
         for module in self.modules():

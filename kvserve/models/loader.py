@@ -22,6 +22,8 @@ import torch
 from kvserve.attention.backend import AttentionBackend
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.distributed.parallel import SINGLE, TensorParallel, head_shard
+from kvserve.layers.quant import INT4_SOURCES, INT8_SOURCES
+from kvserve.models.gguf_quants import decode_groups
 from kvserve.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -195,8 +197,14 @@ _GGUF_LAYER = {
 }
 
 
-def iter_gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(canonical name, float32 tensor) for every weight, dequantized with `gguf`."""
+GgufSource = tuple[str, object]  # (GGUF type name, its QuantGroups or None)
+
+
+def iter_gguf_tensors(reader, cfg: ModelConfig
+                      ) -> Iterator[tuple[str, torch.Tensor, GgufSource | None]]:
+    """(canonical name, float32 tensor, its GGUF source) for every weight, dequantized with
+    `gguf`; a projection's source is its type and, where the type has an exact form, its
+    blocks as the VNNI kernel's groups (models/gguf_quants.py)."""
     from gguf import quants
 
     for t in reader.tensors:
@@ -210,18 +218,30 @@ def iter_gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Ten
         w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
         parts = t.name.split(".")
         if t.name == "token_embd.weight":
-            yield "embed_tokens.weight", w
+            yield "embed_tokens.weight", w, None
         elif t.name == "output_norm.weight":
-            yield "norm.weight", w
+            yield "norm.weight", w, None
         elif t.name == "output.weight":
-            yield "lm_head.weight", w
+            yield "lm_head.weight", w, None
         elif parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER:
             name = _GGUF_LAYER[parts[2]]
+            source = None
+            if w.dim() == 2 and name in _PROJECTIONS:
+                kind = t.tensor_type.name
+                groups = decode_groups(t.data, kind, *w.shape)
+                if groups is not None and cfg.architecture == "llama" and name in ("q", "k"):
+                    heads = cfg.num_heads if name == "q" else cfg.num_kv_heads
+                    groups.q, groups.d, groups.m = (_unpermute(x, heads)
+                                                    for x in (groups.q, groups.d, groups.m))
+                source = (kind, groups)
             if cfg.architecture == "llama" and name in ("q", "k"):
                 w = _unpermute(w, cfg.num_heads if name == "q" else cfg.num_kv_heads)
-            yield f"layers.{parts[1]}.{name}.{parts[3]}", w
+            yield f"layers.{parts[1]}.{name}.{parts[3]}", w, source
         else:
             log.warning("ignoring unknown GGUF tensor %s", t.name)
+
+
+_PROJECTIONS = {"q", "k", "v", "o_proj", "gate", "up", "down_proj"}
 
 
 # ------------------------------------------------------------------ Hugging Face directory
@@ -297,7 +317,8 @@ def hf_model_config(path: Path) -> ModelConfig:
     )
 
 
-def iter_hf_tensors(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(path: Path, cfg: ModelConfig
+                    ) -> Iterator[tuple[str, torch.Tensor, GgufSource | None]]:
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -324,7 +345,7 @@ def iter_hf_tensors(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.T
                 w = f.get_tensor(key).float()
                 if cfg.norm_scale_in_float32 and name.endswith("norm.weight"):
                     w = w + 1.0
-                yield name, w
+                yield name, w, None
 
 
 def read_model_config(path: Path) -> ModelConfig:
@@ -353,26 +374,22 @@ class LoadedModel:
     weight_format: str  # storage type of most layer matrices: "Q4_1", "F16", "bf16", ...
 
 
-# GGUF tensor types by the weight-only format that keeps their precision class.
-_INT4_SOURCES = {"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "IQ3_S",
-                 "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"}
-_INT8_SOURCES = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}
-
-
 def auto_quantization(weight_format: str) -> str:
-    """`--quantization auto`: keep a quantized checkpoint's precision class (int4 for 4-bit
-    and smaller GGUF types, int8 for 5- to 8-bit ones); float checkpoints stay unquantized."""
-    if weight_format in _INT4_SOURCES:
+    """A whole checkpoint's precision class (int4 for 4-bit and smaller GGUF types, int8 for 5-
+    to 8-bit ones, none for float checkpoints); per layer, LinearBase.pack_("auto") keeps
+    each layer's own."""
+    if weight_format in INT4_SOURCES:
         return "int4"
-    if weight_format in _INT8_SOURCES:
+    if weight_format in INT8_SOURCES:
         return "int8"
     return "none"
 
 
-def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: LlamaForCausalLM,
+                 tensors: Iterator[tuple[str, torch.Tensor, GgufSource | None]]) -> None:
     """Place canonical-named tensors into the fused, shard-aware layers."""
     seen: set[str] = set()
-    for name, w in tensors:
+    for name, w, source in tensors:
         seen.add(name)
         if name == "embed_tokens.weight":
             model.embed_tokens.load(w)
@@ -386,13 +403,13 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Ten
             layer = model.layers[int(idx)]
             attn, mlp = layer.self_attn, layer.mlp
             if kind in ("q", "k", "v"):
-                attn.qkv_proj.load_qkv(kind, w, what)
+                attn.qkv_proj.load_qkv(kind, w, what, source)
             elif kind in ("gate", "up"):
-                mlp.gate_up_proj.load_part(0 if kind == "gate" else 1, w, what)
+                mlp.gate_up_proj.load_part(0 if kind == "gate" else 1, w, what, source)
             elif kind == "o_proj":
-                attn.o_proj.load(w)
+                attn.o_proj.load(w, gguf=source)
             elif kind == "down_proj":
-                mlp.down_proj.load(w)
+                mlp.down_proj.load(w, gguf=source)
             elif kind in ("input_layernorm", "post_attention_layernorm", "attn_out_norm",
                           "mlp_out_norm") and getattr(layer, kind) is not None:
                 _copy(getattr(layer, kind).weight, w, name)

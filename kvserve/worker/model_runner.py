@@ -38,16 +38,20 @@ def load_target(model: str | None, dtype: torch.dtype, device: torch.device,
                 tp: TensorParallel = SINGLE) -> tuple[LoadedModel, str]:
     """The served model (this rank's shard of it) with its attention backend and its weights
     in the form their kernels read (LlamaForCausalLM.pack_); returns it and the quantization
-    applied. `auto` keeps a GGUF's precision class where kvserve's VNNI kernel runs it on bf16
-    activations, and is none elsewhere: torch's int4/int8 kernels are slower than the float
-    weights at prompt sizes (and in float32 at every size), and float32 is asked for exactness."""
+    applied. `auto` keeps a quantized GGUF's own codes and precision class, layer by layer,
+    where kvserve's VNNI kernel runs them on bf16 activations, and is none elsewhere: torch's
+    int4/int8 kernels are slower than the float weights at prompt sizes (and in float32 at
+    every size), and float32 is asked for exactness."""
     path = resolve_model(model)
     loaded = load_model(path, dtype, device,
                         lambda c: TorchPagedAttention.for_model(c, kv_cache_dtype), tp)
     if quantization == "auto":
         vnni = dtype == torch.bfloat16 and kernels.quant_kernels(dtype, device, 16, 32)
-        quantization = auto_quantization(loaded.weight_format) if vnni else "none"
-    if check_quantization(quantization) != "none" and device.type != "cpu":
+        # Each layer its own GGUF class (LinearBase.pack_), where the VNNI kernel runs it.
+        quantization = "auto" if vnni and auto_quantization(loaded.weight_format) != "none" \
+            else "none"
+    if quantization != "auto" and check_quantization(quantization) != "none" and \
+            device.type != "cpu":
         raise ValueError(f"--quantization int8/int4 uses CPU kernels; use none on {device.type}")
     loaded.model.pack_(quantization)
     return loaded, quantization
