@@ -135,7 +135,8 @@ def engine_strategy(model: str, draft_model: str, spec: bool = True
 
 
 def engine_args(cfg: dict, dtype: str, tmp_path, quantization: str = "auto",
-                kv_cache_dtype: str = "auto") -> EngineArgs:
+                kv_cache_dtype: str = "auto", tier_bytes: str = "16KiB") -> EngineArgs:
+    """`tier_bytes`: the host and disk tiers' size, a few blocks of the model."""
     spec = None
     if cfg["speculation"] == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
@@ -151,9 +152,9 @@ def engine_args(cfg: dict, dtype: str, tmp_path, quantization: str = "auto",
         max_num_batched_tokens=cfg["max_num_batched_tokens"], max_num_seqs=8,
         enable_prefix_caching=cfg["enable_prefix_caching"],
         short_prompt_steps=cfg["short_prompt_steps"],
-        host_kv_cache_memory="16KiB" if tier == "host" else 0,
+        host_kv_cache_memory=tier_bytes if tier == "host" else 0,
         kv_cache_dir=str(tmp_path / "kv") if tier == "disk" else None,
-        kv_cache_disk_size="1MiB",
+        kv_cache_disk_size=tier_bytes,
         speculative_config=json.dumps(spec) if spec else None)
 
 
@@ -196,7 +197,9 @@ def test_default_model_requests_are_independent_of_their_batch(real_model_path,
                lambda d: {**d, "speculation": "ngram"}),
            requests=workloads(vocab=49152, max_prompt=48, max_tokens=8, max_requests=6))
     def check(cfg, requests):
-        _check(engine_args(cfg, dtype, tmp_path_factory.mktemp("kv")), requests, alone)
+        # the default model's blocks are 180 KiB (16 tokens, float32) or 90 KiB (bf16)
+        _check(engine_args(cfg, dtype, tmp_path_factory.mktemp("kv"), tier_bytes="4MiB"),
+               requests, alone)
 
     check()
 
