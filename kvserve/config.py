@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field, fields
@@ -13,9 +14,11 @@ import torch
 class RopeScaling:
     """How RoPE frequencies are stretched for long contexts.
 
-    kind: "none", "linear" (positions divided by factor) or "llama3" (per-frequency
-    smoothing as Llama 3.1 defines it). A GGUF may instead ship explicit per-frequency
-    divisors (`rope_freqs.weight`); those land in `freq_factors`.
+    kind: "none", "linear" (positions divided by factor), "llama3" (per-frequency smoothing
+    as Llama 3.1 defines it) or "longrope" (Phi-3: per-frequency divisors, `short_factors`
+    for contexts up to original_max_position and `long_factors` beyond, and cos/sin scaled
+    by `attn_factor`). A GGUF may instead ship explicit per-frequency divisors
+    (`rope_freqs.weight`); those, and LongRoPE's once chosen, land in `freq_factors`.
     """
 
     kind: str = "none"
@@ -24,13 +27,27 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
     freq_factors: tuple[float, ...] | None = None
+    attn_factor: float = 1.0
+    short_factors: tuple[float, ...] | None = None
+    long_factors: tuple[float, ...] | None = None
+
+    def for_context(self, max_len: int) -> RopeScaling:
+        """LongRoPE's factors chosen for a configured context of `max_len` tokens: the long
+        ones when it exceeds original_max_position (llama.cpp's rule; transformers switches
+        per step with the sequence's length, which would make a request's numbers depend on
+        how long it has grown). Other kinds are returned as they are."""
+        if self.kind != "longrope":
+            return self
+        long = max_len > self.original_max_position
+        return dataclasses.replace(
+            self, freq_factors=self.long_factors if long else self.short_factors)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-family decoder, read from GGUF metadata or config.json."""
 
-    architecture: str  # "llama", "qwen2", "qwen3" or "gemma3" (mistral loads as llama)
+    architecture: str  # "llama", "qwen2", "qwen3", "gemma3" or "phi3" (mistral loads as llama)
     num_layers: int
     hidden_size: int
     num_heads: int

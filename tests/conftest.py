@@ -45,6 +45,8 @@ def build_tiny_model(root: Path, arch: str = "llama", tie: bool = False, seed: i
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -67,6 +69,17 @@ def build_tiny_model(root: Path, arch: str = "llama", tie: bool = False, seed: i
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=2 * hidden_size // num_heads))
     elif arch == "mistral":  # a sliding window of 8 tokens on every layer
         model = MistralForCausalLM(MistralConfig(**common, sliding_window=8))
+    elif arch == "phi3":
+        # LongRoPE: short factors up to 64 positions, long ones beyond (of 512)
+        half = hidden_size // num_heads // 2
+        gen = torch.Generator().manual_seed(seed + 1)
+        scaling = {"rope_type": "longrope", "original_max_position_embeddings": 64,
+                   "short_factor": (1 + torch.rand(half, generator=gen)).tolist(),
+                   "long_factor": (1 + 4 * torch.rand(half, generator=gen)).tolist()}
+        kw = {k: v for k, v in common.items() if k != "rope_theta"}
+        model = Phi3ForCausalLM(Phi3Config(
+            **kw, original_max_position_embeddings=64, pad_token_id=None,
+            rope_parameters={**scaling, "rope_theta": 10000.0}))
     elif arch == "gemma3":
         # Sliding layers (window 8, their own RoPE base) then a global one, head_dim 32,
         # a query scale of its own, GELU, sandwich norms, scaled embeddings.
@@ -122,6 +135,11 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_gemma3_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3", tie=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-phi3"), "phi3")
 
 
 @pytest.fixture(scope="session")

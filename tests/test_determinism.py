@@ -166,7 +166,7 @@ def _check(args: EngineArgs, requests, alone: Alone) -> None:
 
 @pytest.mark.parametrize("dtype,arch", [("float32", "llama"), ("bfloat16", "qwen2"),
                                         ("bfloat16", "qwen3"), ("bfloat16", "mistral"),
-                                        ("float32", "gemma3")])
+                                        ("float32", "gemma3"), ("bfloat16", "phi3")])
 def test_tiny_model_requests_are_independent_of_their_batch(request, tmp_path_factory, alone,
                                                             dtype, arch):
     """mistral and gemma3: sliding windows of 8 tokens, far shorter than the prompts."""

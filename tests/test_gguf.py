@@ -42,7 +42,17 @@ def write_gguf(hf_dir, out, arch: str | None = None,
     if cfg.get("head_dim"):
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
-    w.add_rope_freq_base((cfg.get("rope_parameters") or cfg)["rope_theta"])
+    rope = cfg.get("rope_parameters") or cfg
+    w.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "longrope":  # Phi-3: its factors as llama.cpp stores them
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                     rope["original_max_position_embeddings"])
+        stretch = cfg["max_position_embeddings"] / rope["original_max_position_embeddings"]
+        w.add_float32(f"{arch}.rope.scaling.attn_factor", float(np.sqrt(
+            1 + np.log(stretch) / np.log(rope["original_max_position_embeddings"]))))
+        for kind in ("long", "short"):
+            w.add_tensor(f"rope_factors_{kind}.weight",
+                         np.asarray(rope[f"{kind}_factor"], dtype=np.float32))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_tokenizer_model("gpt2")
@@ -60,6 +70,8 @@ def write_gguf(hf_dir, out, arch: str | None = None,
                  "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
                  "self_attn.v_proj.bias": "attn_v.bias",
                  "self_attn.o_proj.weight": "attn_output.weight",
+                 "self_attn.qkv_proj.weight": "attn_qkv.weight",
+                 "mlp.gate_up_proj.weight": "ffn_up.weight",
                  "self_attn.q_norm.weight": "attn_q_norm.weight",
                  "self_attn.k_norm.weight": "attn_k_norm.weight",
                  "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
@@ -91,10 +103,10 @@ def write_gguf(hf_dir, out, arch: str | None = None,
 IDS = torch.randint(0, 320, (29,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_f32_gguf_matches_the_checkpoint(arch, tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir,
-                                         tmp_path):
-    hf_dir = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "qwen3": tiny_qwen3_dir}[arch]
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
+def test_f32_gguf_matches_the_checkpoint(arch, request, tmp_path):
+    """phi3: fused qkv and gate/up tensors, LongRoPE factors as tensors."""
+    hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     path = tmp_path / f"tiny-{arch}.gguf"
     write_gguf(hf_dir, path)
     from_gguf = load_model(path, torch.float32, torch.device("cpu"), _backend)

@@ -249,7 +249,7 @@ def _assert_fused_equals_modules(model, caches: list[torch.Tensor], bs: int, ste
 # qwen2: qkv bias, tied embeddings; qwen3: q/k norms, heads x head_dim wider than hidden;
 # mistral: sliding windows; gemma3: windows with their own RoPE, float32 norms around
 # attention and MLP, GELU
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3"])
 @pytest.mark.parametrize("dtype,quantization", [(torch.float32, "none"),
                                                 (torch.bfloat16, "none"),
                                                 (torch.bfloat16, "int8"),

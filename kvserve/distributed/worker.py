@@ -59,6 +59,7 @@ class WorkerSpec:
     store_port: int  # rank 0's TCPStore on 127.0.0.1, where the ranks meet
     timeout_s: float
     threads: int  # torch threads per rank
+    max_model_len: int | None = None  # chooses LongRoPE's factors as rank 0 does
 
 
 def rank_device(spec: WorkerSpec, rank: int) -> torch.device:
@@ -122,7 +123,7 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
         tp, control = join_group(spec, rank, store)
         device = rank_device(spec, rank)
         loaded, _ = load_target(spec.model_path, spec.dtype, device, spec.kv_cache_dtype,
-                                spec.quantization, tp)
+                                spec.quantization, tp, spec.max_model_len)
         model = loaded.model
         loaded.gguf_reader = None  # metadata only the tokenizer needs (on rank 0)
         # Rank 0 sends its plan (which may include a drafter's share or an explicit count);
@@ -153,7 +154,8 @@ class TensorParallelWorkers:
     each step's inputs, watches the workers' health and stops them."""
 
     def __init__(self, model_path: str, dtype: torch.dtype, device: str, kv_cache_dtype: str,
-                 quantization: str, block_size: int, size: int, timeout_s: float) -> None:
+                 quantization: str, block_size: int, size: int, timeout_s: float,
+                 max_model_len: int | None = None) -> None:
         if size < 2:
             raise ValueError("tensor parallelism needs at least 2 ranks")
         if device == "cuda" and torch.cuda.device_count() < size:
@@ -168,7 +170,8 @@ class TensorParallelWorkers:
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout,
                               wait_for_workers=False)
         self.spec = WorkerSpec(model_path, dtype, device, kv_cache_dtype, quantization,
-                               block_size, size, store.port, timeout_s, max(1, cores // size))
+                               block_size, size, store.port, timeout_s, max(1, cores // size),
+                               max_model_len)
         self.timeout = timeout
         self.error: str | None = None
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools

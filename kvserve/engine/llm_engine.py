@@ -193,7 +193,8 @@ class LLMEngine:
             check_split(cfg.num_heads, cfg.num_kv_heads, args.tensor_parallel_size)
             self.workers = TensorParallelWorkers(
                 str(path), dtype, device.type, args.kv_cache_dtype, args.quantization,
-                args.block_size, args.tensor_parallel_size, args.tp_timeout)
+                args.block_size, args.tensor_parallel_size, args.tp_timeout,
+                args.max_model_len)
             tp = self.workers.tp
             device = self.workers.device
         elif args.tensor_parallel_size != 1:
@@ -209,7 +210,7 @@ class LLMEngine:
                tp: TensorParallel, t0: float) -> None:
         """Load this rank's model shard and set up the cache, scheduler and drafter."""
         loaded, self.quantization = load_target(str(path), dtype, device, args.kv_cache_dtype,
-                                                args.quantization, tp)
+                                                args.quantization, tp, args.max_model_len)
         self.model_config = cfg = loaded.config
         if loaded.gguf_reader is not None:
             self.tokenizer = Tokenizer.from_gguf(path, reader=loaded.gguf_reader)

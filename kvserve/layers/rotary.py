@@ -35,9 +35,12 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> to
         blended = (1 - smooth) * inv / scaling.factor + smooth * inv
         inv = torch.where(wavelen > low_wl, inv / scaling.factor,
                           torch.where(wavelen < high_wl, inv, blended))
+    elif scaling.kind == "longrope":
+        raise ValueError("LongRoPE factors must be chosen for a context first "
+                         "(RopeScaling.for_context)")
     elif scaling.kind != "none":
         raise ValueError(f"unsupported RoPE scaling type {scaling.kind!r} "
-                         "(supported: none, linear, llama3)")
+                         "(supported: none, linear, llama3, longrope)")
     return inv
 
 
@@ -51,11 +54,11 @@ class RotaryEmbedding(nn.Module):
         inv = inverse_frequencies(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv)
         # Full-width tables for x * cos + rotate_half(x) * sin, with rotate_half's minus sign
-        # folded into sin: rotate_half(x) * sin == roll(x, D/2) * cat(-sin, sin).
-        self.register_buffer("cos", torch.cat((angles.cos(), angles.cos()), -1),
-                             persistent=False)
-        self.register_buffer("sin", torch.cat((-angles.sin(), angles.sin()), -1),
-                             persistent=False)
+        # folded into sin: rotate_half(x) * sin == roll(x, D/2) * cat(-sin, sin). LongRoPE
+        # scales both by its attention factor.
+        cos, sin = angles.cos() * scaling.attn_factor, angles.sin() * scaling.attn_factor
+        self.register_buffer("cos", torch.cat((cos, cos), -1), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), -1), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:

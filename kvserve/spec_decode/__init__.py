@@ -23,7 +23,8 @@ def build_drafter(spec: SpecConfig, target: LlamaForCausalLM, target_path, dtype
         from kvserve.spec_decode.draft_model import DraftModelDrafter
 
         path = resolve_model(spec.model) if spec.model else target_path
-        loaded = load_model(path, dtype, device, TorchPagedAttention.for_model)
+        loaded = load_model(path, dtype, device, TorchPagedAttention.for_model,
+                            max_model_len=sched.max_model_len)
         if loaded.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"draft model {path.name} has a vocabulary of "
                              f"{loaded.config.vocab_size} tokens, the target "

@@ -34,17 +34,19 @@ log = logging.getLogger(__name__)
 
 
 def load_target(model: str | None, dtype: torch.dtype, device: torch.device,
-                kv_cache_dtype: str, quantization: str,
-                tp: TensorParallel = SINGLE) -> tuple[LoadedModel, str]:
+                kv_cache_dtype: str, quantization: str, tp: TensorParallel = SINGLE,
+                max_model_len: int | None = None) -> tuple[LoadedModel, str]:
     """The served model (this rank's shard of it) with its attention backend and its weights
     in the form their kernels read (LlamaForCausalLM.pack_); returns it and the quantization
     applied. `auto` keeps a quantized GGUF's own codes and precision class, layer by layer,
     where kvserve's VNNI kernel runs them on bf16 activations, and is none elsewhere: torch's
     int4/int8 kernels are slower than the float weights at prompt sizes (and in float32 at
-    every size), and float32 is asked for exactness."""
+    every size), and float32 is asked for exactness. `max_model_len` chooses LongRoPE's
+    factors (see RopeScaling.for_context)."""
     path = resolve_model(model)
     loaded = load_model(path, dtype, device,
-                        lambda c: TorchPagedAttention.for_model(c, kv_cache_dtype), tp)
+                        lambda c: TorchPagedAttention.for_model(c, kv_cache_dtype), tp,
+                        max_model_len)
     if quantization == "auto":
         vnni = dtype == torch.bfloat16 and kernels.quant_kernels(dtype, device, 16, 32)
         # Each layer its own GGUF class (LinearBase.pack_), where the VNNI kernel runs it.
