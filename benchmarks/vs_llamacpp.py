@@ -4,7 +4,7 @@ weights, every server driven by `kvserve bench serve`.
     python benchmarks/vs_llamacpp.py [--repeats 3] [--skip-build]
         [--only kvserve,llama-server,llama-cpp-python,vllm] [--workloads prefill,decode-16,...]
         [--kvserve-args "--quantization int8"] [--hf-dir BF16_DIR]
-        [--results-file benchmarks/RESULTS.md]
+        [--results-file docs/results-history.md]
 
 Servers (one at a time, each on a free port, stopped before the next one starts):
 
@@ -92,6 +92,11 @@ LLAMA_SERVER_CMAKE_FLAGS = [
     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF",
     # The web UI stays off: with it on, the build tries to download it.
     "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DGGML_NATIVE=ON",
+    # On a CPU with AMX, -march=native compiles ggml's AMX matmul, which segfaulted at the
+    # first forward here (ggml_backend_amx_mul_mat, llama.cpp of llama-cpp-python 0.3.36, on a
+    # KVM guest): built without it, as any CPU without AMX builds it.
+    "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+    "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
 ]
 
 
@@ -355,8 +360,9 @@ def server_spec(peer: str, w: Workload, model: Path, peers: Peers,
                 args: argparse.Namespace) -> ServerSpec:
     """How to serve workload w with this peer; workloads with equal argv share a server."""
     if peer == "kvserve":
-        return ServerSpec((*KVSERVE, "serve", "--port", "{port}",
-                           *shlex.split(args.kvserve_args)), "/health")
+        extra = shlex.split(args.kvserve_args)
+        chosen = [] if "--model" in extra else ["--model", str(model)]
+        return ServerSpec((*KVSERVE, "serve", "--port", "{port}", *chosen, *extra), "/health")
     if peer == "llama-server":
         slots = LLAMA_SERVER_SLOTS
         while slots > 1 and LLAMA_SERVER_CTX // slots < w.context:
@@ -827,7 +833,7 @@ def main() -> int:
     p.add_argument("--vllm-args", default="", help="extra flags for vLLM's api_server")
     p.add_argument("--start-timeout", type=float, default=600.0,
                    help="seconds a server may take to become healthy")
-    p.add_argument("--results-file", type=Path, default=REPO / "benchmarks" / "RESULTS.md",
+    p.add_argument("--results-file", type=Path, default=REPO / "docs" / "results-history.md",
                    help="markdown file the results section is appended to")
     p.add_argument("--no-write", action="store_true", help="print the results only")
     p.add_argument("--out-dir", type=Path, default=None,

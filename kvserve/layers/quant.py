@@ -11,7 +11,7 @@ the step (batch invariance), so there is no separate small-batch path.
   (torch's int4 kernel 2.5, bf16 9.6), 8.2 ms at 32 (bf16 17.4) and tied bf16 at 512
   (120 ms). Elsewhere torch's int4/int8 kernels run (much slower at prompt sizes, and in
   float32 at every size, which is why `--quantization auto` only quantizes where the VNNI
-  kernel runs in bf16). The int8 activations cost some accuracy (benchmarks/RESULTS.md,
+  kernel runs in bf16). The int8 activations cost some accuracy (docs/results-history.md,
   weight_quant_accuracy.py).
 
 int8: symmetric, one scale per group of 32 on kvserve's kernel (GGML's Q8_0), per output row
