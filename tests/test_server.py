@@ -71,6 +71,7 @@ def test_echo(client):
 
 
 def test_chat_and_stream_agree(client):
+    _invariant_or_skip()
     messages = [{"role": "user", "content": CHAT_QUESTION}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
                                        temperature=0)
@@ -197,6 +198,7 @@ async def _stream_text(client: openai.AsyncOpenAI, prompt: str) -> str:
 
 
 def test_32_concurrent_streams_match_alone(server):
+    _invariant_or_skip()
     url, _ = server
     prompts = [f"Question {i}: what is {i} plus {i * 3}? Answer:" if i % 2 else
                f"Write a sentence about the number {i}." for i in range(32)]
@@ -423,6 +425,7 @@ def test_api_key_and_queue_limit(real_model_path):
 def test_streaming_with_speculative_decoding(client, real_model_path):
     """Greedy text through a server that speculates (n-gram) equals the plain server's,
     streamed or not, although one step may deliver several tokens."""
+    _invariant_or_skip()
     prompt = ("Copy this list exactly, then stop: red apple, green pear, red apple, "
               "green pear, red apple, green pear.")
     messages = [{"role": "user", "content": prompt}]
