@@ -50,6 +50,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(~1.9x the tokens in the same memory)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse K/V of shared prompt prefixes")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="keep the blocks of sliding-window layers that fall before their "
+                        "window (by default they are handed back while a request runs)")
     g.add_argument("--host-kv-cache-memory", default="0",
                    help="host-memory tier of the prefix cache, e.g. 4GiB (default: none)")
     g.add_argument("--kv-cache-dir", default=None,
@@ -128,6 +131,7 @@ def engine_args_from(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens,
         short_prompt_steps=args.short_prompt_steps, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         host_kv_cache_memory=args.host_kv_cache_memory, kv_cache_dir=args.kv_cache_dir,
         kv_cache_disk_size=args.kv_cache_disk_size,
@@ -414,6 +418,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     from kvserve.config import parse_size, resolve_dtype
+    from kvserve.kv_cache.layout import KVLayout
     from kvserve.kv_cache.planner import (
         capacity_gain,
         dtype_name,
@@ -440,8 +445,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          f"{max_len}")
     if seq_len == 0:
         raise ValueError("--prompt-len + --output-len must be > 0")
-    plans = [plan_kv(cfg, budget, args.block_size, kv, dtype, seq_len) for kv in ("auto", "int8")]
-    full = [plan_kv(cfg, budget, args.block_size, kv, dtype, max_len) for kv in ("auto", "int8")]
+    layout = KVLayout.for_model(cfg, free_windows=not args.disable_hybrid_kv_cache_manager)
+    chunk = args.max_num_batched_tokens
+    plans = [plan_kv(cfg, budget, args.block_size, kv, dtype, seq_len, layout, chunk)
+             for kv in ("auto", "int8")]
+    full = [plan_kv(cfg, budget, args.block_size, kv, dtype, max_len, layout, chunk)
+            for kv in ("auto", "int8")]
     mib = 2**20
     print(f"model: {cfg.name or path.name} ({cfg.architecture}): {cfg.num_layers} layers, "
           f"{cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}, "
@@ -463,6 +472,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for p in plans:
         print(f"{dtype_name(p.token_bytes.storage_dtype)}: {p.token_bytes.breakdown()} per token")
     auto, int8 = plans
+    if any(layout.group_windows):
+        kept = [plan_kv(cfg, budget, args.block_size, "auto", dtype, n) for n in (seq_len, max_len)]
+        held = auto.blocks_per_seq * auto.block_bytes
+        print(f"sliding windows: {layout.describe()}; blocks before a window are handed back "
+              f"while a sequence runs: one of {seq_len} tokens holds at most "
+              f"{held / mib:.1f} MiB ({held / seq_len / 1024:.1f} KiB per token) against "
+              f"{seq_len * auto.token_bytes.total / mib:.1f} MiB keeping every block "
+              f"(--disable-hybrid-kv-cache-manager: {kept[0].max_seqs} and "
+              f"{kept[1].max_seqs} sequences)")
     seqs = f"{int8.max_seqs / auto.max_seqs:.2f}x" if auto.max_seqs else "n/a"
     print(f"int8 holds {capacity_gain(cfg, 'int8', dtype):.2f}x the tokens of "
           f"{dtype_name(dtype)} ({seqs} the sequences of {seq_len} tokens)")
@@ -525,6 +543,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--output-len", type=int, default=128)
     pl.add_argument("--max-model-len", type=int, default=None,
                     help="longest sequence (default: the model's context length)")
+    pl.add_argument("--max-num-batched-tokens", type=int, default=512,
+                    help="tokens per step (a sliding-window layer keeps its window and a step)")
+    pl.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                    help="plan keeping every block of sliding-window layers")
     pl.set_defaults(func=cmd_plan)
 
     ro = sub.add_parser("router", help="one OpenAI endpoint in front of several kvserve "

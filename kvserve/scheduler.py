@@ -72,7 +72,7 @@ class Scheduler:
             raise ValueError(
                 f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) = "
                 f"{need} exceeds max_model_len {self.config.max_model_len}")
-        blocks = -(-need // self.kv.block_size)
+        blocks = self.kv.blocks_for(need, self.config.max_num_batched_tokens)
         if blocks > self.kv.num_blocks:
             raise ValueError(
                 f"request needs up to {blocks} KV blocks ({need} tokens) but the cache holds "

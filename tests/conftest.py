@@ -134,7 +134,9 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_gemma3_dir(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3", tie=True)
+    # 4 layers: 2 sliding, 2 global, so the KV cache keeps 2 block tables of 2 layers each
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3", tie=True,
+                            num_layers=4)
 
 
 @pytest.fixture(scope="session")

@@ -61,7 +61,8 @@ def run_workload(args: EngineArgs, requests: list[tuple[list[int], SamplingParam
 
 
 class Alone:
-    """Requests run one at a time on an engine without prefix caching or speculation, one
+    """Requests run one at a time on an engine without prefix caching or speculation, and
+    keeping every block of sliding-window layers (one block table for all layers), one
     engine per configuration (model, dtype, weights, KV storage), results kept."""
 
     def __init__(self) -> None:
@@ -77,7 +78,7 @@ class Alone:
                 self.engines[config] = LLMEngine(EngineArgs(
                     model=args.model, dtype=args.dtype, quantization=args.quantization,
                     kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False,
-                    kv_cache_memory="64MiB"))
+                    disable_hybrid_kv_cache_manager=True, kv_cache_memory="64MiB"))
             engine = self.engines[config]
             engine.add_request("alone", prompt, params)
             outs: list = []

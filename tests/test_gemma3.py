@@ -97,6 +97,47 @@ def test_prefix_hits_on_sliding_window_layers_keep_greedy_output(exact):
         [lp.logprob for lp in first.outputs[0].logprobs]
 
 
+def _run_long_request(path, prompt: str, **kw) -> tuple[list[int], list[float], int]:
+    """Greedy tokens and logprobs of one long request, and the most KV bytes it held."""
+    from kvserve.kv_cache.planner import slot_bytes
+
+    engine = LLM(str(path), max_num_batched_tokens=128, kv_cache_memory="512MiB", **kw).engine
+    engine.add_request("long", prompt, SamplingParams(temperature=0, max_tokens=8,
+                                                      ignore_eos=True, logprobs=1))
+    block = engine.kv.block_size * slot_bytes(engine.model_config, "auto",
+                                              engine.config.dtype, engine.kv_layout)
+    peak, out = 0, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+        peak = max(peak, engine.kv.num_blocks - engine.kv.num_free_blocks)
+    engine.check_integrity()
+    engine.close()
+    completion = out.outputs[0]
+    return completion.token_ids, [lp.logprob for lp in completion.logprobs], peak * block
+
+
+def test_sliding_window_blocks_are_handed_back(gemma3_path):
+    """A 2,000-token request: the local layers give back what falls behind their 512-token
+    window, so it holds well under half the KV bytes of keeping every block, and its tokens
+    and logprobs are the same bit for bit."""
+    prompt = "A long account of the harbour, its boats and the people who work there. " * 120
+    hybrid = _run_long_request(gemma3_path, prompt)
+    kept = _run_long_request(gemma3_path, prompt, disable_hybrid_kv_cache_manager=True)
+    assert hybrid[:2] == kept[:2]
+    assert hybrid[2] < 0.5 * kept[2], (hybrid[2], kept[2])
+
+
+def test_plan_counts_the_sliding_windows(gemma3_path):
+    out = subprocess.run([sys.executable, "-m", "kvserve.cli", "plan", "--model",
+                          str(gemma3_path), "--prompt-len", "8000", "--output-len", "192"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "6 block tables of 3 layers each: 1 whole-context, 5 with a 512-token window" in out
+    # 8192 tokens: 512 blocks of the global group, at most 65 (511 + 512 tokens, ends
+    # partial) of each local one, 837 blocks of 16 tokens x 3 layers x 2 x 256 x 2 B
+    assert "holds at most 39.2 MiB (4.9 KiB per token) against 144.0 MiB" in out, out
+
+
 def test_cli_generate(gemma3_path):  # by its short name
     r = subprocess.run([sys.executable, "-m", "kvserve.cli", "generate", "Water boils at",
                         "--model", "gemma3", "--temperature", "0", "--max-tokens", "8"],

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.kv_cache.block_pool import BlockPool
+from kvserve.kv_cache.layout import KVLayout
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
@@ -143,25 +144,58 @@ ops = st.lists(
     min_size=1, max_size=60)
 
 
+def _table(r: Request, g: int) -> list[int]:
+    return r.block_ids if g == 0 else r.group_tables[g - 1]
+
+
 @settings(max_examples=150, deadline=None)
-@given(ops=ops, caching=st.booleans())
-def test_random_sequences_never_leak(ops, caching):
-    kv = KVCacheManager(num_blocks=12, block_size=4, enable_prefix_caching=caching)
+@given(ops=ops, caching=st.booleans(),
+       windows=st.sampled_from([(0,), (0,), (0, 8), (5,), (0, 6, 6), (0, 13)]))
+def test_random_sequences_never_leak(ops, caching, windows):
+    """Random arrivals, growth and finishes, with one block table or several (windows:
+    KV groups, 0 for a whole-context group). Besides integrity and no leaks: a fake cache
+    records what each block holds (group, the tokens up to its end), and every block a
+    request reads must hold its own tokens, whether computed, shared or revived."""
+    bs = 4
+    kv = KVCacheManager(num_blocks=16, block_size=bs, enable_prefix_caching=caching,
+                        layout=KVLayout(windows, tuple(range(len(windows))),
+                                        (0,) * len(windows)))
+    content: dict[int, tuple] = {}
     live: dict[int, Request] = {}
+
+    def compute(r: Request) -> None:
+        """Check that nothing before a sliding window is held any more (given back when
+        the step was allocated), write r's new tokens, then check what the next token
+        reads."""
+        end = r.num_tokens
+        for g, w in enumerate(windows):
+            first = max(r.num_computed_tokens - w + 1, 0) // bs if w else 0
+            assert kv._blocks[r.request_id][g][:first] == [None] * first
+        for g in range(len(windows)):
+            for i in range(r.num_computed_tokens // bs, -(-end // bs)):
+                content[_table(r, g)[i]] = (g, tuple(r.all_token_ids[:min((i + 1) * bs, end)]))
+        r.num_computed_tokens = end
+        for g, w in enumerate(windows):
+            first = max(end - w + 1, 0) // bs if w else 0
+            for i in range(first, -(-end // bs)):
+                want = (g, tuple(r.all_token_ids[:min((i + 1) * bs, end)]))
+                assert content[_table(r, g)[i]] == want, (g, i)
+
     for step, (op, slot, n) in enumerate(ops):
         if op == "add" and slot not in live:
             # Few distinct prompts so that prefix hits happen.
             r = make_req(f"r{step}", [slot % 3] * n)
             hits = kv.get_computed_blocks(r)
-            if kv.allocate_slots(r, r.num_tokens - hits.num_blocks * 4, hits):
-                r.num_computed_tokens = r.num_tokens
+            if kv.allocate_slots(r, r.num_tokens - hits.num_blocks * bs, hits):
+                r.num_computed_tokens = hits.num_blocks * bs
+                compute(r)
                 live[slot] = r
         elif op == "grow" and slot in live:
             r = live[slot]
             for _ in range(n % 7 + 1):
                 r.append_token(slot)
             if kv.allocate_slots(r, r.num_tokens - r.num_computed_tokens):
-                r.num_computed_tokens = r.num_tokens
+                compute(r)
             else:  # out of memory: preempt it, as the scheduler would
                 kv.free(live.pop(slot))
         elif op == "finish" and slot in live:
@@ -173,3 +207,70 @@ def test_random_sequences_never_leak(ops, caching):
         kv.free(r)
     kv.check_integrity()
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def two_groups(num_blocks: int, window: int = 8, **kw) -> KVCacheManager:
+    """Group 0 whole-context, group 1 a sliding window, blocks of 4 tokens."""
+    return KVCacheManager(num_blocks, 4, layout=KVLayout((0, window), (0, 1), (0, 0)), **kw)
+
+
+def test_sliding_window_group_hands_back_blocks_before_its_window():
+    kv = two_groups(32)
+    r = make_req("a", list(range(40)))
+    computed = 0
+    for chunk in (8, 8, 8, 8, 8):
+        assert kv.allocate_slots(r, chunk)
+        computed += chunk
+        r.num_computed_tokens = computed
+    assert len(set(r.block_ids + r.group_tables[0][6:])) == 14
+    # Before the last chunk (32 computed), the next token's window began at 25: blocks
+    # 0..5 of group 1 were handed back; 6..9 kept.
+    assert r.group_tables[0][:6] == [0] * 6 and 0 not in r.group_tables[0][6:]
+    assert kv.num_free_blocks == 32 - 10 - 4
+    r.append_token(7)
+    assert kv.allocate_slots(r, 1)  # 40 computed: the window begins at 33, in block 8
+    assert r.group_tables[0][:8] == [0] * 8
+    assert kv.num_free_blocks == 32 - 11 - 3
+    kv.free(r)
+    assert kv.num_free_blocks == 32
+    kv.check_integrity()
+
+
+def test_prefix_hit_needs_only_the_window_of_a_sliding_group():
+    kv = two_groups(32)
+    prompt = list(range(100, 132))  # 8 full blocks
+    a = make_req("a", prompt)
+    assert kv.allocate_slots(a, 32)
+    a.num_computed_tokens = 32
+    kv.free(a)  # every block cached and free
+    b = make_req("b", prompt + [1])
+    hit = kv.get_computed_blocks(b)
+    assert hit.num_blocks == 8
+    # group 1: the next token (position 32) reads 25..31: blocks 6 and 7 only
+    assert hit.groups[1][:6] == [None] * 6
+    assert all(e is not None for e in hit.groups[1][6:] + hit.groups[0])
+    assert kv.allocate_slots(b, 1, hit)
+    assert b.group_tables[0][:6] == [0] * 6
+    assert kv.num_pool_hit_tokens(make_req("c", prompt + [2])) == 32
+    kv.check_integrity()
+
+
+def test_prefix_hit_shrinks_to_what_every_group_holds():
+    kv = two_groups(32)
+    prompt = list(range(100, 124))
+    a = make_req("a", prompt)
+    assert kv.allocate_slots(a, 24)
+    a.num_computed_tokens = 24
+    held = kv._blocks["a"]
+    kv.free(a)
+    for block in held[1][4:6]:  # as if evicted: group 1's blocks 4 and 5 are gone
+        kv.pool._forget(block)
+    b = make_req("b", prompt + [1])
+    hit = kv.get_computed_blocks(b)
+    # Group 0 holds all 6 blocks, but after 6 (or 5) blocks the next token reads group 1's
+    # block 4 or 5; after 4 it reads positions 9..15: blocks 2 and 3, still cached.
+    assert hit.num_blocks == 4
+    assert hit.groups[1][:2] == [None, None] and None not in hit.groups[1][2:]
+    assert kv.allocate_slots(b, 25 - 16, hit)
+    assert b.group_tables[0][:2] == [0, 0]
+    kv.check_integrity()

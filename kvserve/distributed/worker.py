@@ -128,17 +128,20 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
         loaded.gguf_reader = None  # metadata only the tokenizer needs (on rank 0)
         # Rank 0 sends its plan (which may include a drafter's share or an explicit count);
         # each rank answers with what it can hold and all take the minimum.
-        cache = receive_object(control)
+        cache, layout = receive_object(control)
         num_blocks = agree_num_blocks(
-            tp, plan_num_blocks(shard_config(loaded.config, tp), cache, spec.dtype), device)
+            tp, plan_num_blocks(shard_config(loaded.config, tp), cache, spec.dtype,
+                                layout=layout), device)
         release_freed_memory()
-        kv_caches = allocate_kv_caches(model, num_blocks * spec.block_size, spec.dtype, device)
+        kv_caches = allocate_kv_caches(model, num_blocks * spec.block_size, spec.dtype, device,
+                                       layout)
         with torch.inference_mode():
             while True:
                 items = receive_object(control)
                 if items is None:
                     break
-                hidden = run_forward(model, kv_caches, spec.block_size, items, device)
+                hidden = run_forward(model, kv_caches, spec.block_size, items, device,
+                                     layout=layout)
                 if hidden.shape[0]:
                     model.compute_logits(hidden)  # this rank's share of the logit gather
     except Exception:
@@ -200,9 +203,10 @@ class TensorParallelWorkers:
                 raise TimeoutError(f"workers did not start within {self.spec.timeout_s:.0f}s")
             time.sleep(0.05)
 
-    def agree_num_blocks(self, cache, num_blocks: int) -> int:
-        """Send the cache config to the workers and agree on the block count."""
-        self.send(cache)
+    def agree_num_blocks(self, cache, layout, num_blocks: int) -> int:
+        """Send the cache config and KV layout to the workers and agree on the block
+        count."""
+        self.send((cache, layout))
         return self._guard(lambda: agree_num_blocks(self.tp, num_blocks, self.device))
 
     def status(self) -> str | None:

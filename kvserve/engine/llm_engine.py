@@ -28,8 +28,15 @@ from kvserve.config import (
 from kvserve.distributed.parallel import SINGLE, TensorParallel, check_split
 from kvserve.distributed.worker import TensorParallelError, TensorParallelWorkers
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.kv_cache.layout import KVLayout
 from kvserve.kv_cache.manager import KVCacheManager
-from kvserve.kv_cache.planner import capacity_gain, dtype_name, kv_token_bytes, plan_num_blocks
+from kvserve.kv_cache.planner import (
+    capacity_gain,
+    dtype_name,
+    kv_token_bytes,
+    plan_num_blocks,
+    slot_bytes,
+)
 from kvserve.kv_cache.tiers import build_store, cache_fingerprint
 from kvserve.models.loader import read_model_config, resolve_model, shard_config
 from kvserve.request import Request, RequestStatus, timeline_segments
@@ -85,6 +92,8 @@ class EngineArgs:
     # on bf16 activations, else none) | none | int8 | int4
     quantization: str = "auto"
     enable_prefix_caching: bool = True
+    # keep blocks before the windows of sliding-window layers (see kv_cache.layout)
+    disable_hybrid_kv_cache_manager: bool = False
     host_kv_cache_memory: int | str = 0  # host tier of the prefix cache; 0 = none
     kv_cache_dir: str | None = None  # disk tier of the prefix cache, kept across restarts
     kv_cache_disk_size: int | str = "8GiB"
@@ -234,10 +243,16 @@ class LLMEngine:
         self.drafter = (build_drafter(self.spec, loaded.model, path, dtype, device, sched)
                         if self.spec is not None else None)
         extra = self.drafter.kv_bytes_per_token() if self.drafter is not None else 0
-        num_blocks = plan_num_blocks(shard_config(cfg, tp), cache, dtype, extra)
+        # A draft model keeps its K/V at the slots of group 0's table, which must then cover
+        # every token: with no whole-context layer to head it, no block is freed early.
+        all_windowed = all(cfg.window(i) for i in range(cfg.num_layers))
+        free = not args.disable_hybrid_kv_cache_manager and not (extra and all_windowed)
+        self.kv_layout = layout = KVLayout.for_model(cfg, free_windows=free)
+        num_blocks = plan_num_blocks(shard_config(cfg, tp), cache, dtype, extra, layout)
         if self.workers is not None:
-            num_blocks = self.workers.agree_num_blocks(cache, num_blocks)
-        self.runner = ModelRunner(loaded.model, cache, num_blocks, dtype, device, self.workers)
+            num_blocks = self.workers.agree_num_blocks(cache, layout, num_blocks)
+        self.runner = ModelRunner(loaded.model, cache, num_blocks, dtype, device, self.workers,
+                                  layout)
         store = None
         host_bytes = parse_size(args.host_kv_cache_memory)
         if host_bytes or args.kv_cache_dir:
@@ -245,13 +260,14 @@ class LLMEngine:
                 raise ValueError("--host-kv-cache-memory and --kv-cache-dir need prefix caching")
             kv0 = self.runner.kv_caches[0]
             fingerprint = cache_fingerprint(path, cfg, dtype, (tuple(kv0.shape[:2]), kv0.shape[3],
-                                                               str(kv0.dtype)), cache.block_size)
+                                                               str(kv0.dtype), layout),
+                                            cache.block_size)
             store = build_store(self.runner.kv_caches, cache.block_size,
                                 host_bytes, args.kv_cache_dir,
                                 parse_size(args.kv_cache_disk_size), fingerprint,
                                 args.kv_cache_write_policy)
         self.kv = KVCacheManager(num_blocks, cache.block_size, args.enable_prefix_caching,
-                                 store)
+                                 store, layout)
         self.scheduler = Scheduler(sched, self.kv)
         if self.drafter is not None:
             self.drafter.allocate(self.kv)
@@ -266,10 +282,24 @@ class LLMEngine:
         if variant:
             log.warning("not batch-invariant here: a request's tokens may depend on what else "
                         "runs with it (%s)", "; ".join(variant))
-        log.info("KV cache%s: %d blocks x %d tokens = %d tokens, %.1f KiB per token, %.2f GiB",
-                 " (rank 0's heads)" if tp.size > 1 else "", num_blocks, cache.block_size,
-                 num_blocks * cache.block_size, per_tok / 1024,
-                 num_blocks * cache.block_size * per_tok / 2**30)
+        if layout.hybrid:
+            # A block holds one group's layers; a token costs per_tok in the whole-context
+            # layers and nothing more in a sliding-window layer once it leaves the window.
+            blk = slot_bytes(shard_config(cfg, tp), cache.kv_cache_dtype, dtype, layout)
+            log.info("KV cache%s: %d blocks x %d tokens x %d layers, %.2f GiB; %s; a token "
+                     "takes %.1f KiB in every layer, %.1f KiB once older than the windows",
+                     " (rank 0's heads)" if tp.size > 1 else "", num_blocks,
+                     cache.block_size, layout.group_size,
+                     num_blocks * cache.block_size * blk / 2**30, layout.describe(),
+                     per_tok / 1024, blk * layout.group_windows.count(0) / 1024)
+        else:
+            log.info("KV cache%s: %d blocks x %d tokens = %d tokens, %.1f KiB per token, "
+                     "%.2f GiB%s", " (rank 0's heads)" if tp.size > 1 else "", num_blocks,
+                     cache.block_size, num_blocks * cache.block_size, per_tok / 1024,
+                     num_blocks * cache.block_size * per_tok / 2**30,
+                     "" if not any(cfg.window(i) for i in range(cfg.num_layers)) else
+                     f"; {layout.describe()}" if layout.group_windows[0] else
+                     "; blocks before the sliding windows kept")
         if cache.kv_cache_dtype == "int8":
             log.info("int8 KV: %.2fx the tokens of %s", capacity_gain(cfg, "int8", dtype),
                      dtype_name(dtype))

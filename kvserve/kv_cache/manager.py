@@ -10,6 +10,12 @@ served from the cache, since its logits are needed.
 
 With lower tiers (`store`), a hashed block evicted from the pool is copied down first, and a
 prefix hit found only in a lower tier is copied back into a fresh block at admission.
+
+With several KV groups (kv_cache.layout: models mixing sliding-window and global layers) a
+request holds one table per group, all drawing on the one pool; a group's blocks are keyed
+by a hash derived from the chained one. A sliding-window group hands back the blocks its
+next token no longer reads, and a prefix hit of n blocks needs, per group, only the blocks
+the token after them reads (all n for a global group).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 
 from kvserve.kv_cache.block_pool import BlockPool, KVBlock
 from kvserve.kv_cache.hashing import ROOT_HASH, BlockKey, hash_block
+from kvserve.kv_cache.layout import KVLayout
 from kvserve.kv_cache.tiers import TieredKVStore
 from kvserve.request import Request
 
@@ -38,22 +45,36 @@ class Loaded:
     tier: str
 
 
+Entry = KVBlock | Loaded | None  # None: a sliding-window group's block before its window
+
+
 @dataclass
 class PrefixHit:
-    """The longest cached run at the start of a request, in order: pool blocks to share, or
-    blocks to load from a lower tier."""
+    """The longest cached run at the start of a request: per KV group (see KVLayout), in
+    order, pool blocks to share, blocks to load from a lower tier, or None where a
+    sliding-window group needs no block (before its window)."""
 
-    entries: list[KVBlock | Loaded] = field(default_factory=list)
+    groups: list[list[Entry]] = field(default_factory=lambda: [[]])
+
+    @property
+    def entries(self) -> list[Entry]:
+        """Group 0's entries (every layer's, with one group)."""
+        return self.groups[0]
 
     @property
     def num_blocks(self) -> int:
-        return len(self.entries)
+        return len(self.groups[0])
 
     def tokens_by_tier(self, block_size: int) -> dict[str, int]:
-        """Tokens of the hit per tier it came from ("device" is the fast pool)."""
+        """Tokens of the hit per tier it came from ("device" is the fast pool); a block
+        position counts for the tier of its first group that holds a block there, or where
+        none does (before every window), for that of the next position."""
         out: dict[str, int] = {}
-        for e in self.entries:
-            tier = "device" if isinstance(e, KVBlock) else e.tier
+        tier = "device"
+        for column in reversed(list(zip(*self.groups, strict=True))):
+            e = next((x for x in column if x is not None), None)
+            if e is not None:
+                tier = "device" if isinstance(e, KVBlock) else e.tier
             out[tier] = out.get(tier, 0) + block_size
         return out
 
@@ -67,16 +88,23 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
+    """Blocks per request and per KV group (`layout`; one group unless the model mixes
+    sliding-window and whole-context layers). A sliding-window group hands back each block
+    once every key in it is older than the window of the request's next token, so its
+    table holds block 0 (whose contents the window masks) in the places before."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 store: TieredKVStore | None = None) -> None:
+                 store: TieredKVStore | None = None, layout: KVLayout | None = None) -> None:
         if store is not None and not enable_prefix_caching:
             raise ValueError("KV cache tiers need prefix caching")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.store = store
+        self.layout = layout if layout is not None else KVLayout.single(1)
+        self.windows = self.layout.group_windows
         self.pool = BlockPool(num_blocks, self._save_evicted if store is not None else None)
         self.stats = PrefixCacheStats()
-        self._blocks: dict[str, list[KVBlock]] = {}
+        self._blocks: dict[str, list[list[KVBlock | None]]] = {}  # per request, per group
         self._num_cached: dict[str, int] = {}  # per request: leading blocks already hashed
         self._hashes: dict[str, list[int]] = {}
         self._computed_this_step: list[KVBlock] = []  # write-through candidates
@@ -93,6 +121,10 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    def blocks_for(self, num_tokens: int, chunk: int) -> int:
+        """Most blocks a request of `num_tokens` tokens computed `chunk` at a time holds."""
+        return self.layout.blocks_for(num_tokens, self.block_size, chunk)
+
     def _block_tokens(self, req: Request, i: int) -> tuple[int, ...]:
         bs = self.block_size
         return tuple(req.all_token_ids[i * bs:(i + 1) * bs])
@@ -108,55 +140,140 @@ class KVCacheManager:
                 hashes.append(hash_block(ROOT_HASH, self._block_tokens(req, i), salt))
         return hashes
 
-    def _key(self, req: Request, i: int) -> BlockKey:
+    def _key(self, req: Request, i: int, group: int = 0) -> BlockKey:
+        """Block i's identity in `group`: group 0 keys by the chained hash itself, other
+        groups by a hash derived from it (their blocks hold other layers' K/V)."""
         hashes = self.block_hashes(req)
-        return BlockKey(hashes[i], hashes[i - 1] if i else ROOT_HASH, self._block_tokens(req, i))
+        h = hashes[i] if group == 0 else hash_block(hashes[i], (group,), b"kv group")
+        return BlockKey(h, hashes[i - 1] if i else ROOT_HASH, self._block_tokens(req, i))
+
+    def _first_needed(self, group: int, num_computed: int) -> int:
+        """The first block a sliding-window group still reads once `num_computed` tokens are
+        computed: the next token, at position num_computed, sees num_computed - W + 1 on."""
+        w = self.windows[group]
+        return max(num_computed - w + 1, 0) // self.block_size if w else 0
+
+    def _hit_length(self, req: Request, limit: int, present) -> int:
+        """The most leading blocks n <= limit such that every group has what it reads after
+        n blocks: a whole-context group all n, a sliding-window group those of its window.
+        `present(group, i)` says whether block i of `group` is available."""
+        n = limit
+        changed = True
+        while changed and n:
+            changed = False
+            for g in range(len(self.windows)):
+                m = n
+                while m and not all(present(g, i) for i in range(self._first_needed(
+                        g, m * self.block_size), m)):
+                    m = m - 1 if self.windows[g] else next(
+                        i for i in range(m) if not present(g, i))
+                if m < n:
+                    n, changed = m, True
+        return n
 
     def get_computed_blocks(self, req: Request) -> PrefixHit:
-        """The longest run of cached blocks that starts the request's tokens, from the pool or
-        (fetched now) from a lower tier. Call only for a request with nothing computed."""
-        hit = PrefixHit()
+        """The longest cached run at the start of the request's tokens that every KV group
+        can serve, from the pool or (fetched now) from a lower tier. Call only for a request
+        with nothing computed."""
         if not self.enable_prefix_caching or req.num_computed_tokens:
-            return hit
-        for i in range((req.num_tokens - 1) // self.block_size):
-            key = self._key(req, i)
-            block = self.pool.lookup(key)
-            if block is not None:
-                hit.entries.append(block)
-                continue
-            found = self.store.fetch(key) if self.store is not None else None
-            if found is None:
-                break
-            hit.entries.append(Loaded(key, *found))
-        return hit
+            return PrefixHit([[] for _ in self.windows])
+        pool_block: dict[tuple[int, int], KVBlock | None] = {}
+        found: dict[tuple[int, int], bool] = {}
+
+        def present(g: int, i: int) -> bool:
+            if (g, i) not in found:
+                key = self._key(req, i, g)
+                pool_block[g, i] = block = self.pool.lookup(key)
+                found[g, i] = block is not None or (
+                    self.store is not None and self.store.find(key) is not None)
+            return found[g, i]
+
+        limit = (req.num_tokens - 1) // self.block_size
+        while True:
+            n = self._hit_length(req, limit, present)
+            groups = [self._hit_entries(req, g, n, pool_block, found)
+                      for g in range(len(self.windows))]
+            if all(entries is not None for entries in groups):
+                return PrefixHit(groups)  # type: ignore[arg-type]
+
+    def _hit_entries(self, req: Request, group: int, n: int,
+                     pool_block: dict[tuple[int, int], KVBlock | None],
+                     found: dict[tuple[int, int], bool]) -> list[Entry] | None:
+        """The entries of `group` for a hit of n blocks, fetching those only a lower tier
+        holds; None (marking the block missing) when a fetched copy turns out bad."""
+        first = self._first_needed(group, n * self.block_size)
+        entries: list[Entry] = [None] * first
+        for i in range(first, n):
+            block = pool_block[group, i]
+            if block is None:
+                assert self.store is not None
+                key = self._key(req, i, group)
+                loaded = self.store.fetch(key)
+                if loaded is None:  # a bad copy, dropped by its tier
+                    found[group, i] = False
+                    return None
+                entries.append(Loaded(key, *loaded))
+            else:
+                entries.append(block)
+        return entries
 
     def num_pool_hit_tokens(self, req: Request) -> int:
         """Tokens at the start of `req` whose K/V the fast pool holds now: a cheap look for
         the scheduler's ordering that fetches nothing from lower tiers and changes nothing."""
         if not self.enable_prefix_caching or req.num_computed_tokens:
             return 0
-        n = 0
-        while n < (req.num_tokens - 1) // self.block_size and self.pool.lookup(self._key(req, n)):
-            n += 1
-        return n * self.block_size
+
+        def present(g: int, i: int) -> bool:
+            return self.pool.lookup(self._key(req, i, g)) is not None
+
+        limit = (req.num_tokens - 1) // self.block_size
+        return self._hit_length(req, limit, present) * self.block_size
+
+    def _table(self, req: Request, group: int) -> list[int]:
+        if group == 0:
+            return req.block_ids
+        while len(req.group_tables) < group:
+            req.group_tables.append([])
+        return req.group_tables[group - 1]
+
+    def _release_out_of_window(self, req: Request, num_computed: int) -> None:
+        """Hand back the blocks of sliding-window groups that no later token reads (tail
+        first, as `free` does; hashed ones stay in the prefix cache until evicted)."""
+        blocks = self._blocks.get(req.request_id)
+        if blocks is None:
+            return
+        for g, w in enumerate(self.windows):
+            if not w:
+                continue
+            held, table = blocks[g], self._table(req, g)
+            done = []
+            for i in range(min(self._first_needed(g, num_computed), len(held))):
+                if held[i] is not None:
+                    done.append(held[i])
+                    held[i] = None
+                    table[i] = 0
+            self.pool.free(reversed(done))
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        hit: PrefixHit | None = None) -> bool:
         """Give `req` room for `num_new_tokens` more tokens after its computed ones (which
-        include `hit`, prefix blocks not yet attached). False, with nothing changed, when
-        the pool cannot supply the blocks."""
-        entries = hit.entries if hit is not None else []
-        blocks = self._blocks.setdefault(req.request_id, [])
-        assert len(blocks) * self.block_size >= req.num_computed_tokens
-        shared = [e for e in entries if isinstance(e, KVBlock)]
-        loads = [e for e in entries if isinstance(e, Loaded)]
-        total = req.num_computed_tokens + len(entries) * self.block_size + num_new_tokens
-        need = max(cdiv(total, self.block_size) - len(blocks) - len(entries), 0)
+        include `hit`, prefix blocks not yet attached). False when the pool cannot supply
+        the blocks, with nothing changed but blocks before a sliding window handed back."""
+        groups = hit.groups if hit is not None else [[] for _ in self.windows]
+        n_hit = len(groups[0])
+        blocks = self._blocks.setdefault(req.request_id, [[] for _ in self.windows])
+        assert len(blocks[0]) * self.block_size >= req.num_computed_tokens
+        computed = req.num_computed_tokens + n_hit * self.block_size
+        self._release_out_of_window(req, computed)
+        total = computed + num_new_tokens
+        shared = [e for entries in groups for e in entries if isinstance(e, KVBlock)]
+        loads = [e for entries in groups for e in entries if isinstance(e, Loaded)]
+        need = [max(cdiv(total, self.block_size) - len(held) - n_hit, 0) for held in blocks]
         revived = sum(1 for b in shared if b.ref_cnt == 0)
-        if need + len(loads) + revived > self.pool.num_free_blocks:
+        if sum(need) + len(loads) + revived > self.pool.num_free_blocks:
             return False
         self.pool.touch(shared)  # before allocating, so a hit is never the one evicted
-        fresh = self.pool.allocate(len(loads) + need)
+        fresh = self.pool.allocate(len(loads) + sum(need))
         if loads:
             assert self.store is not None
             targets = fresh[:len(loads)]
@@ -165,12 +282,14 @@ class KVCacheManager:
             for block, e in zip(targets, loads, strict=True):
                 self.pool.cache(block, e.key)
         it = iter(fresh)
-        ordered = [e if isinstance(e, KVBlock) else next(it) for e in entries]
-        new = ordered + list(it)
-        blocks.extend(new)
-        req.block_ids.extend(b.block_id for b in new)
-        if entries:
-            self._num_cached[req.request_id] = len(entries)
+        for g, entries in enumerate(groups):
+            new: list[KVBlock | None] = [
+                next(it) if isinstance(e, Loaded) else e for e in entries]
+            new += [next(it) for _ in range(need[g])]
+            blocks[g].extend(new)
+            self._table(req, g).extend(0 if b is None else b.block_id for b in new)
+        if n_hit:
+            self._num_cached[req.request_id] = n_hit
         if hit is not None:
             self._record(req, hit)
         if self.enable_prefix_caching:
@@ -179,8 +298,8 @@ class KVCacheManager:
 
     def _record(self, req: Request, hit: PrefixHit) -> None:
         self.stats.queries += req.num_tokens
-        for e in hit.entries:
-            self.stats.hits["device" if isinstance(e, KVBlock) else e.tier] += self.block_size
+        for tier, n in hit.tokens_by_tier(self.block_size).items():
+            self.stats.hits[tier] += n
         if req.num_cached_tokens is None:
             req.num_cached_tokens = hit.num_blocks * self.block_size
 
@@ -188,13 +307,16 @@ class KVCacheManager:
         start = self._num_cached.get(req.request_id, 0)
         if num_full <= start:
             return
-        blocks = self._blocks[req.request_id]
         write_through = self.store is not None and self.store.write_policy == "write-through"
-        for i in range(start, num_full):
-            key = self._key(req, i)
-            self.pool.cache(blocks[i], key)
-            if write_through and blocks[i].key == key:
-                self._computed_this_step.append(blocks[i])
+        for g, held in enumerate(self._blocks[req.request_id]):
+            for i in range(start, num_full):
+                block = held[i]
+                if block is None:
+                    continue
+                key = self._key(req, i, g)
+                self.pool.cache(block, key)
+                if write_through and block.key == key:
+                    self._computed_this_step.append(block)
         self._num_cached[req.request_id] = num_full
 
     def after_step(self) -> None:
@@ -224,39 +346,42 @@ class KVCacheManager:
         return self.store.flush(keyed)  # type: ignore[arg-type]
 
     def reserve(self, req: Request, num_tokens: int) -> bool:
-        """Make `req`'s block table cover `num_tokens` token positions without registering
+        """Make `req`'s block tables cover `num_tokens` token positions without registering
         anything in the prefix cache: room for a drafter to write K/V of tokens that are not
         verified yet. False, with nothing changed, when the pool is short."""
-        blocks = self._blocks.setdefault(req.request_id, [])
-        need = cdiv(num_tokens, self.block_size) - len(blocks)
-        if need <= 0:
-            return True
-        if need > self.pool.num_free_blocks:
+        blocks = self._blocks.setdefault(req.request_id, [[] for _ in self.windows])
+        need = [max(cdiv(num_tokens, self.block_size) - len(held), 0) for held in blocks]
+        if sum(need) > self.pool.num_free_blocks:
             return False
-        fresh = self.pool.allocate(need)
-        blocks.extend(fresh)
-        req.block_ids.extend(b.block_id for b in fresh)
+        fresh = iter(self.pool.allocate(sum(need)))
+        for g, held in enumerate(blocks):
+            new = [next(fresh) for _ in range(need[g])]
+            held.extend(new)
+            self._table(req, g).extend(b.block_id for b in new)
         return True
 
     def trim(self, req: Request, num_tokens: int) -> None:
         """Give back the blocks after the first cdiv(num_tokens, block_size): those held only
         for rejected drafts. They hold no verified token, so none of them is hashed."""
-        blocks = self._blocks.get(req.request_id, [])
         keep = cdiv(num_tokens, self.block_size)
-        if len(blocks) <= keep:
-            return
-        assert keep >= self._num_cached.get(req.request_id, 0)
-        tail = blocks[keep:]
-        del blocks[keep:]
-        del req.block_ids[keep:]
-        self.pool.free(reversed(tail))
+        for g, held in enumerate(self._blocks.get(req.request_id, [])):
+            if len(held) <= keep:
+                continue
+            assert keep >= self._num_cached.get(req.request_id, 0)
+            tail = held[keep:]
+            del held[keep:]
+            del self._table(req, g)[keep:]
+            self.pool.free(b for b in reversed(tail) if b is not None)
 
     def free(self, req: Request) -> None:
-        """Return every block of `req` to the pool, tail first so tails are evicted first."""
-        blocks = self._blocks.pop(req.request_id, [])
-        self.pool.free(reversed(blocks))
+        """Return every block of `req` to the pool, tail first so tails are evicted first
+        (with several groups, position by position: a hit needs every group's blocks)."""
+        groups = self._blocks.pop(req.request_id, [])
+        self.pool.free(held[i] for i in reversed(range(len(groups[0]) if groups else 0))
+                       for held in groups if held[i] is not None)
         self._num_cached.pop(req.request_id, None)
         req.block_ids.clear()
+        req.group_tables.clear()
 
     def forget(self, req: Request) -> None:
         """Drop per-request hash state once the request is gone for good."""
@@ -265,9 +390,11 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         held: dict[int, int] = {}
-        for blocks in self._blocks.values():
-            for b in blocks:
-                held[b.block_id] = held.get(b.block_id, 0) + 1
+        for groups in self._blocks.values():
+            for blocks in groups:
+                for b in blocks:
+                    if b is not None:
+                        held[b.block_id] = held.get(b.block_id, 0) + 1
         for b in self.pool.blocks:
             assert held.get(b.block_id, 0) == b.ref_cnt, (
                 f"{b}: ref count {b.ref_cnt} but held by {held.get(b.block_id, 0)} requests")

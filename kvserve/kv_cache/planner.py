@@ -13,6 +13,7 @@ import torch
 
 from kvserve.attention.kv_quant import kv_row_width, kv_storage_dtype
 from kvserve.config import CacheConfig, ModelConfig
+from kvserve.kv_cache.layout import KVLayout
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -77,15 +78,25 @@ def num_blocks_in(budget: int, block_size: int, bytes_per_token: int) -> int:
     return budget // (block_size * bytes_per_token)
 
 
+def slot_bytes(cfg: ModelConfig, kv_cache_dtype: str, compute_dtype: torch.dtype,
+               layout: KVLayout | None = None) -> int:
+    """Bytes of one token slot of a block: every layer's K/V with one KV group, one group's
+    layers' with several (see kv_cache.layout)."""
+    per_tok = kv_bytes_per_token(cfg, kv_cache_dtype, compute_dtype)
+    return per_tok if layout is None else per_tok // cfg.num_layers * layout.group_size
+
+
 def plan_num_blocks(cfg: ModelConfig, cache: CacheConfig, compute_dtype: torch.dtype,
-                    extra_bytes_per_token: int = 0) -> int:
+                    extra_bytes_per_token: int = 0, layout: KVLayout | None = None) -> int:
     """Blocks the engine allocates: those that fit in the KV memory budget, or the explicit
-    override. `extra_bytes_per_token` is state kept per token slot beside the target's K/V
-    (a draft model's cache), paid from the same budget. Raises ValueError when the budget
-    holds no block."""
+    override. A block holds `block_size` token slots of `layout`'s group size in layers.
+    `extra_bytes_per_token` is state kept per token slot beside the target's K/V (a draft
+    model's cache), paid from the same budget. Raises ValueError when the budget holds no
+    block."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    per_tok = kv_bytes_per_token(cfg, cache.kv_cache_dtype, compute_dtype) + extra_bytes_per_token
+    per_tok = slot_bytes(cfg, cache.kv_cache_dtype, compute_dtype, layout) + \
+        extra_bytes_per_token
     num = num_blocks_in(cache.kv_cache_memory, cache.block_size, per_tok)
     if num < 1:
         raise ValueError(f"--kv-cache-memory {cache.kv_cache_memory} bytes holds no block "
@@ -125,20 +136,31 @@ class KVPlan:
     block_size: int
     num_blocks: int
     seq_len: int  # prompt + output tokens of one sequence
+    layout: KVLayout | None = None  # KV groups; None: one block table for every layer
+    chunk: int = 512  # tokens per step (--max-num-batched-tokens), for sliding windows
 
     @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+    def block_bytes(self) -> int:
+        layers = self.layout.group_size if self.layout else self.token_bytes.num_layers
+        return self.block_size * self.token_bytes.total // self.token_bytes.num_layers * layers
 
     @property
     def kv_bytes(self) -> int:
         """Bytes actually allocated (whole blocks; at most the budget)."""
-        return self.num_tokens * self.token_bytes.total
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the allocation holds in every layer."""
+        return self.kv_bytes // self.token_bytes.total
 
     @property
     def blocks_per_seq(self) -> int:
-        # as the scheduler counts: whole blocks for prompt + max_tokens
-        return cdiv(self.seq_len, self.block_size)
+        # as the scheduler counts: whole blocks for prompt + max_tokens (sliding-window
+        # groups: their window and a step's tokens)
+        if self.layout is None:
+            return cdiv(self.seq_len, self.block_size)
+        return self.layout.blocks_for(self.seq_len, self.block_size, self.chunk)
 
     @property
     def max_seqs(self) -> int:
@@ -147,8 +169,10 @@ class KVPlan:
 
 
 def plan_kv(cfg: ModelConfig, budget: int, block_size: int, kv_cache_dtype: str,
-            compute_dtype: torch.dtype, seq_len: int) -> KVPlan:
+            compute_dtype: torch.dtype, seq_len: int, layout: KVLayout | None = None,
+            chunk: int = 512) -> KVPlan:
     tb = kv_token_bytes(cfg, kv_cache_dtype, compute_dtype)
     cache = CacheConfig(block_size, budget, kv_cache_dtype=kv_cache_dtype)  # validates
-    num = num_blocks_in(cache.kv_cache_memory, cache.block_size, tb.total)
-    return KVPlan(tb, budget, block_size, num, seq_len)
+    per_tok = slot_bytes(cfg, kv_cache_dtype, compute_dtype, layout)
+    num = num_blocks_in(cache.kv_cache_memory, cache.block_size, per_tok)
+    return KVPlan(tb, budget, block_size, num, seq_len, layout, chunk)

@@ -128,23 +128,34 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: object) -> torch.Tensor:
-        """input_ids/positions [T] -> final hidden states [T, hidden] (normed)."""
+                kv_caches: list[torch.Tensor], meta: object | list[object]) -> torch.Tensor:
+        """input_ids/positions [T] -> final hidden states [T, hidden] (normed). `meta` is
+        the attention metadata of every layer, or a list with each layer's (when layers
+        keep block tables of their own: kv_cache.layout)."""
         x = self.embed_tokens(input_ids)
         if self.config.embedding_scale != 1.0:
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         rope = self.rotary.tables(positions, x.dtype)  # once per step, shared by all layers
         local = self.rotary_local.tables(positions, x.dtype) if self.rotary_local else rope
+        metas = meta if isinstance(meta, list) else [meta]
         attn = self.layers[0].self_attn
-        fused = attn.backend.fused_inputs(meta, x.dtype) if self.tp.size == 1 else None
+        fused = None
+        if self.tp.size == 1:
+            by_meta = {id(m): attn.backend.fused_inputs(m, x.dtype) for m in metas}
+            if all(f is not None for f in by_meta.values()):
+                fused = [by_meta[id(m)] for m in metas]
         if fused is not None:
             # All layers in one C++ call making the same ATen and kernel calls as the modules
             # below, without ~50 us of Python per layer between them.
+            slots, seqs, tables, block_size, scale = zip(*fused, strict=True)
             return self.norm(ops().run_layers(
-                x, *rope, *local, self.fused_weights(), kv_caches, *fused, attn.num_heads,
-                attn.num_kv_heads, self.norm.eps, INT4_GROUP))
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(local if self._local_rope(layer) else rope, x, kv_cache, meta)
+                x, *rope, *local, self.fused_weights(), kv_caches, list(slots), seqs[0],
+                list(tables), block_size[0], scale[0], attn.num_heads, attn.num_kv_heads,
+                self.norm.eps, INT4_GROUP))
+        if len(metas) == 1:
+            metas = metas * len(self.layers)
+        for layer, kv_cache, m in zip(self.layers, kv_caches, metas, strict=True):
+            x = layer(local if self._local_rope(layer) else rope, x, kv_cache, m)
         return self.norm(x)
 
     def _local_rope(self, layer: DecoderLayer) -> bool:

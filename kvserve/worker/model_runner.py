@@ -1,8 +1,9 @@
 """SchedulerOutput -> tensors -> forward -> sample -> ModelRunnerOutput.
 
-The runner owns the KV cache tensors: per layer one tensor holding K and V for
-num_blocks * block_size token slots (shape and dtype chosen by the attention backend, which
-may store them quantized), addressed by slot = block_id * block_size + offset. How many
+The runner owns the KV cache tensors: per layer of a KV group (kv_cache.layout; with one
+group, per layer) one tensor holding K and V for num_blocks * block_size token slots (shape
+and dtype chosen by the attention backend, which may store them quantized), addressed by
+slot = block_id * block_size + offset through the table of the layer's group. How many
 blocks fit a memory budget is `kv_cache.planner.plan_num_blocks`.
 """
 
@@ -23,6 +24,7 @@ from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.config import CacheConfig
 from kvserve.distributed.parallel import SINGLE, TensorParallel
 from kvserve.distributed.worker import TensorParallelWorkers
+from kvserve.kv_cache.layout import KVLayout
 from kvserve.layers.quant import check_quantization
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import LoadedModel, auto_quantization, load_model, resolve_model
@@ -62,47 +64,58 @@ def load_target(model: str | None, dtype: torch.dtype, device: torch.device,
 @dataclass
 class ForwardItem:
     """One request's share of a forward pass: `token_ids` at positions start, start+1, ...,
-    their K/V written into the slots of `block_ids`; hidden states are returned for the last
+    their K/V written into the slots of `block_ids` (and, per KV group after the first, of
+    `group_tables`: see kv_cache.layout); hidden states are returned for the last
     `num_outputs` of them."""
 
     token_ids: list[int]
     start: int
     block_ids: list[int]
     num_outputs: int
+    group_tables: list[list[int]] = field(default_factory=list)
 
 
 def run_forward(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
                 items: list[ForwardItem], device: torch.device,
-                timings: dict[str, float] | None = None) -> torch.Tensor:
+                timings: dict[str, float] | None = None,
+                layout: KVLayout | None = None) -> torch.Tensor:
     """One forward pass over a batch of items -> final hidden states [sum(num_outputs), H],
     item after item. Shared by the target and by draft models (with their own caches).
+    `kv_caches` are allocate_kv_caches' for `layout` (None: one group, a cache per layer).
     `timings`, when given, receives the seconds spent in "prepare" and "forward"."""
     t0 = time.perf_counter()
     bs = block_size
+    num_groups = layout.num_groups if layout is not None else 1
     input_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
+    slots: list[list[int]] = [[] for _ in range(num_groups)]
     out_idx: list[int] = []
-    query_lens, context_lens, tables = [], [], []
+    query_lens, context_lens = [], []
+    tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
     for it in items:
         n = len(it.token_ids)
         input_ids.extend(it.token_ids)
         pos = range(it.start, it.start + n)
         positions.extend(pos)
-        table = it.block_ids
-        slots.extend(table[p // bs] * bs + p % bs for p in pos)
+        for g, table in enumerate((it.block_ids, *it.group_tables[:num_groups - 1])):
+            slots[g].extend(table[p // bs] * bs + p % bs for p in pos)
+            tables[g].append(table)
         query_lens.append(n)
         context_lens.append(it.start + n)
-        tables.append(table)
         out_idx.extend(range(len(input_ids) - it.num_outputs, len(input_ids)))
     backend = model.layers[0].self_attn.backend
-    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-    meta = backend.build_metadata(
-        AttentionBatch(query_lens, context_lens, tables, slot_mapping, bs))
+    metas = [backend.build_metadata(AttentionBatch(
+        query_lens, context_lens, tables[g],
+        torch.tensor(slots[g], dtype=torch.long, device=device), bs))
+        for g in range(num_groups)]
     ids = torch.tensor(input_ids, dtype=torch.long, device=device)
     pos = torch.tensor(positions, dtype=torch.long, device=device)
     t1 = time.perf_counter()
-    hidden = model(ids, pos, kv_caches, meta)
+    if layout is not None and layout.hybrid:
+        hidden = model(ids, pos, [kv_caches[s] for s in layout.layer_slot],
+                       [metas[g] for g in layout.layer_group])
+    else:
+        hidden = model(ids, pos, kv_caches, metas[0])
     if len(out_idx) != len(input_ids):
         hidden = hidden[torch.tensor(out_idx, dtype=torch.long, device=device)]
     if timings is not None:
@@ -131,8 +144,10 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, cache: CacheConfig, num_blocks: int,
                  dtype: torch.dtype, device: torch.device,
-                 workers: TensorParallelWorkers | None = None) -> None:
+                 workers: TensorParallelWorkers | None = None,
+                 layout: KVLayout | None = None) -> None:
         self.model = model
+        self.layout = layout or KVLayout.single(model.config.num_layers)
         self.workers = workers
         self.cfg = model.config
         self.block_size = cache.block_size
@@ -146,7 +161,8 @@ class ModelRunner:
                              f"{self.backend.kv_cache_dtype} KV cache but the cache config "
                              f"asks for {cache.kv_cache_dtype}")
         release_freed_memory()
-        self.kv_caches = allocate_kv_caches(model, num_blocks * cache.block_size, dtype, device)
+        self.kv_caches = allocate_kv_caches(model, num_blocks * cache.block_size, dtype, device,
+                                            self.layout)
         self.sampler = Sampler()
         self.keep_hidden = False  # set by a drafter that drafts from the target's states
         if device.type == "cpu":
@@ -176,14 +192,14 @@ class ModelRunner:
             start = req.num_computed_tokens
             tokens = [req.token_at(i) for i in range(start, start + n)]
             items.append(ForwardItem(tokens, start, req.block_ids,
-                                     s.num_drafts + 1 if s.samples else 0))
+                                     s.num_drafts + 1 if s.samples else 0, req.group_tables))
             if s.samples:
                 rows.append(s)
         timings: dict[str, float] = {}
         if self.workers is not None:
             self.workers.send(items)
         hidden = run_forward(self.model, self.kv_caches, self.block_size, items, self.device,
-                             timings)
+                             timings, self.layout)
         if not rows:
             return ModelRunnerOutput([], [], timings=timings)
         t0 = time.perf_counter()
@@ -215,10 +231,12 @@ def release_freed_memory() -> None:
 
 
 def allocate_kv_caches(model: LlamaForCausalLM, num_slots: int, dtype: torch.dtype,
-                       device: torch.device) -> list[torch.Tensor]:
-    """One K/V tensor per layer, in the layout the model's attention backend stores."""
+                       device: torch.device, layout: KVLayout | None = None
+                       ) -> list[torch.Tensor]:
+    """One K/V tensor per layer of a KV group (`layout`; None: one group, so one per
+    layer), in the form the model's attention backend stores."""
     backend = model.layers[0].self_attn.backend
     shape = backend.kv_cache_shape(num_slots)
     kv_dtype = backend.kv_cache_tensor_dtype(dtype)
-    return [torch.zeros(shape, dtype=kv_dtype, device=device)
-            for _ in range(model.config.num_layers)]
+    n = layout.group_size if layout is not None else model.config.num_layers
+    return [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(n)]

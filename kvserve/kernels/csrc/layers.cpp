@@ -163,14 +163,18 @@ at::Tensor head_norm(const at::Tensor& heads, const at::Tensor& weight, double e
 // run_layers: the step's decoder layers, as LlamaForCausalLM's modules compute them; cos/sin
 // are the RoPE tables of the step's positions, cos_local/sin_local those of the layers with
 // `local_rope`. The attention inputs are paged_attention's: the step's sequences [S, 3]
-// (first row, rows, context length) and their block tables [S, nb].
+// (first row, rows, context length); the slot mapping [T] and block tables [S, nb] come one
+// for every layer, or one per layer (models whose sliding-window layers keep block tables of
+// their own, see kv_cache/layout.py).
 at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                       const at::Tensor& cos_local, const at::Tensor& sin_local,
                       const DecoderWeights& weights, const std::vector<at::Tensor>& caches,
-                      const at::Tensor& slots, const at::Tensor& seqs, const at::Tensor& tables,
-                      int64_t block_size, double scale, int64_t heads, int64_t kv_heads,
+                      const std::vector<at::Tensor>& slots, const at::Tensor& seqs,
+                      const std::vector<at::Tensor>& tables, int64_t block_size, double scale, int64_t heads, int64_t kv_heads,
                       double eps, int64_t int4_group) {
   TORCH_CHECK(weights.layers.size() == caches.size(), "one cache per layer");
+  TORCH_CHECK(slots.size() == tables.size() && (slots.size() == 1 || slots.size() == caches.size()),
+              "slot mappings and block tables: one, or one per layer");
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
   const int64_t T = x.size(0), D = cos.size(-1);
   const auto out_norm = [eps](const at::Tensor& h, const at::Tensor& w) {
@@ -179,6 +183,7 @@ at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
   for (size_t l = 0; l < caches.size(); ++l) {
     const LayerWeights& w = weights.layers[l];
     const at::Tensor& cache = caches[l];
+    const size_t g = slots.size() == 1 ? 0 : l;
     auto qkv = linear(rms_norm(x, w.input_norm, eps), w.qkv, int4_group)
                    .view({T, heads + 2 * kv_heads, D});
     auto qk_in = w.q_norm.numel()
@@ -188,9 +193,9 @@ at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
     const at::Tensor& c = w.local_rope ? cos_local : cos;
     const at::Tensor& s = w.local_rope ? sin_local : sin;
     auto qk = at::addcmul(qk_in * c, qk_in.roll({D / 2}, {-1}), s);
-    store_kv(cache, slots, qk.narrow(1, heads, kv_heads),
+    store_kv(cache, slots[g], qk.narrow(1, heads, kv_heads),
              qkv.narrow(1, heads + kv_heads, kv_heads));
-    auto attn = paged_attention(qk.narrow(1, 0, heads), cache, seqs, tables, block_size, scale,
+    auto attn = paged_attention(qk.narrow(1, 0, heads), cache, seqs, tables[g], block_size, scale,
                                 w.window);
     x = x + out_norm(linear(attn.flatten(1), w.o, int4_group), w.attn_out_norm);
     auto gate_up = linear(rms_norm(x, w.post_attention_norm, eps), w.gate_up, int4_group)
