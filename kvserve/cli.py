@@ -445,6 +445,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          f"{max_len}")
     if seq_len == 0:
         raise ValueError("--prompt-len + --output-len must be > 0")
+    if args.max_num_batched_tokens < 1:
+        raise ValueError("--max-num-batched-tokens must be >= 1")
     layout = KVLayout.for_model(cfg, free_windows=not args.disable_hybrid_kv_cache_manager)
     chunk = args.max_num_batched_tokens
     plans = [plan_kv(cfg, budget, args.block_size, kv, dtype, seq_len, layout, chunk)

@@ -156,17 +156,27 @@ class KVCacheManager:
     def _hit_length(self, req: Request, limit: int, present) -> int:
         """The most leading blocks n <= limit such that every group has what it reads after
         n blocks: a whole-context group all n, a sliding-window group those of its window.
-        `present(group, i)` says whether block i of `group` is available."""
+        `present(group, i)` says whether block i of `group` is available; each block is
+        asked about once."""
+        seen: dict[tuple[int, int], bool] = {}
+
+        def ok(g: int, i: int) -> bool:
+            if (g, i) not in seen:
+                seen[g, i] = present(g, i)
+            return seen[g, i]
+
         n = limit
         changed = True
         while changed and n:
             changed = False
-            for g in range(len(self.windows)):
-                m = n
-                while m and not all(present(g, i) for i in range(self._first_needed(
-                        g, m * self.block_size), m)):
-                    m = m - 1 if self.windows[g] else next(
-                        i for i in range(m) if not present(g, i))
+            for g, w in enumerate(self.windows):
+                if not w:  # the run of blocks from the start
+                    m = next((i for i in range(n) if not ok(g, i)), n)
+                else:
+                    m = n
+                    while m and not all(ok(g, i) for i in range(
+                            self._first_needed(g, m * self.block_size), m)):
+                        m -= 1
                 if m < n:
                     n, changed = m, True
         return n

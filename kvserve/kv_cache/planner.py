@@ -136,13 +136,13 @@ class KVPlan:
     block_size: int
     num_blocks: int
     seq_len: int  # prompt + output tokens of one sequence
+    slot_bytes: int  # one token slot of a block (slot_bytes())
     layout: KVLayout | None = None  # KV groups; None: one block table for every layer
     chunk: int = 512  # tokens per step (--max-num-batched-tokens), for sliding windows
 
     @property
     def block_bytes(self) -> int:
-        layers = self.layout.group_size if self.layout else self.token_bytes.num_layers
-        return self.block_size * self.token_bytes.total // self.token_bytes.num_layers * layers
+        return self.block_size * self.slot_bytes
 
     @property
     def kv_bytes(self) -> int:
@@ -175,4 +175,4 @@ def plan_kv(cfg: ModelConfig, budget: int, block_size: int, kv_cache_dtype: str,
     cache = CacheConfig(block_size, budget, kv_cache_dtype=kv_cache_dtype)  # validates
     per_tok = slot_bytes(cfg, kv_cache_dtype, compute_dtype, layout)
     num = num_blocks_in(cache.kv_cache_memory, cache.block_size, per_tok)
-    return KVPlan(tb, budget, block_size, num, seq_len, layout, chunk)
+    return KVPlan(tb, budget, block_size, num, seq_len, per_tok, layout, chunk)
