@@ -114,7 +114,8 @@ def test_plan_cli_on_the_default_model(real_model_path, capsys):
     (["--kv-cache-memory", "lots"], "cannot parse size 'lots'"),
     (["--prompt-len", "500", "--output-len", "100"], "exceeds max_model_len"),
     (["--max-model-len", "100000"], "exceeds the model's context length"),
-    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
+    (["--prompt-len", "100", "--max-num-batched-tokens", "0"],
+     "--max-num-batched-tokens must be >= 1"),
 ])
 def test_plan_cli_bad_input(tiny_llama_dir, capsys, args, message):
     assert cli.main(["plan", "--model", str(tiny_llama_dir), *args]) == 2
