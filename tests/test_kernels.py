@@ -261,6 +261,7 @@ def test_fused_decode_layers_equal_the_modules(tmp_path, arch, dtype, quantizati
     from kvserve.worker.model_runner import ForwardItem, allocate_kv_caches, run_forward
     from tests.conftest import build_tiny_model
 
+    _attention_or_skip(dtype)
     path = build_tiny_model(tmp_path / arch, arch, tie=arch != "llama")
     model = _paged_model(path, dtype, quantization)
     bs, g = 4, torch.Generator().manual_seed(1)

@@ -44,7 +44,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
 from kvserve.spec_decode import build_drafter
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
-from kvserve.worker.model_runner import ModelRunner, load_target
+from kvserve.worker.model_runner import ModelRunner, load_target, resolve_quantization
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,8 @@ class LLMEngine:
             cfg = read_model_config(path)  # metadata only: refuse a bad split before spawning
             check_split(cfg.num_heads, cfg.num_kv_heads, args.tensor_parallel_size)
             self.workers = TensorParallelWorkers(
-                str(path), dtype, device.type, args.kv_cache_dtype, args.quantization,
+                str(path), dtype, device.type, args.kv_cache_dtype,
+                resolve_quantization(args.quantization, args.dtype),
                 args.block_size, args.tensor_parallel_size, args.tp_timeout,
                 args.max_model_len)
             tp = self.workers.tp
@@ -218,8 +219,9 @@ class LLMEngine:
     def _build(self, args: EngineArgs, path, dtype: torch.dtype, device: torch.device,
                tp: TensorParallel, t0: float) -> None:
         """Load this rank's model shard and set up the cache, scheduler and drafter."""
-        loaded, self.quantization = load_target(str(path), dtype, device, args.kv_cache_dtype,
-                                                args.quantization, tp, args.max_model_len)
+        loaded, self.quantization = load_target(
+            str(path), dtype, device, args.kv_cache_dtype,
+            resolve_quantization(args.quantization, args.dtype), tp, args.max_model_len)
         self.model_config = cfg = loaded.config
         if loaded.gguf_reader is not None:
             self.tokenizer = Tokenizer.from_gguf(path, reader=loaded.gguf_reader)

@@ -41,24 +41,35 @@ def load_target(model: str | None, dtype: torch.dtype, device: torch.device,
     """The served model (this rank's shard of it) with its attention backend and its weights
     in the form their kernels read (LlamaForCausalLM.pack_); returns it and the quantization
     applied. `auto` keeps a quantized GGUF's own codes and precision class, layer by layer,
-    where kvserve's VNNI kernel runs them on bf16 activations, and is none elsewhere: torch's
-    int4/int8 kernels are slower than the float weights at prompt sizes (and in float32 at
-    every size), and float32 is asked for exactness. `max_model_len` chooses LongRoPE's
-    factors (see RopeScaling.for_context)."""
+    where kvserve's int4/int8 kernel runs them on the compute dtype (bf16, or float32 on CPUs
+    without native bf16: see resolve_quantization for a float32 asked for), and is none
+    elsewhere: torch's int4/int8 kernels are slower than the float weights at prompt sizes
+    (and in float32 at every size). `max_model_len` chooses LongRoPE's factors (see
+    RopeScaling.for_context)."""
     path = resolve_model(model)
     loaded = load_model(path, dtype, device,
                         lambda c: TorchPagedAttention.for_model(c, kv_cache_dtype), tp,
                         max_model_len)
     if quantization == "auto":
-        vnni = dtype == torch.bfloat16 and kernels.quant_kernels(dtype, device, 16, 32)
-        # Each layer its own GGUF class (LinearBase.pack_), where the VNNI kernel runs it.
-        quantization = "auto" if vnni and auto_quantization(loaded.weight_format) != "none" \
+        fast = kernels.quant_kernels(dtype, device, 16, 32) is not None
+        # Each layer its own GGUF class (LinearBase.pack_), where kvserve's kernel runs it.
+        quantization = "auto" if fast and auto_quantization(loaded.weight_format) != "none" \
             else "none"
     if quantization != "auto" and check_quantization(quantization) != "none" and \
             device.type != "cpu":
         raise ValueError(f"--quantization int8/int4 uses CPU kernels; use none on {device.type}")
     loaded.model.pack_(quantization)
     return loaded, quantization
+
+
+def resolve_quantization(quantization: str, dtype: str | torch.dtype) -> str:
+    """--quantization as the engine passes it on (to every rank): `auto` is none when float32
+    was asked for by name (which asks for exactness: the checkpoint's weights dequantized, as
+    transformers reads them), else left for load_target to resolve against the kernels."""
+    if quantization == "auto" and (dtype is torch.float32 or
+                                   isinstance(dtype, str) and dtype in ("float32", "fp32")):
+        return "none"
+    return quantization
 
 
 @dataclass

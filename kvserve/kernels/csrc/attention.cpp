@@ -48,8 +48,9 @@ struct Seq {
   int64_t held() const { return tiles() - t0; }  // tiles a packed copy holds
 };
 
-#if defined(__AVX512F__)
-constexpr int kRowBlock = 12;          // query rows computed together, one accumulator each
+#if defined(__AVX512F__) || defined(KVS_AVX2)
+// Query rows computed together, an accumulator each (AVX2's 16 registers hold 6 of two).
+constexpr int kRowBlock = kvs::kAvx512 ? 12 : 6;
 constexpr int64_t kDirectRows = 8;     // sequences with at most this many rows go direct
 constexpr int64_t kItemPositions = 4;  // query positions per work item of a packed chunk
 
@@ -71,7 +72,9 @@ inline void prefetch_rows(const uint32_t* const* rows, int64_t from, int64_t to,
     for (int64_t i = 0; i < bytes; i += 64)
       _mm_prefetch(reinterpret_cast<const char*>(rows[t]) + i, _MM_HINT_T0);
 }
+#endif
 
+#if defined(__AVX512F__)
 // The scores of NR rows for tile kt, into sc[r] + 16 kt.
 template <typename T, int NR, bool Direct>
 inline void scores_tile(const uint32_t* const* q, const Context& c, int64_t kt, int64_t U,
@@ -252,6 +255,170 @@ inline void pack_v(const uint32_t* const* rows, int64_t D, uint32_t* dst) {
                           v_units<T>(rows[j * per], per == 2 ? rows[j * per + 1] : nullptr, d0));
 }
 
+#elif defined(KVS_AVX2)
+// AVX2 (float32 only): a tile's 16 lanes are two 8-lane registers, lo (keys or dimensions
+// 0..7) and hi (8..15); every lane's sum runs in the order described at the top.
+struct F16 {
+  __m256 lo, hi;
+};
+inline F16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline F16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store16(float* p, F16 v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+inline F16 fma16(float a, F16 b, F16 acc) {
+  const __m256 s = _mm256_set1_ps(a);
+  return {_mm256_fmadd_ps(s, b.lo, acc.lo), _mm256_fmadd_ps(s, b.hi, acc.hi)};
+}
+
+// Units u0 .. u0 + 7 of the 16 keys rows[0..15] (nullptr: zeros) -> dst[i * 16 + j] = unit
+// u0 + i of key j: two 8 x 8 transposes.
+inline void transpose_keys(const float* const* rows, int64_t u0, float* dst) {
+  for (int h = 0; h < 2; ++h) {
+    __m256 r[8];
+    for (int j = 0; j < 8; ++j)
+      r[j] = rows[8 * h + j] ? _mm256_loadu_ps(rows[8 * h + j] + u0) : _mm256_setzero_ps();
+    kvs::transpose8(r);
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + i * 16 + 8 * h, r[i]);
+  }
+}
+
+template <typename T, int NR, bool Direct>
+inline void scores_tile(const uint32_t* const* q, const Context& c, int64_t kt, int64_t U,
+                        float* const* sc) {
+  static_assert(std::is_same_v<T, float>, "the AVX2 kernel is float32 only");
+  F16 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = zero16();
+  const auto qf = [q](int r, int64_t u) { return reinterpret_cast<const float*>(q[r])[u]; };
+  if (!Direct) {
+    const auto* k = reinterpret_cast<const float*>(c.kpk) + (kt - c.t0) * U * kTile;
+    for (int64_t u = 0; u < U; ++u) {
+      const F16 kv = load16(k + u * kTile);
+      for (int r = 0; r < NR; ++r) acc[r] = fma16(qf(r, u), kv, acc[r]);
+    }
+  } else {
+    if (kt * kTile + 2 * kTile < c.len)
+      prefetch_rows(c.krows, kt * kTile + 2 * kTile,
+                    std::min(c.len, kt * kTile + 3 * kTile), U * 4);
+    const float* rows[16];
+    for (int j = 0; j < 16; ++j) {
+      const int64_t t = kt * kTile + j;
+      rows[j] = t < c.len ? reinterpret_cast<const float*>(c.krows[t]) : nullptr;
+    }
+    alignas(32) float local[8 * 16];
+    for (int64_t u0 = 0; u0 < U; u0 += 8) {
+      transpose_keys(rows, u0, local);
+      for (int i = 0; i < 8; ++i) {
+        const F16 kv = load16(local + i * kTile);
+        for (int r = 0; r < NR; ++r) acc[r] = fma16(qf(r, u0 + i), kv, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) store16(sc[r] + kt * kTile, acc[r]);
+}
+
+// All-ones lanes where key base + i is in first .. n - 1.
+inline __m256 live8(int64_t base, int64_t first, int64_t n) {
+  const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(base)),
+                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i ge = _mm256_cmpgt_epi32(idx, _mm256_set1_epi32(static_cast<int>(first) - 1));
+  const __m256i lt = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), idx);
+  return _mm256_castsi256_ps(_mm256_and_si256(ge, lt));
+}
+
+template <typename T>
+inline float softmax_row(const float* s, int64_t first, int64_t n, int64_t t_lo, int64_t tiles,
+                         float scale, uint32_t* pb) {
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  __m256 top = ninf;
+  for (int64_t t = first / kTile; t * kTile < n; ++t)
+    for (int h = 0; h < 2; ++h)
+      top = _mm256_max_ps(top, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + t * kTile + 8 * h),
+                                                live8(t * kTile + 8 * h, first, n)));
+  const __m256 shift = _mm256_set1_ps(kvs::hmax8_ps(top) * scale);
+  const __m256 sc8 = _mm256_set1_ps(scale);
+  __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  auto* p = reinterpret_cast<float*>(pb);
+  for (int64_t t = t_lo; t < tiles; ++t) {
+    for (int h = 0; h < 2; ++h) {
+      const int64_t k0 = t * kTile + 8 * h;
+      const __m256 e = _mm256_and_ps(
+          live8(k0, first, n), kvs::exp8_ps(_mm256_fmsub_ps(_mm256_loadu_ps(s + k0), sc8, shift)));
+      sum[h] = _mm256_add_ps(sum[h], e);
+      _mm256_storeu_ps(p + k0, e);
+    }
+  }
+  return 1.f / kvs::hsum8_ps(_mm256_add_ps(sum[0], sum[1]));
+}
+
+template <typename T, int NR, bool Direct>
+void row_block(const uint32_t* const* q, const int64_t* first, const int64_t* nkeys,
+               float* const* sc, uint32_t* const* pb, const Context& c, int64_t D, float scale,
+               T* const* out) {
+  static_assert(std::is_same_v<T, float>, "the AVX2 kernel is float32 only");
+  int64_t most = 0, least = nkeys[0];
+  for (int r = 0; r < NR; ++r) {
+    most = std::max(most, nkeys[r]);
+    least = std::min(least, first[r]);
+  }
+  const int64_t tiles = (most + kTile - 1) / kTile, t_lo = least / kTile;
+  for (int64_t t = t_lo; t < tiles; ++t) scores_tile<T, NR, Direct>(q, c, t, D, sc);
+  float inv[NR];
+  for (int r = 0; r < NR; ++r)
+    inv[r] = softmax_row<T>(sc[r], first[r], nkeys[r], t_lo, tiles, scale, pb[r]);
+  const F16 zeros = zero16();
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    F16 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = zero16();
+    for (int64_t j = t_lo * kTile; j < tiles * kTile; ++j) {
+      if (Direct && d0 == 0 && j % kTile == 0) {
+        const int64_t ahead = j + 2 * kTile;
+        if (ahead < c.len)
+          prefetch_rows(c.vrows, ahead, std::min(c.len, ahead + kTile), D * sizeof(T));
+      }
+      const F16 v = !Direct ? load16(reinterpret_cast<const float*>(c.vpk) +
+                                     (j - c.t0 * kTile) * D + d0)
+                    : j < c.len ? load16(reinterpret_cast<const float*>(c.vrows[j]) + d0)
+                                : zeros;
+      for (int r = 0; r < NR; ++r)
+        acc[r] = fma16(reinterpret_cast<const float*>(pb[r])[j], v, acc[r]);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m256 s = _mm256_set1_ps(inv[r]);
+      store16(out[r] + d0, {_mm256_mul_ps(acc[r].lo, s), _mm256_mul_ps(acc[r].hi, s)});
+    }
+  }
+}
+
+template <typename T>
+using RowBlockFn = void (*)(const uint32_t* const*, const int64_t*, const int64_t*,
+                            float* const*, uint32_t* const*, const Context&, int64_t, float,
+                            T* const*);
+template <typename T, bool Direct>
+constexpr RowBlockFn<T> kRowBlocks[kRowBlock] = {
+    row_block<T, 1, Direct>, row_block<T, 2, Direct>, row_block<T, 3, Direct>,
+    row_block<T, 4, Direct>, row_block<T, 5, Direct>, row_block<T, 6, Direct>};
+
+inline void pack_k(const uint32_t* const* rows, int64_t U, uint32_t* dst) {
+  const auto* const* f = reinterpret_cast<const float* const*>(rows);
+  for (int64_t u0 = 0; u0 < U; u0 += 8)
+    transpose_keys(f, u0, reinterpret_cast<float*>(dst) + u0 * kTile);
+}
+
+template <typename T>
+inline void pack_v(const uint32_t* const* rows, int64_t D, uint32_t* dst) {
+  for (int64_t j = 0; j < kTile; ++j) {
+    if (rows[j])
+      std::memcpy(dst + j * D, rows[j], D * sizeof(float));
+    else
+      std::memset(dst + j * D, 0, D * sizeof(float));
+  }
+}
+#endif
+
+#if defined(__AVX512F__) || defined(KVS_AVX2)
+
 // Rows of the cache as compute-dtype values: in place, or dequantized from int8 into `into`
 // exactly as attention/kv_quant.py's dequantize_int8 does (value * scale in float32, then
 // rounded to the compute dtype).
@@ -427,7 +594,8 @@ void attend(const at::Tensor& q, const at::Tensor& cache, const std::vector<Seq>
 }  // namespace
 
 bool has_paged_attention(at::ScalarType dtype) {
-  return dtype == at::kFloat ? kvs::kAvx512 : dtype == at::kBFloat16 && kvs::kAvx512Bf16;
+  return dtype == at::kFloat ? kvs::kAvx512 || kvs::kAvx2
+                             : dtype == at::kBFloat16 && kvs::kAvx512Bf16;
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& seqs,
@@ -475,6 +643,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
     attend<c10::BFloat16>(q, cache, list, block_size, window, static_cast<float>(scale), out);
 #endif
   }
+#elif defined(KVS_AVX2)
+  attend<float>(q, cache, list, block_size, window, static_cast<float>(scale), out);
 #endif
   return out;
 }

@@ -10,8 +10,17 @@
 
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2/3, Intel before Skylake-X and the client
+// cores): float32 attention and matmuls, and the int4/int8 matmul on vpmaddubsw, with 8-lane
+// registers. The same contract holds (batch invariance); the results are the AVX-512
+// kernels' for the matmuls (same sums in the same order), not for attention (other reduction
+// trees), so an engine's tokens are a function of the CPU's instruction set too.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define KVS_AVX2 1
 #endif
 
 #include <cstdint>
@@ -47,6 +56,16 @@ constexpr bool kAvx512Bf16 = true;
 #else
 constexpr bool kAvx512Bf16 = false;
 #endif
+#if defined(KVS_AVX2)
+constexpr bool kAvx2 = true;
+#else
+constexpr bool kAvx2 = false;
+#endif
+
+// Values per 32-bit "unit", the operands of one multiply-add lane: a float32 value (fmadd),
+// or a pair of bf16 values (dpbf16, which adds both products to the lane).
+template <typename T>
+constexpr int64_t kPer = std::is_same_v<T, float> ? 1 : 2;
 
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -76,11 +95,6 @@ inline __m512 exp_ps(__m512 x) {
       _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
-
-// Values per 32-bit "unit", the operands of one multiply-add lane: a float32 value (fmadd),
-// or a pair of bf16 values (dpbf16, which adds both products to the lane).
-template <typename T>
-constexpr int64_t kPer = std::is_same_v<T, float> ? 1 : 2;
 
 // acc += a * b: a one unit broadcast to every lane, b a unit per lane.
 template <typename T>
@@ -138,6 +152,58 @@ inline void transpose16(__m512i* r) {
     t[12 + b] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
   }
   for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+#endif
+
+#if defined(KVS_AVX2)
+// exp_ps on 8 lanes: the same clamp, reduction and polynomial.
+inline __m256 exp8_ps(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
+  const __m256 k = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, k);
+  __m256 p = _mm256_set1_ps(0.000154035304f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.00133335581f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.00961812911f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.0555041087f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.240226507f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.693147182f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// Sum and maximum of 8 lanes, in one fixed tree.
+inline float hsum8_ps(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float hmax8_ps(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// 8 x 8 float32 transpose in registers: r[i] lane j -> r[j] lane i.
+inline void transpose8(__m256* r) {
+  __m256 t[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  __m256 u[8];
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+    r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+  }
 }
 #endif
 

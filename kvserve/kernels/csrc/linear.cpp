@@ -90,6 +90,54 @@ void dense_run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y) {
     }
   });
 }
+#elif defined(KVS_AVX2)
+// float32 on AVX2: a tile of 16 outputs is two registers; MR rows x one tile of accumulators.
+constexpr int kMR = 6;
+
+template <int MR>
+void dense_block(const float* const* x, const float* w, int64_t U, float* const* y) {
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t u = 0; u < U; ++u) {
+    const __m256 lo = _mm256_loadu_ps(w + u * 16), hi = _mm256_loadu_ps(w + u * 16 + 8);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_set1_ps(x[r][u]);
+      acc[r][0] = _mm256_fmadd_ps(a, lo, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, hi, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(y[r], acc[r][0]);
+    _mm256_storeu_ps(y[r] + 8, acc[r][1]);
+  }
+}
+
+using DenseFn = void (*)(const float* const*, const float*, int64_t, float* const*);
+constexpr DenseFn kDenseRows[kMR] = {dense_block<1>, dense_block<2>, dense_block<3>,
+                                     dense_block<4>, dense_block<5>, dense_block<6>};
+
+template <typename T>
+void dense_run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y) {
+  static_assert(std::is_same_v<T, float>, "the AVX2 kernel is float32 only");
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * 16;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+        const int mr = static_cast<int>(std::min<int64_t>(kMR, M - m0));
+        const float* xr[kMR];
+        float* yr[kMR];
+        for (int r = 0; r < mr; ++r) {
+          xr[r] = xp + (m0 + r) * K;
+          yr[r] = yp + (m0 + r) * N + t * 16;
+        }
+        kDenseRows[mr - 1](xr, wp + t * K * 16, K, yr);
+      }
+    }
+  });
+}
 #endif
 
 #if defined(KVS_AMX)
@@ -320,6 +368,174 @@ void quant_run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
     }
   });
 }
+#elif defined(KVS_AVX2)
+constexpr bool kHasQuantLinear = true;
+
+// quant_linear on AVX2: the same tiles, activations quantized the same way, and the same
+// integer dot products (so the same results), from vpmaddubsw (unsigned x signed bytes ->
+// pairs summed in int16) and vpmaddwd (pairs of those -> int32). A register's low half
+// holds outputs 0..7 of the tile, its high half outputs 8..15. vpmaddubsw saturates: 4-bit
+// weights (0..15) times |x| <= 127 stay below 2^15 even summed over 8 registers; 8-bit
+// weights are taken as q - 128 (|s| <= 128, 2 * 128 * 127 < 2^15, with x's sign moved onto
+// it), their int16 pairs widened at once, and 128 * sum(x) added back.
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {  // rounded to nearest even, as cvtneps
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r),
+                                          _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// x ~ xq * dx per row and group of 32; sx = dx * sum(xq), isx = sum(xq).
+template <typename T>
+void quantize_rows_q8(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx,
+                      int32_t* isx) {
+  const int64_t G = K / 32;
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t g = 0; g < G; ++g) {
+        __m256 v[4];
+        for (int i = 0; i < 4; ++i) v[i] = load8(x + m * K + g * 32 + 8 * i);
+        const __m256 mx = _mm256_max_ps(
+            _mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+            _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+        const float amax = kvs::hmax8_ps(mx);
+        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        __m256i qi[4];
+        for (int i = 0; i < 4; ++i)
+          qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+        // packs work within 128-bit lanes: dwords come out as (v0 0..3, v1 0..3, v2, v3,
+        // v0 4..7, v1 4..7, ...); put each register's 8 bytes back in order.
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                             _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(xq + m * K + g * 32),
+            _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]),
+                                           _mm256_add_epi32(qi[2], qi[3]));
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+        const int32_t total = _mm_cvtsi128_si32(h);
+        dx[m * G + g] = d;
+        sx[m * G + g] = d * static_cast<float>(total);
+        isx[m * G + g] = total;
+      }
+    }
+  });
+}
+
+constexpr int64_t kPrefetchGroups = 8;
+
+// NR rows x 16 outputs (two passes of 8) over all K / 32 groups of one column of tiles.
+template <int Bits, int NR, typename T>
+void quant_rows(const uint8_t* column, int64_t groups, const int8_t* const* xq,
+                const float* const* dx, const float* const* sx, const int32_t* const* isx,
+                T* const* y) {
+  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+    const uint8_t* tile = column;
+    for (int64_t g = 0; g < groups; ++g, tile += tile_bytes(Bits)) {
+      if (h == 0)
+        for (int64_t i = 0; i < tile_bytes(Bits); i += 64)
+          _mm_prefetch(
+              reinterpret_cast<const char*>(tile + kPrefetchGroups * tile_bytes(Bits) + i),
+              _MM_HINT_T0);
+      __m256i w[8];
+      if constexpr (Bits == 4) {
+        for (int c = 0; c < 4; ++c) {
+          const __m256i p =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * c + 32 * h));
+          w[c] = _mm256_and_si256(p, low);
+          w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+        }
+      } else {
+        for (int c = 0; c < 8; ++c)
+          w[c] = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * c + 32 * h)),
+              flip);
+      }
+      const auto* scales = reinterpret_cast<const __m128i*>(tile + Bits * 64) + h;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(scales));
+      const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(scales + 2));
+      for (int r = 0; r < NR; ++r) {
+        const auto* xr = reinterpret_cast<const int32_t*>(xq[r] + g * 32);
+        __m256i s;
+        if constexpr (Bits == 4) {
+          __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xr[0]));
+          for (int c = 1; c < 8; ++c)
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(xr[c])));
+          s = _mm256_madd_epi16(s16, ones);
+        } else {
+          s = _mm256_set1_epi32(128 * isx[r][g]);
+          for (int c = 0; c < 8; ++c) {
+            const __m256i pairs = _mm256_maddubs_epi16(
+                _mm256_abs_epi8(w[c]), _mm256_sign_epi8(_mm256_set1_epi32(xr[c]), w[c]));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(pairs, ones));
+          }
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[r][g])),
+                                 _mm256_cvtepi32_ps(s), acc[r]);
+        acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sx[r][g]), acc[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) store8(y[r] + 8 * h, acc[r]);
+  }
+}
+
+constexpr int kQuantRows = 4;
+template <typename T>
+using QuantRowsFn = void (*)(const uint8_t*, int64_t, const int8_t* const*, const float* const*,
+                             const float* const*, const int32_t* const*, T* const*);
+template <int Bits, typename T>
+constexpr QuantRowsFn<T> kQuantRowFns[kQuantRows] = {
+    quant_rows<Bits, 1, T>, quant_rows<Bits, 2, T>, quant_rows<Bits, 3, T>,
+    quant_rows<Bits, 4, T>};
+
+template <typename T>
+void quant_run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), T_ = packed.size(0), G = K / 32, N = T_ * 16;
+  const int64_t tb = packed.size(2);
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * G), sx(M * G);
+  std::vector<int32_t> isx(M * G);
+  quantize_rows_q8(x.data_ptr<T>(), M, K, xq.data(), dx.data(), sx.data(), isx.data());
+  const QuantRowsFn<T>* fns = tb == tile_bytes(4) ? kQuantRowFns<4, T> : kQuantRowFns<8, T>;
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  T* yp = out.data_ptr<T>();
+  at::parallel_for(0, T_, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t r0 = 0; r0 < M; r0 += kQuantRows) {
+        const int64_t nr = std::min<int64_t>(kQuantRows, M - r0);
+        const int8_t* xr[kQuantRows];
+        const float *dr[kQuantRows], *sr[kQuantRows];
+        const int32_t* ir[kQuantRows];
+        T* yr[kQuantRows];
+        for (int64_t r = 0; r < nr; ++r) {
+          xr[r] = xq.data() + (r0 + r) * K;
+          dr[r] = dx.data() + (r0 + r) * G;
+          sr[r] = sx.data() + (r0 + r) * G;
+          ir[r] = isx.data() + (r0 + r) * G;
+          yr[r] = yp + (r0 + r) * N + t * 16;
+        }
+        fns[nr - 1](wp + t * G * tb, G, xr, dr, sr, ir, yr);
+      }
+    }
+  });
+}
 #else
 constexpr bool kHasQuantLinear = false;
 #endif
@@ -327,7 +543,8 @@ constexpr bool kHasQuantLinear = false;
 }  // namespace
 
 bool has_dense_linear(at::ScalarType dtype) {
-  return dtype == at::kFloat ? kvs::kAvx512 : dtype == at::kBFloat16 && kvs::kAvx512Bf16;
+  return dtype == at::kFloat ? kvs::kAvx512 || kvs::kAvx2
+                             : dtype == at::kBFloat16 && kvs::kAvx512Bf16;
 }
 
 at::Tensor dense_pack(const at::Tensor& w) {
@@ -364,6 +581,8 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed) {
     dense_run<c10::BFloat16>(xc, packed.contiguous(), y);
 #endif
   }
+#elif defined(KVS_AVX2)
+  dense_run<float>(xc, packed.contiguous(), y);
 #endif
   return y;
 }
@@ -415,14 +634,15 @@ at::Tensor quant_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor
 // quant_linear: x [M, K] float32 or bf16 times quant_pack's tiles [N / 16, K / 32, tile
 // bytes] (the tile size tells 4 from 8 bits) -> [M, N] in x's dtype.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed) {
-  TORCH_CHECK(kHasQuantLinear, "quant_linear needs AVX512-VNNI and AVX512-BF16");
+  TORCH_CHECK(kHasQuantLinear, "quant_linear needs AVX512-VNNI and AVX512-BF16, or AVX2");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 ||
                                x.scalar_type() == at::kFloat), "x must be [M, K] bf16/float32");
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) * 32 == x.size(1), "packed weight shape");
   const int64_t tb = packed.size(2);
   TORCH_CHECK(tb == tile_bytes(4) || tb == tile_bytes(8), "not quant_pack's tiles");
   auto out = at::empty({x.size(0), packed.size(0) * 16}, x.options());
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)) || \
+    defined(KVS_AVX2)
   auto xc = x.contiguous();
   if (x.scalar_type() == at::kFloat)
     quant_run<float>(xc, packed, out);
