@@ -43,8 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="weight-only int8/int4 quantization (CPU); auto keeps a GGUF's "
-                        "precision class (Q4_1 -> int4) where the VNNI kernel runs it in bf16, "
-                        "else none")
+                        "precision class (Q4_1 -> int4) where kvserve's int4/int8 kernel runs "
+                        "(AVX512-VNNI or AVX2), unless --dtype float32 is given; else none")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="auto = the compute dtype; int8 = per-token, per-head quantized K/V "
                         "(~1.9x the tokens in the same memory)")

@@ -130,7 +130,8 @@ def test_sliding_window_blocks_are_handed_back(gemma3_path):
 
 def test_plan_counts_the_sliding_windows(gemma3_path):
     out = subprocess.run([sys.executable, "-m", "kvserve.cli", "plan", "--model",
-                          str(gemma3_path), "--prompt-len", "8000", "--output-len", "192"],
+                          str(gemma3_path), "--prompt-len", "8000", "--output-len", "192",
+                          "--dtype", "bfloat16"],  # auto is float32 on CPUs without bf16
                          capture_output=True, text=True, check=True).stdout
     assert "6 block tables of 3 layers each: 1 whole-context, 5 with a 512-token window" in out
     # 8192 tokens: 512 blocks of the global group, at most 65 (511 + 512 tokens, ends

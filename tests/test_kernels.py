@@ -193,6 +193,37 @@ def test_every_weight_form_is_batch_invariant(monkeypatch, name, dtype, make, n,
     assert err < bound
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_linear_sums_what_it_quantized(bits, dtype):
+    """quant_linear is its formula, y = sum_g d dx sum(q xq) + m dx sum(xq), with x quantized
+    per row and group of 32 (dx = absmax / 127, xq = round(x * 127 / absmax)): every code of
+    the range (0 and 2^bits - 1 included, where AVX2's saturating byte products would
+    overflow if taken naively), every tile half and group, an all-zero group."""
+    if kernels.quant_kernels(dtype, "cpu", 16, 32) is None:
+        pytest.skip("no int4/int8 kernel on this CPU")
+    g = torch.Generator().manual_seed(bits)
+    n, k = 48, 128
+    q = torch.randint(0, 2**bits, (n, k), generator=g).to(torch.uint8)
+    q[0], q[1] = 0, 2**bits - 1
+    d = (torch.rand(n, k // 32, generator=g) * 0.01 + 0.001).half().float()
+    m = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+    x = (torch.randn(5, k, generator=g) * 3).to(dtype)
+    x[2, 32:64] = 0
+    x[3] = torch.where(torch.arange(k) % 2 == 0, 100.0, -100.0)
+    y = kernels.ops().quant_linear(x, kernels.ops().quant_pack(q, d, m, bits))
+    xg = x.float().view(5, k // 32, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = (xg * inv).round().double()
+    dx = (amax / 127.0).double()
+    sums = torch.einsum("rgk,ngk->rng", xq, q.double().view(n, k // 32, 32))
+    ref = (sums * d.double() * dx.squeeze(-1)[:, None]
+           + m.double() * (dx.squeeze(-1) * xq.sum(-1))[:, None]).sum(-1)
+    torch.testing.assert_close(y.double(), ref.to(dtype).double(), rtol=1e-5 if dtype ==
+                               torch.float32 else 1e-2, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_quantized_kernels_are_batch_invariant_too(monkeypatch, dtype):
     """Without the VNNI kernel, torch's int4/int8 kernels serve every batch: rows agree too."""

@@ -64,6 +64,11 @@ def ops() -> ModuleType | None:
         return None
 
 
+def isa() -> str:
+    """The instruction set the kernels run on here ("AVX-512", "AVX2"), or "none"."""
+    return ops().isa() if ops() is not None else "none"
+
+
 def _cpu(device: torch.device | str) -> ModuleType | None:
     return ops() if torch.device(device).type == "cpu" else None
 
@@ -71,7 +76,8 @@ def _cpu(device: torch.device | str) -> ModuleType | None:
 def attention_kernels(dtype: torch.dtype, device: torch.device | str,
                       head_dim: int) -> ModuleType | None:
     """The module when its `paged_attention` serves a layer: on the CPU, activations in
-    float32 (AVX-512) or bf16 (AVX512-BF16), head_dim a multiple of 16; any K/V storage."""
+    float32 (AVX-512 or AVX2) or bf16 (AVX512-BF16), head_dim a multiple of 16; any K/V
+    storage."""
     kernels = _cpu(device)
     if kernels is None or head_dim % 16 or dtype not in (torch.float32, torch.bfloat16):
         return None
@@ -81,7 +87,7 @@ def attention_kernels(dtype: torch.dtype, device: torch.device | str,
 def dense_kernels(dtype: torch.dtype, device: torch.device | str, n: int,
                   k: int) -> ModuleType | None:
     """The module when its `dense_linear` serves an [n, k] weight in `dtype` (float32 with
-    AVX-512, bf16 with AVX512-BF16; n a multiple of 16, k even)."""
+    AVX-512 or AVX2, bf16 with AVX512-BF16; n a multiple of 16, k even)."""
     kernels = _cpu(device)
     if kernels is None or n % 16 or k % 2 or dtype not in (torch.float32, torch.bfloat16):
         return None
@@ -92,7 +98,7 @@ def quant_kernels(dtype: torch.dtype, device: torch.device | str, n: int,
                   k: int) -> ModuleType | None:
     """The module when its int4/int8 x int8 kernel (`quant_linear`) serves an [n, k] weight
     for activations in `dtype` (float32 or bf16): n a multiple of 16, k of 32, a CPU with
-    AVX512-VNNI/BF16."""
+    AVX512-VNNI/BF16 (vpdpbusd) or AVX2 (vpmaddubsw, the same integer sums)."""
     kernels = _cpu(device)
     if kernels is None or n % 16 or k % 32 or dtype not in (torch.float32, torch.bfloat16):
         return None

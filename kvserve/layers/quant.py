@@ -4,14 +4,15 @@ Every form serves every batch size: a row's result must not depend on how many r
 the step (batch invariance), so there is no separate small-batch path.
 
 - `DenseWeight`: the float32 or bf16 weight repacked for kvserve's `dense_linear`.
-- `QuantizedWeight`, int4 or int8 copies. On a CPU with AVX512-VNNI they run kvserve's
+- `QuantizedWeight`, int4 or int8 copies. On a CPU with AVX512-VNNI (or AVX2, on
+  vpmaddubsw with the same integer sums) they run kvserve's
   `quant_linear`, which quantizes the activations (float32 or bf16) to int8 per group of 32
   and multiplies in integers, as llama.cpp does for these formats (Q4_1 weights x Q8_1
   activations): summed over one layer's four shapes x 30 layers it took 1.3 ms at 1 row
   (torch's int4 kernel 2.5, bf16 9.6), 8.2 ms at 32 (bf16 17.4) and tied bf16 at 512
   (120 ms). Elsewhere torch's int4/int8 kernels run (much slower at prompt sizes, and in
-  float32 at every size, which is why `--quantization auto` only quantizes where the VNNI
-  kernel runs in bf16). The int8 activations cost some accuracy (docs/results-history.md,
+  float32 at every size, which is why `--quantization auto` only quantizes where kvserve's
+  kernel runs). The int8 activations cost some accuracy (docs/results-history.md,
   weight_quant_accuracy.py).
 
 int8: symmetric, one scale per group of 32 on kvserve's kernel (GGML's Q8_0), per output row

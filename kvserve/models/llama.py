@@ -18,7 +18,7 @@ from torch import nn
 from kvserve.attention.backend import AttentionBackend
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.distributed.parallel import SINGLE, TensorParallel, head_shard
-from kvserve.kernels import norm_kernels, ops
+from kvserve.kernels import isa, norm_kernels, ops
 from kvserve.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -196,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(packed, DenseWeight):
             amx = packed.packed.dtype == torch.bfloat16 and packed.kernels.dense_uses_amx(
                 self.config.hidden_size)
-            return "kvserve's dense kernel" + (" (AMX)" if amx else "")
+            return "kvserve's dense kernel" + (" (AMX)" if amx else f" ({isa()})")
         if isinstance(packed, QuantizedWeight):
             if packed.kernels is None:
                 return f"torch's {packed.method} kernel"
@@ -204,7 +204,8 @@ class LlamaForCausalLM(nn.Module):
                       and m is not self.lm_head and isinstance(m.packed, QuantizedWeight)]
             methods = Counter(p.method for p in layers)
             exact = sum(p.exact for p in layers)
-            return ("kvserve's VNNI kernel, " + ", ".join(f"{n} {k}" for k, n in
+            name = "VNNI" if isa() == "AVX-512" else isa()
+            return (f"kvserve's {name} kernel, " + ", ".join(f"{n} {k}" for k, n in
                                                           sorted(methods.items()))
                     + f" layers, {exact} of {len(layers)} with the GGUF's own codes")
         return "torch's matmul"

@@ -19,7 +19,7 @@
 // registers. The same contract holds (batch invariance); the results are the AVX-512
 // kernels' for the matmuls (same sums in the same order), not for attention (other reduction
 // trees), so an engine's tokens are a function of the CPU's instruction set too.
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KVS_AVX2 1
 #endif
 

@@ -211,6 +211,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // run_layers runs for milliseconds, during which the server's event loop must be free
   // to stream the previous step's tokens and take new requests.
   using nogil = py::call_guard<py::gil_scoped_release>;
+  m.def("isa", [] { return kvs::kAvx512 ? "AVX-512" : kvs::kAvx2 ? "AVX2" : "none"; },
+        "the vector instruction set the kernels were built for");
   m.def("has_paged_attention", &has_paged_attention,
         "whether paged_attention is built for this dtype");
   m.def("paged_attention", &paged_attention, "attention of a step's rows, paged K/V (CPU)",
