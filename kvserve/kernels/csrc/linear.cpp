@@ -454,41 +454,45 @@ void quant_rows(const uint8_t* column, int64_t groups, const int8_t* const* xq,
           _mm_prefetch(
               reinterpret_cast<const char*>(tile + kPrefetchGroups * tile_bytes(Bits) + i),
               _MM_HINT_T0);
-      __m256i w[8];
+      const auto* scales = reinterpret_cast<const __m128i*>(tile + Bits * 64) + h;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(scales));
+      const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(scales + 2));
+      const auto x4 = [&](int r, int c) {  // inputs 4c .. 4c + 3 of row r, in every lane
+        return _mm256_set1_epi32(reinterpret_cast<const int32_t*>(xq[r] + g * 32)[c]);
+      };
+      __m256i s[NR];
       if constexpr (Bits == 4) {
+        // The group's 8 weight registers, then each row's products summed in int16.
+        __m256i w[8];
         for (int c = 0; c < 4; ++c) {
           const __m256i p =
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * c + 32 * h));
           w[c] = _mm256_and_si256(p, low);
           w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
         }
+        for (int r = 0; r < NR; ++r) {
+          __m256i s16 = _mm256_maddubs_epi16(w[0], x4(r, 0));
+          for (int c = 1; c < 8; ++c)
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[c], x4(r, c)));
+          s[r] = _mm256_madd_epi16(s16, ones);
+        }
       } else {
-        for (int c = 0; c < 8; ++c)
-          w[c] = _mm256_xor_si256(
+        // 8 bits: each weight register loaded once and used for every row, the rows'
+        // int32 sums kept in registers.
+        for (int r = 0; r < NR; ++r) s[r] = _mm256_set1_epi32(128 * isx[r][g]);
+        for (int c = 0; c < 8; ++c) {
+          const __m256i w = _mm256_xor_si256(
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * c + 32 * h)),
               flip);
-      }
-      const auto* scales = reinterpret_cast<const __m128i*>(tile + Bits * 64) + h;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(scales));
-      const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(scales + 2));
-      for (int r = 0; r < NR; ++r) {
-        const auto* xr = reinterpret_cast<const int32_t*>(xq[r] + g * 32);
-        __m256i s;
-        if constexpr (Bits == 4) {
-          __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xr[0]));
-          for (int c = 1; c < 8; ++c)
-            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[c], _mm256_set1_epi32(xr[c])));
-          s = _mm256_madd_epi16(s16, ones);
-        } else {
-          s = _mm256_set1_epi32(128 * isx[r][g]);
-          for (int c = 0; c < 8; ++c) {
-            const __m256i pairs = _mm256_maddubs_epi16(
-                _mm256_abs_epi8(w[c]), _mm256_sign_epi8(_mm256_set1_epi32(xr[c]), w[c]));
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(pairs, ones));
-          }
+          const __m256i a = _mm256_abs_epi8(w);
+          for (int r = 0; r < NR; ++r)
+            s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(
+                _mm256_maddubs_epi16(a, _mm256_sign_epi8(x4(r, c), w)), ones));
         }
+      }
+      for (int r = 0; r < NR; ++r) {
         acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[r][g])),
-                                 _mm256_cvtepi32_ps(s), acc[r]);
+                                 _mm256_cvtepi32_ps(s[r]), acc[r]);
         acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sx[r][g]), acc[r]);
       }
     }
