@@ -19,6 +19,10 @@
 // quant_pack / quant_linear: int4 (GGML's Q4_1) or int8 weights in groups of 32, with x
 // quantized to int8 per group (GGML's Q8_1) and AVX512-VNNI integer dot products; faster
 // than torch's int4/int8 kernels and than the bf16 matmul at every batch size here.
+//
+// On CPUs with AVX2 but no AVX-512 (KVS_AVX2): dense_linear in float32 and quant_linear (float32
+// or bf16 activations) read the same packed layouts with 8-lane registers, each output's sum
+// in the same order as above, so they give the AVX-512 kernels' results.
 #include "common.h"
 
 #include <algorithm>
