@@ -12,24 +12,12 @@ row, where a call streams its weight once). Prints the instruction set the kerne
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 
 from kvserve import kernels
-
-
-def median_seconds(f: Callable[[], object], repeats: int) -> float:
-    f()  # warm: first-touch of the output, thread pool start
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from kvserve.roofline import timed
 
 
 def main() -> int:
@@ -54,15 +42,15 @@ def main() -> int:
         packed = ops.quant_pack(q, d, m, bits)
         for r in rows:
             x = torch.randn(r, k, generator=g)
-            t = median_seconds(lambda: ops.quant_linear(x, packed), args.repeats)  # noqa: B023
+            t = timed(lambda: ops.quant_linear(x, packed), args.repeats)  # noqa: B023
             print(f"int{bits} quant_linear, {r:4d} rows: {t * 1e3:8.2f} ms  "
                   f"{2 * r * n * k / t / 1e9:7.1f} GOP/s  {packed.numel() / t / 1e9:6.1f} GB/s")
     w = torch.randn(n, k, generator=g)
     packed = ops.dense_pack(w)
     for r in rows:
         x = torch.randn(r, k, generator=g)
-        t = median_seconds(lambda: ops.dense_linear(x, packed), args.repeats)  # noqa: B023
-        ref = median_seconds(lambda: torch.nn.functional.linear(x, w), args.repeats)  # noqa: B023
+        t = timed(lambda: ops.dense_linear(x, packed), args.repeats)  # noqa: B023
+        ref = timed(lambda: torch.nn.functional.linear(x, w), args.repeats)  # noqa: B023
         print(f"float32 dense_linear, {r:4d} rows: {t * 1e3:8.2f} ms  "
               f"{2 * r * n * k / t / 1e9:7.1f} GFLOP/s  (torch F.linear "
               f"{2 * r * n * k / ref / 1e9:.1f})")

@@ -72,6 +72,42 @@ inline void prefetch_rows(const uint32_t* const* rows, int64_t from, int64_t to,
     for (int64_t i = 0; i < bytes; i += 64)
       _mm_prefetch(reinterpret_cast<const char*>(rows[t]) + i, _MM_HINT_T0);
 }
+
+// Each instruction set's pieces of a row block (below): the scores of NR rows for tile kt,
+// into sc[r] + 16 kt; one row's softmax over keys first .. n - 1 into P (pb, by absolute
+// key), returning 1 / sum.
+template <typename T, int NR, bool Direct>
+inline void scores_tile(const uint32_t* const* q, const Context& c, int64_t kt, int64_t U,
+                        float* const* sc);
+template <typename T>
+inline float softmax_row(const float* s, int64_t first, int64_t n, int64_t t_lo, int64_t tiles,
+                         float scale, uint32_t* pb);
+
+// The first half of a row block: the tiles t_lo .. tiles - 1 its rows see, their scores and
+// each row's P and 1 / sum (inv). Returns {t_lo, tiles}.
+template <typename T, int NR, bool Direct>
+inline std::pair<int64_t, int64_t> score_rows(const uint32_t* const* q, const int64_t* first,
+                                              const int64_t* nkeys, float* const* sc,
+                                              uint32_t* const* pb, const Context& c, int64_t D,
+                                              float scale, float* inv) {
+  int64_t most = 0, least = nkeys[0];
+  for (int r = 0; r < NR; ++r) {
+    most = std::max(most, nkeys[r]);
+    least = std::min(least, first[r]);
+  }
+  const int64_t tiles = (most + kTile - 1) / kTile, t_lo = least / kTile;
+  for (int64_t t = t_lo; t < tiles; ++t)
+    scores_tile<T, NR, Direct>(q, c, t, D / kvs::kPer<T>, sc);
+  for (int r = 0; r < NR; ++r)
+    inv[r] = softmax_row<T>(sc[r], first[r], nkeys[r], t_lo, tiles, scale, pb[r]);
+  return {t_lo, tiles};
+}
+
+// A row block, row_block<T, NR, Direct> of each instruction set.
+template <typename T>
+using RowBlockFn = void (*)(const uint32_t* const*, const int64_t*, const int64_t*,
+                            float* const*, uint32_t* const*, const Context&, int64_t, float,
+                            T* const*);
 #endif
 
 #if defined(__AVX512F__)
@@ -189,17 +225,8 @@ void row_block(const uint32_t* const* q, const int64_t* first, const int64_t* nk
                float* const* sc, uint32_t* const* pb, const Context& c, int64_t D, float scale,
                T* const* out) {
   constexpr int64_t per = kvs::kPer<T>;
-  const int64_t U = D / per;
-  int64_t most = 0, least = nkeys[0];
-  for (int r = 0; r < NR; ++r) {
-    most = std::max(most, nkeys[r]);
-    least = std::min(least, first[r]);
-  }
-  const int64_t tiles = (most + kTile - 1) / kTile, t_lo = least / kTile;
-  for (int64_t t = t_lo; t < tiles; ++t) scores_tile<T, NR, Direct>(q, c, t, U, sc);
   float inv[NR];
-  for (int r = 0; r < NR; ++r)
-    inv[r] = softmax_row<T>(sc[r], first[r], nkeys[r], t_lo, tiles, scale, pb[r]);
+  const auto [t_lo, tiles] = score_rows<T, NR, Direct>(q, first, nkeys, sc, pb, c, D, scale, inv);
   const int64_t vunits = tiles * kTile / per, tile_units = kTile / per;
   constexpr bool fetch = Direct;  // V rows 2 tiles ahead, on the first pass
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
@@ -219,10 +246,6 @@ void row_block(const uint32_t* const* q, const int64_t* first, const int64_t* nk
   }
 }
 
-template <typename T>
-using RowBlockFn = void (*)(const uint32_t* const*, const int64_t*, const int64_t*,
-                            float* const*, uint32_t* const*, const Context&, int64_t, float,
-                            T* const*);
 template <typename T, bool Direct>
 constexpr RowBlockFn<T> kRowBlocks[kRowBlock] = {
     row_block<T, 1, Direct>, row_block<T, 2, Direct>,  row_block<T, 3, Direct>,
@@ -357,16 +380,8 @@ void row_block(const uint32_t* const* q, const int64_t* first, const int64_t* nk
                float* const* sc, uint32_t* const* pb, const Context& c, int64_t D, float scale,
                T* const* out) {
   static_assert(std::is_same_v<T, float>, "the AVX2 kernel is float32 only");
-  int64_t most = 0, least = nkeys[0];
-  for (int r = 0; r < NR; ++r) {
-    most = std::max(most, nkeys[r]);
-    least = std::min(least, first[r]);
-  }
-  const int64_t tiles = (most + kTile - 1) / kTile, t_lo = least / kTile;
-  for (int64_t t = t_lo; t < tiles; ++t) scores_tile<T, NR, Direct>(q, c, t, D, sc);
   float inv[NR];
-  for (int r = 0; r < NR; ++r)
-    inv[r] = softmax_row<T>(sc[r], first[r], nkeys[r], t_lo, tiles, scale, pb[r]);
+  const auto [t_lo, tiles] = score_rows<T, NR, Direct>(q, first, nkeys, sc, pb, c, D, scale, inv);
   const F16 zeros = zero16();
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
     F16 acc[NR];
@@ -391,10 +406,6 @@ void row_block(const uint32_t* const* q, const int64_t* first, const int64_t* nk
   }
 }
 
-template <typename T>
-using RowBlockFn = void (*)(const uint32_t* const*, const int64_t*, const int64_t*,
-                            float* const*, uint32_t* const*, const Context&, int64_t, float,
-                            T* const*);
 template <typename T, bool Direct>
 constexpr RowBlockFn<T> kRowBlocks[kRowBlock] = {
     row_block<T, 1, Direct>, row_block<T, 2, Direct>, row_block<T, 3, Direct>,

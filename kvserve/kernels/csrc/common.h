@@ -67,6 +67,12 @@ constexpr bool kAvx2 = false;
 template <typename T>
 constexpr int64_t kPer = std::is_same_v<T, float> ? 1 : 2;
 
+// exp(x) = 2^(x log2 e) as 2^k times a degree-6 polynomial for 2^f, f in [-0.5, 0.5], within
+// ~2 ulp: its coefficients from the highest power down, Horner's order (exp_ps, exp8_ps).
+constexpr float kLog2e = 1.44269504f;
+constexpr float kExp2Poly[7] = {0.000154035304f, 0.00133335581f, 0.00961812911f,
+                                0.0555041087f,   0.240226507f,   0.693147182f, 1.f};
+
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
   float f;
@@ -75,22 +81,16 @@ inline float bf16_to_float(uint16_t bits) {
 }
 
 #if defined(__AVX512F__)
-// exp(x) on 16 lanes for the softmax, without a call per element: 2^(x log2 e) as 2^k times a
-// degree-6 polynomial for 2^f, f in [-0.5, 0.5], within ~2 ulp. x is clamped at -87 so 2^k
-// stays a normal float; the inputs are scores minus their maximum, and exp(-87) is
-// negligible beside the maximum's 1.
+// exp(x) on 16 lanes for the softmax, without a call per element (kExp2Poly). x is clamped
+// at -87 so 2^k stays a normal float; the inputs are scores minus their maximum, and
+// exp(-87) is negligible beside the maximum's 1.
 inline __m512 exp_ps(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(kLog2e));
   const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, k);
-  __m512 p = _mm512_set1_ps(0.000154035304f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00133335581f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.00961812911f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0555041087f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240226507f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693147182f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
   const __m512i bits = _mm512_slli_epi32(
       _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
@@ -159,16 +159,11 @@ inline void transpose16(__m512i* r) {
 // exp_ps on 8 lanes: the same clamp, reduction and polynomial.
 inline __m256 exp8_ps(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(kLog2e));
   const __m256 k = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(t, k);
-  __m256 p = _mm256_set1_ps(0.000154035304f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.00133335581f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.00961812911f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.0555041087f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.240226507f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.693147182f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[i]));
   const __m256i bits = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));

@@ -252,6 +252,13 @@ bool uses_amx(int64_t k) {
 // and 16 float16 m.
 constexpr int64_t tile_bytes(int64_t bits) { return bits * 64 + 2 * 16 * 2; }
 
+// One call of quant_rows (each instruction set's): NR rows x 16 outputs of one column of tiles,
+// from the rows' int8 activations, their group scales dx, dx * sum(xq) and sum(xq).
+template <typename T>
+using QuantRowsFn = void (*)(const uint8_t*, int64_t, const int8_t* const*, const float* const*,
+                             const float* const*, const int32_t* const*, T* const*);
+constexpr int64_t kPrefetchGroups = 8;  // weight tiles are fetched this many groups ahead
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 constexpr bool kHasQuantLinear = true;
 
@@ -272,7 +279,8 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 
 template <typename T>
-void quantize_rows_q8(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx) {
+void quantize_rows_q8(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx,
+                      int32_t* isx) {
   const int64_t G = K / 32;
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
@@ -286,20 +294,20 @@ void quantize_rows_q8(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, f
         int8_t* dst = xq + m * K + g * 32;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qb));
+        const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
         dx[m * G + g] = d;
-        sx[m * G + g] =
-            d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+        sx[m * G + g] = d * static_cast<float>(total);
+        isx[m * G + g] = total;
       }
     }
   });
 }
 
-constexpr int64_t kPrefetchGroups = 8;
-
 // NR rows x 16 outputs over all K / 32 groups of one column of tiles.
 template <int Bits, int NR, typename T>
 void quant_rows(const uint8_t* tile, int64_t groups, const int8_t* const* xq,
-                const float* const* dx, const float* const* sx, T* const* y) {
+                const float* const* dx, const float* const* sx, const int32_t* const*,
+                T* const* y) {
   const __m512i low = _mm512_set1_epi8(0x0f);
   __m512 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
@@ -335,43 +343,12 @@ void quant_rows(const uint8_t* tile, int64_t groups, const int8_t* const* xq,
 }
 
 constexpr int kQuantRows = 8;
-template <typename T>
-using QuantRowsFn = void (*)(const uint8_t*, int64_t, const int8_t* const*, const float* const*,
-                             const float* const*, T* const*);
 template <int Bits, typename T>
 constexpr QuantRowsFn<T> kQuantRowFns[kQuantRows] = {
     quant_rows<Bits, 1, T>, quant_rows<Bits, 2, T>, quant_rows<Bits, 3, T>,
     quant_rows<Bits, 4, T>, quant_rows<Bits, 5, T>, quant_rows<Bits, 6, T>,
     quant_rows<Bits, 7, T>, quant_rows<Bits, 8, T>};
 
-template <typename T>
-void quant_run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), T_ = packed.size(0), G = K / 32, N = T_ * 16;
-  const int64_t tb = packed.size(2);
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * G), sx(M * G);
-  quantize_rows_q8(x.data_ptr<T>(), M, K, xq.data(), dx.data(), sx.data());
-  const QuantRowsFn<T>* fns = tb == tile_bytes(4) ? kQuantRowFns<4, T> : kQuantRowFns<8, T>;
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  T* yp = out.data_ptr<T>();
-  at::parallel_for(0, T_, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t r0 = 0; r0 < M; r0 += kQuantRows) {
-        const int64_t nr = std::min<int64_t>(kQuantRows, M - r0);
-        const int8_t* xr[kQuantRows];
-        const float *dr[kQuantRows], *sr[kQuantRows];
-        T* yr[kQuantRows];
-        for (int64_t r = 0; r < nr; ++r) {
-          xr[r] = xq.data() + (r0 + r) * K;
-          dr[r] = dx.data() + (r0 + r) * G;
-          sr[r] = sx.data() + (r0 + r) * G;
-          yr[r] = yp + (r0 + r) * N + t * 16;
-        }
-        fns[nr - 1](wp + t * G * tb, G, xr, dr, sr, yr);
-      }
-    }
-  });
-}
 #elif defined(KVS_AVX2)
 constexpr bool kHasQuantLinear = true;
 
@@ -439,8 +416,6 @@ void quantize_rows_q8(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, f
   });
 }
 
-constexpr int64_t kPrefetchGroups = 8;
-
 // NR rows x 16 outputs (two passes of 8) over all K / 32 groups of one column of tiles.
 template <int Bits, int NR, typename T>
 void quant_rows(const uint8_t* column, int64_t groups, const int8_t* const* xq,
@@ -505,14 +480,17 @@ void quant_rows(const uint8_t* column, int64_t groups, const int8_t* const* xq,
 }
 
 constexpr int kQuantRows = 4;
-template <typename T>
-using QuantRowsFn = void (*)(const uint8_t*, int64_t, const int8_t* const*, const float* const*,
-                             const float* const*, const int32_t* const*, T* const*);
 template <int Bits, typename T>
 constexpr QuantRowsFn<T> kQuantRowFns[kQuantRows] = {
     quant_rows<Bits, 1, T>, quant_rows<Bits, 2, T>, quant_rows<Bits, 3, T>,
     quant_rows<Bits, 4, T>};
+#else
+constexpr bool kHasQuantLinear = false;
+#endif
 
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)) || \
+    defined(KVS_AVX2)
+// x quantized once, then each column of tiles (16 outputs) x blocks of kQuantRows rows.
 template <typename T>
 void quant_run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), T_ = packed.size(0), G = K / 32, N = T_ * 16;
@@ -544,8 +522,6 @@ void quant_run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
     }
   });
 }
-#else
-constexpr bool kHasQuantLinear = false;
 #endif
 
 }  // namespace
