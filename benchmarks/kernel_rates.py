@@ -27,11 +27,17 @@ def main() -> int:
     ap.add_argument("--rows", default="1,8,32,256")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        ap.error(f"--rows must be comma-separated integers, got {args.rows!r}")
+    if args.n <= 0 or args.n % 16 or args.k <= 0 or args.k % 32 or min(rows) < 1 \
+            or args.repeats < 1:
+        ap.error("--n must be a positive multiple of 16, --k of 32; --rows and --repeats >= 1")
     ops = kernels.ops()
     if ops is None or kernels.quant_kernels(torch.float32, "cpu", args.n, args.k) is None:
         print("kvserve's kernels are not built for this CPU (see kvserve/kernels/__init__.py)")
         return 1
-    rows = [int(r) for r in args.rows.split(",")]
     n, k = args.n, args.k
     g = torch.Generator().manual_seed(0)
     print(f"kernels: {kernels.isa()}; {torch.get_num_threads()} threads; weight {n} x {k}")
