@@ -193,6 +193,31 @@ def test_every_weight_form_is_batch_invariant(monkeypatch, name, dtype, make, n,
     assert err < bound
 
 
+@pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16])
+def test_16_bit_weights_give_the_float32_kernels_results(narrow):
+    """A float32 weight whose values are all bf16 (float16) values is stored in 16 bits where
+    the kernel reads those with float32 activations, and every row equals the float32 tiles'
+    result bit for bit, at every batch size; a weight that is not exact in 16 bits stays
+    float32."""
+    n, k = 96, 160
+    if kernels.dense_half_kernels("cpu", n, k) is None:
+        pytest.skip("no 16-bit weight kernel on this CPU (AVX2 only)")
+    g = torch.Generator().manual_seed(5)
+    # Random float16 values have 10-bit mantissas: not bf16 ones, so float16 is chosen.
+    w = (torch.randn(n, k, generator=g) * 0.05).to(narrow).float()
+    half = DenseWeight(w)
+    assert half.packed.dtype == narrow
+    assert half.nbytes == n * k * 2
+    reference = kernels.ops().dense_pack(w)
+    x = torch.randn(40, k, generator=g)
+    out = half.matmul(x)
+    assert torch.equal(out, kernels.ops().dense_linear(x, reference))
+    for m in (1, 2, 5, 6, 7, 13, 40):
+        assert torch.equal(half.matmul(x[:m]), out[:m])
+    w[2, 2] = 1.0 + 2.0**-12  # in neither 16-bit format
+    assert DenseWeight(w).packed.dtype == torch.float32
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quant_linear_sums_what_it_quantized(bits, dtype):

@@ -94,6 +94,16 @@ def dense_kernels(dtype: torch.dtype, device: torch.device | str, n: int,
     return kernels if kernels.has_dense_linear(dtype) else None
 
 
+def dense_half_kernels(device: torch.device | str, n: int, k: int) -> ModuleType | None:
+    """The module when its `dense_linear` reads an [n, k] weight stored in 16 bits (bf16 or
+    float16, `dense_pack_half`) with float32 activations, widened exactly as it is loaded, so
+    the results are the float32 kernel's on the same values (AVX2; n a multiple of 16)."""
+    kernels = _cpu(device)
+    if kernels is None or n % 16 or k % 2:
+        return None
+    return kernels if kernels.has_dense_half() else None
+
+
 def quant_kernels(dtype: torch.dtype, device: torch.device | str, n: int,
                   k: int) -> ModuleType | None:
     """The module when its int4/int8 x int8 kernel (`quant_linear`) serves an [n, k] weight

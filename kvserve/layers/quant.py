@@ -154,9 +154,25 @@ class PackedWeight(ABC):
         """Bytes read per use of the whole weight."""
 
 
+def lossless_half(weight: torch.Tensor) -> torch.Tensor | None:
+    """A float32 weight in 16 bits (bf16, else float16) when every value survives the trip
+    exactly (a bf16 or float16 checkpoint served in float32), else None."""
+    if weight.dtype != torch.float32:
+        return None
+    for narrow in (torch.bfloat16, torch.float16):
+        half = weight.to(narrow)
+        if torch.equal(half.float(), weight):
+            return half
+    return None
+
+
 class DenseWeight(PackedWeight):
     """A float32 or bf16 weight repacked for `dense_linear` (see `kernels.dense_kernels`):
-    tiles of 16 outputs whose sums over the input run down register lanes in one order."""
+    tiles of 16 outputs whose sums over the input run down register lanes in one order.
+
+    A float32 weight whose values are all bf16 (or float16) values is kept in 16 bits where
+    the kernel reads them with float32 activations (`kernels.dense_half_kernels`): the same
+    results from half the bytes, which is what a decode step's time follows."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         n, k = weight.shape
@@ -165,7 +181,9 @@ class DenseWeight(PackedWeight):
             raise ValueError(f"no dense kernel for a {weight.dtype} [{n}, {k}] weight on "
                              f"{weight.device}")
         self.kernels = ops
-        self.packed = ops.dense_pack(weight)
+        half = (lossless_half(weight) if kernels.dense_half_kernels(weight.device, n, k)
+                is not None else None)
+        self.packed = ops.dense_pack_half(half) if half is not None else ops.dense_pack(weight)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.dense_linear(x, self.packed)

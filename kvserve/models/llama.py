@@ -196,7 +196,10 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(packed, DenseWeight):
             amx = packed.packed.dtype == torch.bfloat16 and packed.kernels.dense_uses_amx(
                 self.config.hidden_size)
-            return "kvserve's dense kernel" + (" (AMX)" if amx else f" ({isa()})")
+            stored = ({torch.bfloat16: ", bf16 weights", torch.float16: ", float16 weights"}
+                      .get(packed.packed.dtype, "") if packed.packed.dtype !=
+                      self.embed_tokens.weight.dtype else "")
+            return "kvserve's dense kernel" + (" (AMX)" if amx else f" ({isa()}{stored})")
         if isinstance(packed, QuantizedWeight):
             if packed.kernels is None:
                 return f"torch's {packed.method} kernel"

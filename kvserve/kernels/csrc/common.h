@@ -38,6 +38,8 @@ bool has_dense_linear(at::ScalarType dtype);
 at::Tensor dense_pack(const at::Tensor& w);
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed);
 bool dense_uses_amx(int64_t k);
+bool has_dense_half();
+at::Tensor dense_pack_half(const at::Tensor& w);
 bool has_quant_linear();
 at::Tensor quant_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
                       int64_t bits);

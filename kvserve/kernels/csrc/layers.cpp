@@ -224,6 +224,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_pack", &dense_pack, "pack a float32/bf16 weight for dense_linear", nogil());
   m.def("dense_linear", &dense_linear, "x @ W.T, W packed by dense_pack (CPU)", nogil());
   m.def("dense_uses_amx", &dense_uses_amx, "whether a bf16 layer with k inputs runs on AMX");
+  m.def("has_dense_half", &has_dense_half,
+        "whether dense_linear reads 16-bit weights with float32 activations");
+  m.def("dense_pack_half", &dense_pack_half, "pack a bf16/float16 weight for float32 x",
+        nogil());
   m.def("has_quant_linear", &has_quant_linear, "whether quant_linear is built");
   m.def("quant_pack", &quant_pack, "pack int4/int8 weights for quant_linear", nogil());
   m.def("quant_linear", &quant_linear, "x @ W.T, W packed int4/int8 (CPU, AVX512-VNNI)",

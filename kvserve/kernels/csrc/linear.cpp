@@ -22,7 +22,10 @@
 //
 // On CPUs with AVX2 but no AVX-512 (KVS_AVX2): dense_linear in float32 and quant_linear (float32
 // or bf16 activations) read the same packed layouts with 8-lane registers, each output's sum
-// in the same order as above, so they give the AVX-512 kernels' results.
+// in the same order as above, so they give the AVX-512 kernels' results. There dense_linear
+// also reads weights stored in 16 bits (dense_pack_half: bf16 or float16 tiles [N / 16, K,
+// 16]) with float32 activations, widened exactly as loaded: the float32 kernel's results on
+// the same weight values, from half the bytes (a bf16 checkpoint served in float32).
 #include "common.h"
 
 #include <algorithm>
@@ -96,14 +99,31 @@ void dense_run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y) {
 }
 #elif defined(KVS_AVX2)
 // float32 on AVX2: a tile of 16 outputs is two registers; MR rows x one tile of accumulators.
+// The weights are float32, or 16-bit (bf16 or float16: dense_pack_half) widened to float32
+// exactly as they are loaded, so both read the same sums in the same order and give the same
+// results for the same weight values; the 16-bit tiles are half the bytes a decode step reads.
 constexpr int kMR = 6;
 
-template <int MR>
-void dense_block(const float* const* x, const float* w, int64_t U, float* const* y) {
+struct Bf16 {};  // tags of the 16-bit weight formats
+struct F16 {};
+
+template <typename W>
+inline __m256 weight8(const void* p, int64_t i) {  // weights i .. i + 7 as float32
+  if constexpr (std::is_same_v<W, float>) {
+    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  } else {
+    const auto* h = reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i);
+    if constexpr (std::is_same_v<W, F16>) return _mm256_cvtph_ps(_mm_loadu_si128(h));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h)), 16));
+  }
+}
+
+template <int MR, typename W>
+void dense_block(const float* const* x, const void* w, int64_t U, float* const* y) {
   __m256 acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t u = 0; u < U; ++u) {
-    const __m256 lo = _mm256_loadu_ps(w + u * 16), hi = _mm256_loadu_ps(w + u * 16 + 8);
+    const __m256 lo = weight8<W>(w, u * 16), hi = weight8<W>(w, u * 16 + 8);
     for (int r = 0; r < MR; ++r) {
       const __m256 a = _mm256_set1_ps(x[r][u]);
       acc[r][0] = _mm256_fmadd_ps(a, lo, acc[r][0]);
@@ -116,16 +136,18 @@ void dense_block(const float* const* x, const float* w, int64_t U, float* const*
   }
 }
 
-using DenseFn = void (*)(const float* const*, const float*, int64_t, float* const*);
-constexpr DenseFn kDenseRows[kMR] = {dense_block<1>, dense_block<2>, dense_block<3>,
-                                     dense_block<4>, dense_block<5>, dense_block<6>};
+using DenseFn = void (*)(const float* const*, const void*, int64_t, float* const*);
+template <typename W>
+constexpr DenseFn kDenseRows[kMR] = {dense_block<1, W>, dense_block<2, W>, dense_block<3, W>,
+                                     dense_block<4, W>, dense_block<5, W>, dense_block<6, W>};
 
-template <typename T>
+// W: float (float32 tiles [N / 16, K, 16]) or Bf16 / F16 (16-bit tiles of the same shape).
+template <typename W>
 void dense_run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y) {
-  static_assert(std::is_same_v<T, float>, "the AVX2 kernel is float32 only");
   const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * 16;
   const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
+  const auto* wp = static_cast<const char*>(packed.data_ptr());
+  const int64_t tile = K * 16 * static_cast<int64_t>(packed.element_size());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -137,7 +159,7 @@ void dense_run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& y) {
           xr[r] = xp + (m0 + r) * K;
           yr[r] = yp + (m0 + r) * N + t * 16;
         }
-        kDenseRows[mr - 1](xr, wp + t * K * 16, K, yr);
+        kDenseRows<W>[mr - 1](xr, wp + t * tile, K, yr);
       }
     }
   });
@@ -543,6 +565,18 @@ at::Tensor dense_pack(const at::Tensor& w) {
 }
 
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed) {
+#if defined(KVS_AVX2)
+  if (x.scalar_type() == at::kFloat && packed.element_size() == 2) {  // dense_pack_half's
+    TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(1) == x.size(1) &&
+                    packed.size(2) == 16, "packed weight shape does not match x");
+    auto y = at::empty({x.size(0), packed.size(0) * 16}, x.options());
+    if (packed.scalar_type() == at::kHalf)
+      dense_run<F16>(x.contiguous(), packed.contiguous(), y);
+    else
+      dense_run<Bf16>(x.contiguous(), packed.contiguous(), y);
+    return y;
+  }
+#endif
   TORCH_CHECK(has_dense_linear(x.scalar_type()), "dense_linear: no kernel for this dtype");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.scalar_type() == x.scalar_type(),
               "x [M, K] and dense_pack's tiles of x's dtype");
@@ -569,6 +603,17 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed) {
   dense_run<float>(xc, packed.contiguous(), y);
 #endif
   return y;
+}
+
+bool has_dense_half() { return kvs::kAvx2; }
+
+at::Tensor dense_pack_half(const at::Tensor& w) {
+  TORCH_CHECK(has_dense_half(), "dense_pack_half: no 16-bit weight kernel on this CPU");
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf),
+              "dense_pack_half: w must be [N, K] bf16 or float16");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % 16 == 0, "dense_pack_half needs N % 16 == 0");
+  return w.contiguous().view({N / 16, 16, K}).transpose(1, 2).contiguous();
 }
 
 bool dense_uses_amx(int64_t k) { return uses_amx(k); }
