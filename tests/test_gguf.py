@@ -164,6 +164,10 @@ def _random_blocks(kind: str, rows: int, cols: int, seed: int):
     rng = np.random.default_rng(seed)
     per, size = BLOCKS[kind]
     blocks = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
+    if kind == "Q6_K":  # its float16 d is the block's last field
+        d = (rng.random((rows, cols // per, 1)) * 0.02 + 0.001).astype(np.float16)
+        blocks[..., 208:210] = d.view(np.uint8).reshape(rows, cols // per, 2)
+        return blocks.reshape(rows, -1)
     halves = 2 if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 1
     vals = (rng.random((rows, cols // per, halves)) * 0.02 + 0.001).astype(np.float16)
     if kind in ("Q4_1", "Q5_1"):
@@ -172,18 +176,25 @@ def _random_blocks(kind: str, rows: int, cols: int, seed: int):
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K",
+                                  "Q6_K"])
 def test_gguf_blocks_decode_to_the_kernels_groups(kind):
-    """Each type's blocks as the VNNI kernel's groups (codes, scale, minimum per 32) stand for
-    exactly the weights gguf dequantizes; K-quants up to the float16 rounding of a super-block
-    scale times a sub-block scale."""
+    """Each type's blocks as the VNNI kernel's groups (codes, scale, minimum per 32; per 16 for
+    Q6_K, symmetric) stand for exactly the weights gguf dequantizes; K-quants up to the
+    float16 rounding of a super-block scale times a sub-block scale."""
     from kvserve.models.gguf_quants import decode_groups
 
     raw = _random_blocks(kind, 8, 512, seed=len(kind))
     ref = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind))
     groups = decode_groups(raw, kind, 8, 512)
     assert groups.bits == (4 if kind in ("Q4_0", "Q4_1", "Q4_K") else 8)
-    assert int(groups.q.max()) < 2 ** (4 if groups.bits == 4 else 5 if kind != "Q8_0" else 8)
+    assert groups.group == (16 if kind == "Q6_K" else 32)
+    if kind == "Q6_K":  # 6-bit codes q - 32, stored as q - 32 + 128
+        assert int(groups.q.min()) >= 96 and int(groups.q.max()) <= 159
+        assert torch.equal(groups.m, -128 * groups.d)
+    else:
+        assert int(groups.q.max()) < 2 ** (4 if groups.bits == 4 else 5 if kind != "Q8_0"
+                                           else 8)
     got = groups.dequantized().numpy()
     if kind.endswith("_K"):
         _assert_within_half_rounding(groups, got, ref)
@@ -194,16 +205,19 @@ def test_gguf_blocks_decode_to_the_kernels_groups(kind):
 def _assert_within_half_rounding(groups, got, ref) -> None:
     """|got - ref| within what rounding each group's scale and minimum to float16 allows:
     2^-11 relative on each, q * |d| + |m| per weight."""
-    n, k = groups.q.shape
-    d = groups.d.abs().repeat_interleave(32, 1)
-    m = groups.m.abs().repeat_interleave(32, 1)
-    bound = (2.0 ** -11 * (groups.q.float() * d + m)).numpy() + 1e-7
+    d = groups.d.abs().repeat_interleave(groups.group, 1)
+    m = groups.m.abs().repeat_interleave(groups.group, 1)
+    # symmetric (per 16): w = (q - 128) d, so only |q - 128| d is rounded
+    rounded = ((groups.q.float() - 128).abs() * d if groups.group == 16
+               else groups.q.float() * d + m)
+    # plus float32's own rounding of q d + m
+    bound = (2.0 ** -11 * rounded + 2.0 ** -22 * (groups.q.float() * d + m)).numpy() + 1e-7
     assert (np.abs(got - ref) <= bound).all()
 
 
 def test_gemma3_tensors_keep_their_codes(gemma3_path):
-    """On the real Gemma 3 270M file: every projection of a type with an exact form decodes to
-    gguf's dequantization; Q6_K has none (its scales are per 16 inputs)."""
+    """On the real Gemma 3 270M file: every projection decodes to gguf's dequantization (Q6_K
+    with its scales per 16 inputs)."""
     from kvserve.models.gguf_quants import decode_groups
 
     reader = gguf.GGUFReader(str(gemma3_path))
@@ -214,9 +228,7 @@ def test_gemma3_tensors_keep_their_codes(gemma3_path):
         ref = gguf.quants.dequantize(t.data, t.tensor_type)
         groups = decode_groups(t.data, t.tensor_type.name, *ref.shape)
         seen.add(t.tensor_type.name)
-        if t.tensor_type.name == "Q6_K":
-            assert groups is None
-            continue
+        assert groups.group == (16 if t.tensor_type.name == "Q6_K" else 32)
         got = groups.dequantized().numpy()
         if t.tensor_type.name.endswith("_K"):
             _assert_within_half_rounding(groups, got, ref)

@@ -239,7 +239,8 @@ def test_quant_linear_sums_what_it_quantized(bits, dtype):
     y = kernels.ops().quant_linear(x, kernels.ops().quant_pack(q, d, m, bits))
     xg = x.float().view(5, k // 32, 32)
     amax = xg.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # tensor / tensor: torch computes 127.0 / amax as 127 * (1 / amax), rounded twice
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = (xg * inv).round().double()
     dx = (amax / 127.0).double()
     sums = torch.einsum("rgk,ngk->rng", xq, q.double().view(n, k // 32, 32))
@@ -247,6 +248,43 @@ def test_quant_linear_sums_what_it_quantized(bits, dtype):
            + m.double() * (dx.squeeze(-1) * xq.sum(-1))[:, None]).sum(-1)
     torch.testing.assert_close(y.double(), ref.to(dtype).double(), rtol=1e-5 if dtype ==
                                torch.float32 else 1e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_halves_sum_what_they_hold(dtype):
+    """8-bit codes with a scale per 16 inputs (Q6_K's form, AVX2): y = sum_g dx (d_lo sum_lo
+    (q - 128) xq + d_hi sum_hi (q - 128) xq), over every code (0 and 255 included), negative
+    scales and an all-zero group; quant_pack refuses them asymmetric."""
+    ops = kernels.quant_kernels(dtype, "cpu", 16, 32)
+    if ops is None or not ops.has_quant_halves():
+        pytest.skip("no kernel for scales per 16 inputs on this CPU (AVX2 only)")
+    g = torch.Generator().manual_seed(16)
+    n, k = 48, 128
+    q = torch.randint(0, 256, (n, k), generator=g).to(torch.uint8)
+    q[0], q[1] = 0, 255
+    d = ((torch.rand(n, k // 16, generator=g) - 0.3) * 0.02).half().float()
+    x = (torch.randn(5, k, generator=g) * 3).to(dtype)
+    x[2, 32:64] = 0
+    x[3] = torch.where(torch.arange(k) % 2 == 0, 100.0, -100.0)
+    packed = ops.quant_pack(q, d, -128 * d, 8)
+    assert packed.dtype == torch.int8
+    y = ops.quant_linear(x, packed)
+    xg = x.float().view(5, k // 32, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    # tensor / tensor: torch computes 127.0 / amax as 127 * (1 / amax), rounded twice
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    xq = (xg * inv).round().double().view(5, k // 16, 16)
+    sums = torch.einsum("rhk,nhk->rnh", xq, (q.double() - 128).view(n, k // 16, 16))
+    dx = (amax / 127.0).double().repeat_interleave(2, 1).squeeze(-1)  # [rows, k / 16]
+    ref = (sums * d.double() * dx[:, None]).sum(-1)
+    torch.testing.assert_close(y.double(), ref.to(dtype).double(), rtol=1e-5 if dtype ==
+                               torch.float32 else 1e-2, atol=1e-5)
+    for m in (1, 2, 3, 4, 5):
+        assert torch.equal(ops.quant_linear(x[:m], packed), y[:m])
+    with pytest.raises(RuntimeError, match="symmetric"):
+        ops.quant_pack(q, d, -127 * d, 8)
+    with pytest.raises(RuntimeError, match="8-bit codes"):
+        ops.quant_pack(q, d, -128 * d, 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

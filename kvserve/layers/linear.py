@@ -101,9 +101,12 @@ class LinearBase(nn.Module):
             return None
         if quantization == "int4" and any(g.bits == 8 for g in parts):
             return None
+        # Scales per 16 inputs (Q6_K) and per 32 do not share one packed form.
+        if len({g.group for g in parts}) > 1:
+            return None
         bits = 8 if quantization == "int8" or any(g.bits == 8 for g in parts) else 4
         return QuantGroups(torch.cat([g.q for g in parts]), torch.cat([g.d for g in parts]),
-                           torch.cat([g.m for g in parts]), bits)
+                           torch.cat([g.m for g in parts]), bits, parts[0].group)
 
     def _shard_groups(self, g: QuantGroups | None, rows: tuple[int, int] | None
                       ) -> QuantGroups | None:
@@ -114,15 +117,16 @@ class LinearBase(nn.Module):
         if rows is not None:
             start, size = rows
             return QuantGroups(g.q[start:start + size], g.d[start:start + size],
-                               g.m[start:start + size], g.bits)
+                               g.m[start:start + size], g.bits, g.group)
         if self.tp_dim != 1 or self.tp.size == 1:
             return g
+        # Cut at the kernel's groups of 32 (a tile's inputs), whatever the scales' group.
         if any(start % INT4_GROUP or size % INT4_GROUP for start, size in self.ranges):
             return None
-        cols = [(s // INT4_GROUP, n // INT4_GROUP) for s, n in self.ranges]
+        cols = [(s // g.group, n // g.group) for s, n in self.ranges]
         return QuantGroups(torch.cat([g.q[:, s:s + n] for s, n in self.ranges], 1),
                            torch.cat([g.d[:, s:s + n] for s, n in cols], 1),
-                           torch.cat([g.m[:, s:s + n] for s, n in cols], 1), g.bits)
+                           torch.cat([g.m[:, s:s + n] for s, n in cols], 1), g.bits, g.group)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T without the bias."""

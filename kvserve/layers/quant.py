@@ -50,16 +50,19 @@ def quantization_class(gguf_types) -> str:
 @dataclass
 class QuantGroups:
     """A weight [N, K] as the VNNI kernel's groups: codes q [N, K] uint8, scale d and minimum m
-    [N, K / 32] float32 (w = q * d + m; float16 values in the kernel's tiles), bits 4 or 8."""
+    [N, K / group] float32 (w = q * d + m; float16 values in the kernel's tiles), bits 4 or 8.
+    `group` is 32, or 16 for symmetric 8-bit codes (m = -128 d) with a scale per 16 inputs,
+    as GGML's Q6_K keeps them (the AVX2 kernel's form; see `kernels.quant_kernels`)."""
 
     q: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor
     bits: int
+    group: int = INT4_GROUP
 
     def dequantized(self) -> torch.Tensor:
         n, k = self.q.shape
-        w = self.q.float().view(n, k // INT4_GROUP, INT4_GROUP) * self.d[..., None] + \
+        w = self.q.float().view(n, k // self.group, self.group) * self.d[..., None] + \
             self.m[..., None]
         return w.view(n, k)
 
@@ -228,7 +231,7 @@ class QuantizedWeight(PackedWeight):
         where that kernel does not serve the shape or activations in `dtype`."""
         n, k = groups.q.shape
         kernels_ = kernels.quant_kernels(dtype, device, n, k)
-        if kernels_ is None:
+        if kernels_ is None or groups.group != INT4_GROUP and not kernels_.has_quant_halves():
             return None
         self = cls.__new__(cls)
         self.method, self.n, self.k, self.kernels = f"int{groups.bits}", n, k, kernels_

@@ -11,12 +11,16 @@ dequantized and quantized again onto another grid.
     Q4_K  w = d sc_j q - dmin m_j per 32 of a 256 block
                                  -> 4 bits: q, d sc_j, -dmin m_j            up to float16
     Q5_K  as Q4_K with 5-bit q   -> 8 bits: q (0..31), d sc_j, -dmin m_j    up to float16
+    Q6_K  w = d sc_j (q - 32) per 16 of a 256 block
+                                 -> 8 bits per 16: q + 96, d sc_j, -128 d sc_j  up to float16
 
 "exact": the kernel's weights equal gguf's dequantization bit for bit (the scales are float16
-in the file). Q4_K and Q5_K multiply a float16 super-block scale by a 6-bit sub-block scale;
-the product is rounded to float16 for the tile (relative error below 2^-11). Other types
-(Q6_K's scales per 16 inputs, Q2_K, Q3_K, the IQ types) have no such form: those layers are
-quantized again from their dequantized weights.
+in the file). The K-quants multiply a float16 super-block scale by a sub-block scale (6-bit;
+Q6_K's 8-bit signed); the product is rounded to float16 for the tile (relative error below
+2^-11). Q6_K's groups have a scale per 16 inputs, a form only the AVX2 kernel reads (see
+QuantGroups); elsewhere, and in a fused layer whose other parts have scales per 32, those
+weights are quantized again from their dequantized values, as are the types with no such form
+(Q2_K, Q3_K, the IQ types).
 """
 
 from __future__ import annotations
@@ -54,8 +58,8 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _decode(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Blocks [rows, nb, bytes] -> (q [rows, nb * 32 * g], d, m [rows, nb * g], bits), g the
-    groups of 32 per block."""
+    """Blocks [rows, nb, bytes] -> (q [rows, nb * inputs per block], d, m [rows, nb * g],
+    bits), g the groups per block (of 32 inputs; of 16 for Q6_K)."""
     if kind == "Q4_0":
         d = _f16(b[..., 0:2])
         return _nibbles(b[..., 2:18]), d, -8 * d, 4
@@ -86,11 +90,27 @@ def _decode(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
         scale = (d[..., None] * sc).astype(np.float16).astype(np.float32)
         low = (-(dmin[..., None] * mn)).astype(np.float16).astype(np.float32)
         return q, scale, low, 4 if kind == "Q4_K" else 8
+    if kind == "Q6_K":
+        # ql: low 4 bits, qh: high 2 bits, then 16 int8 scales and d. Each 128 inputs take
+        # 64 bytes of ql and 32 of qh: inputs l, l + 32, l + 64, l + 96 (l < 32) from ql[l]'s
+        # and ql[l + 32]'s nibbles and qh[l]'s bit pairs 0, 1, 2, 3.
+        ql, qh = b[..., 0:128], b[..., 128:192]
+        sc = b[..., 192:208].view(np.int8).astype(np.float32)
+        d = _f16(b[..., 208:210])
+        halves = []
+        for n in range(2):
+            low, high = ql[..., 64 * n:64 * n + 64], qh[..., 32 * n:32 * n + 32]
+            nib = [low[..., :32] & 0x0F, low[..., 32:] & 0x0F, low[..., :32] >> 4,
+                   low[..., 32:] >> 4]
+            halves += [nib[i] | (((high >> (2 * i)) & 3) << 4) for i in range(4)]
+        q = np.concatenate(halves, -1).astype(np.uint8) + 96  # q - 32 + 128
+        scale = (d[..., None] * sc).astype(np.float16).astype(np.float32)
+        return q, scale, -128 * scale, 8
     raise KeyError(kind)
 
 
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-          "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176)}
+          "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 
 def decode_groups(data: np.ndarray, kind: str, rows: int, cols: int) -> QuantGroups | None:
@@ -105,4 +125,5 @@ def decode_groups(data: np.ndarray, kind: str, rows: int, cols: int) -> QuantGro
     q, d, m, bits = _decode(kind, blocks)
     return QuantGroups(torch.from_numpy(np.ascontiguousarray(q.reshape(rows, cols))),
                        torch.from_numpy(np.ascontiguousarray(d.reshape(rows, -1))),
-                       torch.from_numpy(np.ascontiguousarray(m.reshape(rows, -1))), bits)
+                       torch.from_numpy(np.ascontiguousarray(m.reshape(rows, -1))), bits,
+                       16 if kind == "Q6_K" else 32)

@@ -402,7 +402,7 @@ def _split_fused(cfg: ModelConfig, layer: str, kind: str, what: str, w: torch.Te
             g = source[1]
             part = (source[0], None if g is None else type(g)(
                 g.q[start:start + size], g.d[start:start + size], g.m[start:start + size],
-                g.bits))
+                g.bits, g.group))
         yield f"layers.{layer}.{name}.{what}", w[start:start + size], part
         start += size
 

@@ -41,6 +41,7 @@ bool dense_uses_amx(int64_t k);
 bool has_dense_half();
 at::Tensor dense_pack_half(const at::Tensor& w);
 bool has_quant_linear();
+bool has_quant_halves();
 at::Tensor quant_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
                       int64_t bits);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed);

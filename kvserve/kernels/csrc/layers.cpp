@@ -135,14 +135,15 @@ struct DecoderWeights {
 
 namespace {
 
-// y = x W^T (+ b) as kvserve.layers.linear computes it: quant_pack's tiles (uint8, 3-D) ->
+// y = x W^T (+ b) as kvserve.layers.linear computes it: quant_pack's tiles (uint8/int8, 3-D) ->
 // quant_linear; dense_pack's tiles (3-D, x's dtype) -> dense_linear; torch's int4 (uint8) or
 // int8 packing (2-D) -> torch's kernel; nothing packed -> the plain weight.
 at::Tensor linear(const at::Tensor& x, const LinearWeights& w, int64_t group) {
   const at::Tensor& q = w.packed;
   at::Tensor y;
   if (q.dim() == 3) {
-    y = q.scalar_type() == at::kByte ? quant_linear(x, q) : dense_linear(x, q);
+    y = q.scalar_type() == at::kByte || q.scalar_type() == at::kChar ? quant_linear(x, q)
+                                                                       : dense_linear(x, q);
   } else if (q.numel()) {
     y = q.scalar_type() == at::kByte ? at::_weight_int4pack_mm_for_cpu(x, q, group, w.scales)
                                      : at::_weight_int8pack_mm(x, q, w.scales);
@@ -229,6 +230,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_pack_half", &dense_pack_half, "pack a bf16/float16 weight for float32 x",
         nogil());
   m.def("has_quant_linear", &has_quant_linear, "whether quant_linear is built");
+  m.def("has_quant_halves", &has_quant_halves,
+        "whether quant_linear reads 8-bit codes with a scale per 16 inputs");
   m.def("quant_pack", &quant_pack, "pack int4/int8 weights for quant_linear", nogil());
   m.def("quant_linear", &quant_linear, "x @ W.T, W packed int4/int8 (CPU, AVX512-VNNI)",
         nogil());

@@ -274,6 +274,13 @@ bool uses_amx(int64_t k) {
 // and 16 float16 m.
 constexpr int64_t tile_bytes(int64_t bits) { return bits * 64 + 2 * 16 * 2; }
 
+// Form kHalves: 8-bit codes, symmetric, with a scale per 16 inputs (GGML's Q6_K keeps one per
+// 16): w = (q - 128) d_h, h the half of the group. Its tiles are int8 tiles' size (the 16
+// d of inputs 0..15, then the 16 of inputs 16..31, in place of d and m), told apart by their
+// dtype: int8 (at::kChar) where the other forms are uint8. AVX2 only.
+constexpr int kHalves = 16;
+constexpr int64_t form_bytes(int form) { return tile_bytes(form == 4 ? 4 : 8); }
+
 // One call of quant_rows (each instruction set's): NR rows x 16 outputs of one column of tiles,
 // from the rows' int8 activations, their group scales dx, dx * sum(xq) and sum(xq).
 template <typename T>
@@ -449,13 +456,13 @@ void quant_rows(const uint8_t* column, int64_t groups, const int8_t* const* xq,
     __m256 acc[NR];
     for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
     const uint8_t* tile = column;
-    for (int64_t g = 0; g < groups; ++g, tile += tile_bytes(Bits)) {
+    for (int64_t g = 0; g < groups; ++g, tile += form_bytes(Bits)) {
       if (h == 0)
-        for (int64_t i = 0; i < tile_bytes(Bits); i += 64)
+        for (int64_t i = 0; i < form_bytes(Bits); i += 64)
           _mm_prefetch(
-              reinterpret_cast<const char*>(tile + kPrefetchGroups * tile_bytes(Bits) + i),
+              reinterpret_cast<const char*>(tile + kPrefetchGroups * form_bytes(Bits) + i),
               _MM_HINT_T0);
-      const auto* scales = reinterpret_cast<const __m128i*>(tile + Bits * 64) + h;
+      const auto* scales = reinterpret_cast<const __m128i*>(tile + (Bits == 4 ? 4 : 8) * 64) + h;
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(scales));
       const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(scales + 2));
       const auto x4 = [&](int r, int c) {  // inputs 4c .. 4c + 3 of row r, in every lane
@@ -477,6 +484,32 @@ void quant_rows(const uint8_t* column, int64_t groups, const int8_t* const* xq,
             s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[c], x4(r, c)));
           s[r] = _mm256_madd_epi16(s16, ones);
         }
+      } else if constexpr (Bits == kHalves) {
+        // (q - 128) x summed per half (registers 0..3 hold inputs 0..15), each half then
+        // scaled by its own d; no minimum term.
+        __m256i s2[NR];
+        for (int r = 0; r < NR; ++r) s[r] = s2[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) {
+          const __m256i w = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * c + 32 * h)),
+              flip);
+          const __m256i a = _mm256_abs_epi8(w);
+          for (int r = 0; r < NR; ++r) {
+            const __m256i p = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(a, _mm256_sign_epi8(x4(r, c), w)), ones);
+            if (c < 4)
+              s[r] = _mm256_add_epi32(s[r], p);
+            else
+              s2[r] = _mm256_add_epi32(s2[r], p);
+          }
+        }
+        const __m256 d2 = _mm256_cvtph_ps(_mm_loadu_si128(scales + 2));
+        for (int r = 0; r < NR; ++r) {
+          const __m256 dxr = _mm256_set1_ps(dx[r][g]);
+          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, dxr), _mm256_cvtepi32_ps(s[r]), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d2, dxr), _mm256_cvtepi32_ps(s2[r]), acc[r]);
+        }
+        continue;
       } else {
         // 8 bits: each weight register loaded once and used for every row, the rows'
         // int32 sums kept in registers.
@@ -506,8 +539,12 @@ template <int Bits, typename T>
 constexpr QuantRowsFn<T> kQuantRowFns[kQuantRows] = {
     quant_rows<Bits, 1, T>, quant_rows<Bits, 2, T>, quant_rows<Bits, 3, T>,
     quant_rows<Bits, 4, T>};
+constexpr bool kHasQuantHalves = true;
 #else
 constexpr bool kHasQuantLinear = false;
+#endif
+#if !defined(KVS_AVX2)
+constexpr bool kHasQuantHalves = false;
 #endif
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)) || \
@@ -522,7 +559,10 @@ void quant_run(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
   std::vector<int32_t> isx(M * G);
   quantize_rows_q8(x.data_ptr<T>(), M, K, xq.data(), dx.data(), sx.data(), isx.data());
   const QuantRowsFn<T>* fns = tb == tile_bytes(4) ? kQuantRowFns<4, T> : kQuantRowFns<8, T>;
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
+#if defined(KVS_AVX2)
+  if (packed.scalar_type() == at::kChar) fns = kQuantRowFns<kHalves, T>;
+#endif
+  const auto* wp = static_cast<const uint8_t*>(packed.data_ptr());
   T* yp = out.data_ptr<T>();
   at::parallel_for(0, T_, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -620,8 +660,11 @@ bool dense_uses_amx(int64_t k) { return uses_amx(k); }
 
 bool has_quant_linear() { return kHasQuantLinear; }
 
+bool has_quant_halves() { return kHasQuantHalves; }
+
 // quant_pack: q [N, K] uint8 (0..15 for bits 4, 0..255 for bits 8), d and m [N, K / 32] ->
 // quant_linear's tiles, [N / 16, K / 32, tile bytes] uint8 (N a multiple of 16, K of 32).
+// 8 bits with d and m [N, K / 16] and m = -128 d: form kHalves's tiles, int8.
 at::Tensor quant_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
                       int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
@@ -630,8 +673,15 @@ at::Tensor quant_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor
   TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "quant_pack needs N % 16 == 0 and K % 32 == 0");
   auto qc = q.contiguous();
   auto dh = d.to(at::kHalf).contiguous(), mh = m.to(at::kHalf).contiguous();
-  TORCH_CHECK(dh.dim() == 2 && dh.size(0) == N && dh.size(1) == G && mh.sizes() == dh.sizes(),
-              "d and m must be [N, K / 32]");
+  // A scale per 16 inputs: form kHalves, which holds symmetric codes only (m = -128 d).
+  const bool halves = dh.dim() == 2 && dh.size(1) == 2 * G;
+  TORCH_CHECK(!halves || (bits == 8 && kHasQuantHalves),
+              "scales per 16 inputs need 8-bit codes and the AVX2 kernel");
+  TORCH_CHECK(!halves || at::equal(mh, (dh.to(at::kFloat) * -128).to(at::kHalf)),
+              "scales per 16 inputs hold symmetric codes only: m must be -128 d");
+  TORCH_CHECK(dh.dim() == 2 && dh.size(0) == N && (dh.size(1) == G || halves) &&
+                  mh.sizes() == dh.sizes(),
+              "d and m must be [N, K / 32] (or [N, K / 16] for 8 bits)");
   const int64_t tb = tile_bytes(bits);
   auto out = at::zeros({N / 16, G, tb}, q.options());
   const uint8_t* qp = qc.data_ptr<uint8_t>();
@@ -652,12 +702,17 @@ at::Tensor quant_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor
                 static_cast<uint8_t>((row[k] & 15) << (k < 16 ? 0 : 4));
           }
         }
-        std::memcpy(tile + bits * 64 + 2 * j, dp + (t * 16 + j) * G + g, 2);
-        std::memcpy(tile + bits * 64 + 32 + 2 * j, mp + (t * 16 + j) * G + g, 2);
+        if (halves) {
+          std::memcpy(tile + bits * 64 + 2 * j, dp + (t * 16 + j) * 2 * G + 2 * g, 2);
+          std::memcpy(tile + bits * 64 + 32 + 2 * j, dp + (t * 16 + j) * 2 * G + 2 * g + 1, 2);
+        } else {
+          std::memcpy(tile + bits * 64 + 2 * j, dp + (t * 16 + j) * G + g, 2);
+          std::memcpy(tile + bits * 64 + 32 + 2 * j, mp + (t * 16 + j) * G + g, 2);
+        }
       }
     }
   }
-  return out;
+  return halves ? out.view(at::kChar) : out;
 }
 
 // quant_linear: x [M, K] float32 or bf16 times quant_pack's tiles [N / 16, K / 32, tile
@@ -668,7 +723,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed) {
                                x.scalar_type() == at::kFloat), "x must be [M, K] bf16/float32");
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) * 32 == x.size(1), "packed weight shape");
   const int64_t tb = packed.size(2);
-  TORCH_CHECK(tb == tile_bytes(4) || tb == tile_bytes(8), "not quant_pack's tiles");
+  TORCH_CHECK((tb == tile_bytes(4) || tb == tile_bytes(8)) &&
+                  (packed.scalar_type() == at::kByte ||
+                   (packed.scalar_type() == at::kChar && tb == tile_bytes(8) && kHasQuantHalves)),
+              "not quant_pack's tiles");
   auto out = at::empty({x.size(0), packed.size(0) * 16}, x.options());
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)) || \
     defined(KVS_AVX2)
