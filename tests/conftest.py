@@ -33,7 +33,7 @@ def byte_level_tokenizer_json() -> str:
 
 def build_tiny_model(root: Path, arch: str = "llama", tie: bool = False, seed: int = 0,
                      num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-                     hidden_size: int = 64) -> Path:
+                     hidden_size: int = 64, intermediate_size: int = 128) -> Path:
     """A random Hugging Face checkpoint (config.json + safetensors + tokenizer.json).
 
     Weights are scaled up from the usual 0.02 init so the next-token distribution is peaked:
@@ -53,7 +53,7 @@ def build_tiny_model(root: Path, arch: str = "llama", tie: bool = False, seed: i
         Qwen3ForCausalLM,
     )
 
-    common = dict(vocab_size=320, hidden_size=hidden_size, intermediate_size=128,
+    common = dict(vocab_size=320, hidden_size=hidden_size, intermediate_size=intermediate_size,
                   num_hidden_layers=num_layers, num_attention_heads=num_heads,
                   num_key_value_heads=num_kv_heads,
                   max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,

@@ -27,7 +27,10 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(hf_dir, out, arch: str | None = None,
-               qtype=gguf.GGMLQuantizationType.F32, bad_tensor_type=None) -> None:
+               qtype=gguf.GGMLQuantizationType.F32, bad_tensor_type=None,
+               random_q6k_down: bool = False) -> None:
+    """`random_q6k_down`: every ffn_down tensor as random Q6_K blocks (gguf cannot quantize to
+    Q6_K), their scales at about the checkpoint's weights' size."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     model_arch = cfg["model_type"]
     arch = arch or model_arch
@@ -88,6 +91,14 @@ def write_gguf(hf_dir, out, arch: str | None = None,
             arr = _permute(arr, heads)
         if arr.ndim == 2 and name != "token_embd.weight" and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        elif random_q6k_down and name.endswith("ffn_down.weight"):
+            blocks = _random_blocks("Q6_K", *arr.shape, seed=len(key)).reshape(
+                arr.shape[0], -1, 210)
+            # d x sc x (q - 32) about the size of the checkpoint's weights (~0.1)
+            blocks[..., 208:210] = np.full(blocks.shape[:2], 2e-4, np.float16).view(
+                np.uint8).reshape(*blocks.shape[:2], 2)
+            w.add_tensor(name, blocks.reshape(arr.shape[0], -1),
+                         raw_dtype=gguf.GGMLQuantizationType.Q6_K)
         elif bad_tensor_type is not None and name == "blk.0.ffn_up.weight":
             bs, ts = gguf.GGML_QUANT_SIZES[bad_tensor_type]
             raw = np.zeros((arr.shape[0], arr.shape[1] // bs * ts), dtype=np.uint8)
@@ -147,6 +158,32 @@ def test_unsupported_tensor_type_is_named(tiny_llama_dir, tmp_path):
     write_gguf(tiny_llama_dir, path, bad_tensor_type=gguf.GGMLQuantizationType.Q8_1)
     with pytest.raises(ValueError, match="blk.0.ffn_up.weight: unsupported GGUF tensor type Q8_1"):
         load_model(path, torch.float32, torch.device("cpu"), _backend)
+
+
+def test_q6k_layers_serve_their_own_codes(tmp_path_factory):
+    """Q6_K projections (scales per 16 inputs) keep the file's codes on the AVX2 kernel, and
+    the model stays close to its float32 self on the same dequantized weights."""
+    from kvserve import kernels
+    from tests.conftest import build_tiny_model
+
+    ops = kernels.quant_kernels(torch.float32, "cpu", 16, 32)
+    if ops is None or not ops.has_quant_halves():
+        pytest.skip("no kernel for scales per 16 inputs on this CPU (AVX2 only)")
+    hf_dir = build_tiny_model(tmp_path_factory.mktemp("tiny-q6k"), "llama",
+                              intermediate_size=256)
+    path = tmp_path_factory.mktemp("q6k") / "tiny-q6k.gguf"
+    write_gguf(hf_dir, path, random_q6k_down=True)
+    model = load_model(path, torch.float32, torch.device("cpu"), _backend).model
+    ref = load_model(path, torch.float32, torch.device("cpu"), _backend).model
+    model.pack_("auto")
+    ref.pack_("none")
+    downs = [layer.mlp.down_proj.packed for layer in model.layers]
+    assert all(p.exact and p.method == "int8" and p.q.dtype == torch.int8 for p in downs)
+    a = paged_logits(ref, IDS, [29], "cpu")
+    b = paged_logits(model, IDS, [20, 1, 8], "cpu")
+    # only the down projections' activations are quantized (to int8 per group of 32)
+    assert 0 < (a - b).abs().max() / a.abs().max() < 0.05
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
 
 
 def test_not_a_gguf_file(tmp_path):
