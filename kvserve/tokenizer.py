@@ -28,6 +28,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from kvserve.gguf_reader import open_gguf
+
 logger = logging.getLogger(__name__)
 
 # How token ids turn back into bytes, which decides how streaming detects an unfinished character:
@@ -155,7 +157,7 @@ class Tokenizer:
             if not path.is_file():
                 raise FileNotFoundError(f"GGUF file not found: {path}")
             try:
-                reader = gguf.GGUFReader(path)
+                reader = open_gguf(path)
             except Exception as exc:  # the reader raises assorted errors on garbage
                 raise ValueError(f"{path}: not a readable GGUF file ({exc})") from exc
         meta = _GGUFMeta(reader, path)

@@ -23,6 +23,7 @@ import torch
 from kvserve.attention.backend import AttentionBackend
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.distributed.parallel import SINGLE, TensorParallel, head_shard
+from kvserve.gguf_reader import open_gguf
 from kvserve.layers.quant import INT4_SOURCES, INT8_SOURCES
 from kvserve.models.gguf_quants import decode_groups
 from kvserve.models.llama import LlamaForCausalLM
@@ -412,10 +413,9 @@ def read_model_config(path: Path) -> ModelConfig:
     data is not read (the GGUF is memory-mapped), so this is cheap even for large models."""
     if path.suffix != ".gguf":
         return hf_model_config(path)
-    import gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = open_gguf(path)
     except Exception as e:  # a truncated or foreign file: say so plainly
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
     return gguf_model_config(reader)
@@ -517,10 +517,9 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
     model's context) chooses LongRoPE's factors (RopeScaling.for_context)."""
     reader = None
     if path.suffix == ".gguf":
-        import gguf
 
         try:
-            reader = gguf.GGUFReader(str(path))
+            reader = open_gguf(path)
         except Exception as e:  # a truncated or foreign file: say so plainly
             raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
         cfg = gguf_model_config(reader)
