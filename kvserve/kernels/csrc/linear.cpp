@@ -484,11 +484,15 @@ void quant_rows(const uint8_t* column, int64_t groups, const int8_t* const* xq,
             s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[c], x4(r, c)));
           s[r] = _mm256_madd_epi16(s16, ones);
         }
-      } else if constexpr (Bits == kHalves) {
-        // (q - 128) x summed per half (registers 0..3 hold inputs 0..15), each half then
-        // scaled by its own d; no minimum term.
+      } else {
+        // 8 bits, q - 128 times x: each weight register loaded once and used for every row,
+        // the rows' int32 sums kept in registers. int8 tiles add 128 sum(x) back (their
+        // minimum term then takes it away); form kHalves sums inputs 16..31 apart (s2).
         __m256i s2[NR];
-        for (int r = 0; r < NR; ++r) s[r] = s2[r] = _mm256_setzero_si256();
+        for (int r = 0; r < NR; ++r) {
+          s[r] = Bits == kHalves ? _mm256_setzero_si256() : _mm256_set1_epi32(128 * isx[r][g]);
+          s2[r] = _mm256_setzero_si256();
+        }
         for (int c = 0; c < 8; ++c) {
           const __m256i w = _mm256_xor_si256(
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * c + 32 * h)),
@@ -497,31 +501,19 @@ void quant_rows(const uint8_t* column, int64_t groups, const int8_t* const* xq,
           for (int r = 0; r < NR; ++r) {
             const __m256i p = _mm256_madd_epi16(
                 _mm256_maddubs_epi16(a, _mm256_sign_epi8(x4(r, c), w)), ones);
-            if (c < 4)
-              s[r] = _mm256_add_epi32(s[r], p);
-            else
+            if (Bits == kHalves && c >= 4)  // registers 4.. hold inputs 16..31
               s2[r] = _mm256_add_epi32(s2[r], p);
+            else
+              s[r] = _mm256_add_epi32(s[r], p);
           }
         }
-        const __m256 d2 = _mm256_cvtph_ps(_mm_loadu_si128(scales + 2));
-        for (int r = 0; r < NR; ++r) {
-          const __m256 dxr = _mm256_set1_ps(dx[r][g]);
-          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, dxr), _mm256_cvtepi32_ps(s[r]), acc[r]);
-          acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d2, dxr), _mm256_cvtepi32_ps(s2[r]), acc[r]);
-        }
-        continue;
-      } else {
-        // 8 bits: each weight register loaded once and used for every row, the rows'
-        // int32 sums kept in registers.
-        for (int r = 0; r < NR; ++r) s[r] = _mm256_set1_epi32(128 * isx[r][g]);
-        for (int c = 0; c < 8; ++c) {
-          const __m256i w = _mm256_xor_si256(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * c + 32 * h)),
-              flip);
-          const __m256i a = _mm256_abs_epi8(w);
-          for (int r = 0; r < NR; ++r)
-            s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(
-                _mm256_maddubs_epi16(a, _mm256_sign_epi8(x4(r, c), w)), ones));
+        if constexpr (Bits == kHalves) {  // each half scaled by its own d (mn: the second)
+          for (int r = 0; r < NR; ++r) {
+            const __m256 dxr = _mm256_set1_ps(dx[r][g]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, dxr), _mm256_cvtepi32_ps(s[r]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(mn, dxr), _mm256_cvtepi32_ps(s2[r]), acc[r]);
+          }
+          continue;
         }
       }
       for (int r = 0; r < NR; ++r) {
