@@ -33,7 +33,8 @@ def byte_level_tokenizer_json() -> str:
 
 def build_tiny_model(root: Path, arch: str = "llama", tie: bool = False, seed: int = 0,
                      num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-                     hidden_size: int = 64, intermediate_size: int = 128) -> Path:
+                     hidden_size: int = 64, intermediate_size: int = 128,
+                     dtype: torch.dtype = torch.float32) -> Path:
     """A random Hugging Face checkpoint (config.json + safetensors + tokenizer.json).
 
     Weights are scaled up from the usual 0.02 init so the next-token distribution is peaked:
@@ -99,7 +100,7 @@ def build_tiny_model(root: Path, arch: str = "llama", tie: bool = False, seed: i
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
-    model.save_pretrained(root, safe_serialization=True)
+    model.to(dtype).save_pretrained(root, safe_serialization=True)
     (root / "tokenizer.json").write_text(byte_level_tokenizer_json())
     (root / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
@@ -137,6 +138,14 @@ def tiny_gemma3_dir(tmp_path_factory) -> Path:
     # 4 layers: 2 sliding, 2 global, so the KV cache keeps 2 block tables of 2 layers each
     return build_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3", tie=True,
                             num_layers=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_bf16_dir(tmp_path_factory) -> Path:
+    """A bf16 checkpoint: served in float32, its weights stay 16-bit where a kernel reads
+    them so (kvserve.layers.quant.DenseWeight)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-bf16"), "llama",
+                            dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="session")

@@ -167,10 +167,12 @@ def _check(args: EngineArgs, requests, alone: Alone) -> None:
 
 @pytest.mark.parametrize("dtype,arch", [("float32", "llama"), ("bfloat16", "qwen2"),
                                         ("bfloat16", "qwen3"), ("bfloat16", "mistral"),
-                                        ("float32", "gemma3"), ("bfloat16", "phi3")])
+                                        ("float32", "gemma3"), ("bfloat16", "phi3"),
+                                        ("float32", "llama_bf16")])
 def test_tiny_model_requests_are_independent_of_their_batch(request, tmp_path_factory, alone,
                                                             dtype, arch):
-    """mistral and gemma3: sliding windows of 8 tokens, far shorter than the prompts."""
+    """mistral and gemma3: sliding windows of 8 tokens, far shorter than the prompts;
+    llama_bf16: a bf16 checkpoint in float32 (16-bit weights on AVX2's dense kernel)."""
     model = str(request.getfixturevalue(f"tiny_{arch}_dir"))
 
     @settings(max_examples=20, deadline=None,
