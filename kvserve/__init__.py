@@ -10,7 +10,7 @@ __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput"]
 if TYPE_CHECKING:
     from kvserve.engine.llm import LLM
     from kvserve.engine.llm_engine import EngineArgs, LLMEngine
-    from kvserve.engine.outputs import RequestOutput
+    from kvserve.outputs import RequestOutput
     from kvserve.sampling_params import SamplingParams
 
 
@@ -23,7 +23,7 @@ def __getattr__(name: str):
         from kvserve.engine import llm_engine
         return getattr(llm_engine, name)
     if name == "RequestOutput":
-        from kvserve.engine.outputs import RequestOutput
+        from kvserve.outputs import RequestOutput
         return RequestOutput
     if name == "SamplingParams":
         from kvserve.sampling_params import SamplingParams

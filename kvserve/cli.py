@@ -294,7 +294,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_train_mtp(args: argparse.Namespace) -> int:
     """Self-distil a multi-token-prediction drafter for the model and save it."""
-    from kvserve.spec_decode.mtp import train_mtp
+    from kvserve.train_mtp import train_mtp
 
     ensure_default_model(args)
     for name in ("num_prompts", "max_tokens", "epochs", "batch_size"):

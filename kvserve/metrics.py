@@ -13,9 +13,9 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvserve.engine.outputs import RequestOutput
 from kvserve.kv_cache.manager import PrefixCacheStats
 from kvserve.kv_cache.tiers import TierStats
+from kvserve.outputs import RequestOutput
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
             3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)

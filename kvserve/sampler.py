@@ -20,7 +20,7 @@ Processing order for a row (the same for greedy and random rows up to the temper
 A seeded row's uniform number for its output token i is a hash of (seed, i)
 (`seeded_uniform`), not the next number of a stream: its tokens then depend only on its
 seed and its own distributions, whatever its batch, however often it was preempted, and
-however many numbers speculative decoding drew for it before (see spec_decode.rejection).
+however many numbers speculative decoding drew for it before (see kvserve.rejection_sampler).
 """
 
 from __future__ import annotations

@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
 .venv/bin/ruff check kvserve tests benchmarks
+.venv/bin/lint-imports --no-cache
 .venv/bin/python -m pytest -q "$@"

@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 from kvserve.config import SpecConfig
 from kvserve.kv_cache.hashing import ROOT_HASH, BlockKey, hash_block
 from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.rejection_sampler import verify
 from kvserve.request import Request
 from kvserve.sampler import Sampler
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.base import Drafter
 from kvserve.spec_decode.mtp import MTPModule, save_mtp
 from kvserve.spec_decode.ngram import NgramDrafter
-from kvserve.spec_decode.rejection import verify
 from tests.conftest import make_llm
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from kvserve.engine.llm_engine import EngineDeadError, LLMEngine
-from kvserve.engine.outputs import RequestOutput
 from kvserve.metrics import EngineMetrics
+from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

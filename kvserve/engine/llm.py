@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 
 from kvserve.engine.llm_engine import EngineArgs, LLMEngine
-from kvserve.engine.outputs import RequestOutput
+from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 Message = dict[str, str]

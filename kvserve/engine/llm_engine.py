@@ -26,8 +26,6 @@ from kvserve.config import (
     resolve_dtype,
 )
 from kvserve.distributed.parallel import SINGLE, TensorParallel, check_split
-from kvserve.distributed.worker import TensorParallelError, TensorParallelWorkers
-from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.kv_cache.layout import KVLayout
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_cache.planner import (
@@ -39,12 +37,14 @@ from kvserve.kv_cache.planner import (
 )
 from kvserve.kv_cache.tiers import build_store, cache_fingerprint
 from kvserve.models.loader import read_model_config, resolve_model, shard_config
+from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus, timeline_segments
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
 from kvserve.spec_decode import build_drafter
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvserve.worker.model_runner import ModelRunner, load_target, resolve_quantization
+from kvserve.worker.tp_workers import TensorParallelError, TensorParallelWorkers
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from kvserve.engine.async_engine import (
     RequestStream,
 )
 from kvserve.engine.llm_engine import EngineArgs, LLMEngine
-from kvserve.engine.outputs import RequestOutput
 from kvserve.metrics import EngineMetrics
 from kvserve.models.loader import DEFAULT_MODEL, resolve_model
+from kvserve.outputs import RequestOutput
 from kvserve.server.errors import APIError, GuardMiddleware, error_body, install_error_handlers
 from kvserve.server.protocol import (
     ChatCompletionRequest,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampler import TokenLogprobs
 from kvserve.tokenizer import Tokenizer
 

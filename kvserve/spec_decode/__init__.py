@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.config import SchedulerConfig, SpecConfig
+from kvserve.layers.quant import check_quantization
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.loader import load_model, resolve_model
 from kvserve.spec_decode.base import Drafter
+from kvserve.spec_decode.draft_model import DraftModelDrafter
+from kvserve.spec_decode.mtp import MTPDrafter
+from kvserve.spec_decode.ngram import NgramDrafter
 
 
 def build_drafter(spec: SpecConfig, target: LlamaForCausalLM, target_path, dtype: torch.dtype,
                   device: torch.device, sched: SchedulerConfig) -> Drafter:
     """The drafter `spec` names, loaded and checked against the target."""
     if spec.method == "ngram":
-        from kvserve.spec_decode.ngram import NgramDrafter
-
         return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if spec.method == "draft_model":
-        from kvserve.attention.torch_paged import TorchPagedAttention
-        from kvserve.layers.quant import check_quantization
-        from kvserve.models.loader import load_model, resolve_model
-        from kvserve.spec_decode.draft_model import DraftModelDrafter
-
         path = resolve_model(spec.model) if spec.model else target_path
         loaded = load_model(path, dtype, device, TorchPagedAttention.for_model,
                             max_model_len=sched.max_model_len)
@@ -34,7 +33,5 @@ def build_drafter(spec: SpecConfig, target: LlamaForCausalLM, target_path, dtype
                              f"kernels; set \"quantization\": \"none\" on {device.type}")
         loaded.model.pack_(spec.quantization)
         return DraftModelDrafter(loaded.model, dtype, device, sched.max_num_batched_tokens)
-    from kvserve.spec_decode.mtp import MTPDrafter
-
     assert spec.model is not None
     return MTPDrafter.load(spec.model, target, device)

@@ -15,6 +15,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import NoReturn, Protocol
 
 import torch
 
@@ -23,14 +24,13 @@ from kvserve.attention.backend import AttentionBatch
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.config import CacheConfig
 from kvserve.distributed.parallel import SINGLE, TensorParallel
-from kvserve.distributed.worker import TensorParallelWorkers
 from kvserve.kv_cache.layout import KVLayout
 from kvserve.layers.quant import check_quantization
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import LoadedModel, auto_quantization, load_model, resolve_model
+from kvserve.rejection_sampler import verify
 from kvserve.sampler import Sampler, SamplingMetadata, TokenLogprobs
 from kvserve.scheduler import SchedulerOutput
-from kvserve.spec_decode.rejection import verify
 
 log = logging.getLogger(__name__)
 
@@ -149,13 +149,24 @@ class ModelRunnerOutput:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+class StepPeers(Protocol):
+    """The other ranks of a tensor-parallel group, as rank 0's runner drives them
+    (`worker.tp_workers.TensorParallelWorkers`)."""
+
+    def send(self, obj: object) -> None:
+        """Hand a step's ForwardItems to every other rank (before rank 0 runs its shard)."""
+
+    def fail(self, e: BaseException) -> NoReturn:
+        """Record that a step failed midway and raise it as the group's error."""
+
+
 class ModelRunner:
     """Runs steps on the model; with `workers`, the model is rank 0's shard and every step is
-    first sent to the other ranks, which run the same forward (see distributed.worker)."""
+    first sent to the other ranks, which run the same forward (see worker.tp_workers)."""
 
     def __init__(self, model: LlamaForCausalLM, cache: CacheConfig, num_blocks: int,
                  dtype: torch.dtype, device: torch.device,
-                 workers: TensorParallelWorkers | None = None,
+                 workers: StepPeers | None = None,
                  layout: KVLayout | None = None) -> None:
         self.model = model
         self.layout = layout or KVLayout.single(model.config.num_layers)

@@ -30,11 +30,21 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
+from kvserve import kernels
 from kvserve.distributed.parallel import TensorParallel
+from kvserve.kv_cache.planner import plan_num_blocks
+from kvserve.models.loader import shard_config
+from kvserve.worker.model_runner import (
+    allocate_kv_caches,
+    load_target,
+    release_freed_memory,
+    run_forward,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,15 +117,6 @@ def agree_num_blocks(tp: TensorParallel, num_blocks: int, device: torch.device) 
 def worker_main(rank: int, spec: WorkerSpec) -> None:
     """Entry point of ranks 1..N-1 (spawned)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(message)s")
-    from kvserve.kv_cache.planner import plan_num_blocks
-    from kvserve.models.loader import shard_config
-    from kvserve.worker.model_runner import (
-        allocate_kv_caches,
-        load_target,
-        release_freed_memory,
-        run_forward,
-    )
-
     try:
         store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, is_master=False,
                               timeout=timedelta(seconds=spec.timeout_s))
@@ -165,8 +166,6 @@ class TensorParallelWorkers:
             raise ValueError(f"--tensor-parallel-size {size} needs {size} CUDA devices, "
                              f"{torch.cuda.device_count()} visible")
         if device == "cpu":
-            from kvserve import kernels
-
             kernels.ops()  # build the C++ kernels once here, not in every rank at the same time
         cores = len(os.sched_getaffinity(0))
         timeout = timedelta(seconds=timeout_s)
@@ -234,7 +233,7 @@ class TensorParallelWorkers:
         except Exception as e:
             self.fail(e)
 
-    def fail(self, e: BaseException) -> None:
+    def fail(self, e: BaseException) -> NoReturn:
         """Record a failure of the group and raise it as TensorParallelError."""
         if self.error is None:
             self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
