@@ -24,8 +24,8 @@ import copy
 import time
 
 from kvserve.engine.llm import LLM
-from kvserve.engine.llm_engine import SpecStats
 from kvserve.sampling_params import SamplingParams
+from kvserve.stats import SpecStats
 
 CHAT = [
     "What is the capital city of France? Answer in one sentence.",
@@ -79,13 +79,13 @@ def _same(tokens: list[list[int]], base: list[list[int]]) -> str:
 
 def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams, together: bool
           ) -> tuple[list[list[int]], float, str]:
-    before = copy.deepcopy(llm.engine.spec_stats)
+    before = copy.deepcopy(llm.engine.speculation.stats)
     t0 = time.perf_counter()
     outs = (llm.generate(prompts, params) if together
             else [llm.generate([p], params)[0] for p in prompts])
     dt = time.perf_counter() - t0
     tokens = [o.outputs[0].token_ids for o in outs]
-    return tokens, sum(map(len, tokens)) / dt, spec_line(before, llm.engine.spec_stats)
+    return tokens, sum(map(len, tokens)) / dt, spec_line(before, llm.engine.speculation.stats)
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from kvserve.models.loader import (
     default_model_path,
     resolve_model,
 )
+from kvserve.outputs import OutputKind
 
 log = logging.getLogger("kvserve")
 
@@ -148,8 +149,13 @@ def engine_from(args: argparse.Namespace):
 
 
 def stream(engine, request_id: str, out=sys.stdout) -> object:
-    """Run the engine until `request_id` finishes, printing sample 0's text as it comes."""
+    """Run the engine until `request_id` (added with OutputKind.DELTA) finishes, printing
+    sample 0's text as it comes; returns the last output with every sample's text, token ids
+    and logprobs put back together."""
     final = None
+    texts: dict[int, list[str]] = {}
+    ids: dict[int, list[int]] = {}
+    lps: dict[int, list] = {}
     try:
         while final is None:
             for o in engine.step():
@@ -157,6 +163,11 @@ def stream(engine, request_id: str, out=sys.stdout) -> object:
                     continue
                 out.write(o.outputs[0].delta_text)
                 out.flush()
+                for c in o.outputs:
+                    texts.setdefault(c.index, []).append(c.delta_text)
+                    ids.setdefault(c.index, []).extend(c.delta_token_ids)
+                    if c.logprobs is not None:
+                        lps.setdefault(c.index, []).extend(c.logprobs)
                 if o.finished:
                     final = o
     except KeyboardInterrupt:
@@ -164,6 +175,10 @@ def stream(engine, request_id: str, out=sys.stdout) -> object:
         engine.step()
         out.write("\n[interrupted]\n")
         raise
+    for c in final.outputs:
+        c.text, c.token_ids = "".join(texts[c.index]), ids[c.index]
+        if c.logprobs is not None:
+            c.logprobs = lps[c.index]
     return final
 
 
@@ -188,7 +203,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = engine.tokenizer.encode(text, add_special_tokens=False)
     else:
         prompt = args.prompt
-    rid = engine.add_request("cli", prompt, params)
+    rid = engine.add_request("cli", prompt, params, output_kind=OutputKind.DELTA)
     if not args.chat:
         sys.stdout.write(args.prompt)
     final = stream(engine, rid)
@@ -239,7 +254,8 @@ def chat_loop(engine, args: argparse.Namespace) -> int:
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = engine.tokenizer.encode(text, add_special_tokens=False)
         try:
-            rid = engine.add_request(f"chat-{turn}", ids, sampling_params_from(args))
+            rid = engine.add_request(f"chat-{turn}", ids, sampling_params_from(args),
+                                     output_kind=OutputKind.DELTA)
         except ValueError as e:
             messages.pop()
             print(f"error: {e}", file=sys.stderr)

@@ -13,9 +13,8 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvserve.kv_cache.manager import PrefixCacheStats
-from kvserve.kv_cache.tiers import TierStats
 from kvserve.outputs import RequestOutput
+from kvserve.stats import EngineStats, SpecState
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
             3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -116,7 +115,7 @@ class EngineMetrics:
     def observe_output(self, out: RequestOutput, now: float | None = None) -> None:
         """Account one output of a request (called for every step's outputs)."""
         now = time.perf_counter() if now is None else now
-        tokens = sum(len(c.token_ids) for c in out.outputs)
+        tokens = sum(c.num_output_tokens for c in out.outputs)
         last = self._last_token.get(out.request_id)
         new = tokens - (last[1] if last else 0)
         if new > 0:
@@ -147,25 +146,26 @@ class EngineMetrics:
                                             "length" if reasons == {"length"} else "stop")
         self._finish_labels[reason].inc()
 
-    def observe_engine(self, running: int, waiting: int, kv_usage: float,
-                       preemptions_total: int, prefix: PrefixCacheStats | None = None,
-                       tiers: TierStats | None = None) -> None:
-        """Gauges take the engine's state; counters advance to the engine's running totals."""
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.kv_usage.set(kv_usage)
-        self._advance(self.preemptions, ("preemptions", ""), preemptions_total)
-        if prefix is not None:
-            self._advance(self._prefix_queries.labels(self.model_name), ("queries", ""),
-                          prefix.queries)
-            for tier, tokens in prefix.hits.items():
-                self._advance(self._prefix_hits.labels(self.model_name, tier), ("hits", tier),
-                              tokens)
-        if tiers is not None:
-            for tier, n in tiers.loads.items():
-                self._advance(self._tier_loads.labels(self.model_name, tier), ("load", tier), n)
-            for tier, n in tiers.saves.items():
-                self._advance(self._tier_saves.labels(self.model_name, tier), ("save", tier), n)
+    def observe_stats(self, stats: EngineStats) -> None:
+        """The engine's snapshot: gauges take its state, counters advance to its running
+        totals, and its new step records go to the step histograms."""
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_usage.set(stats.kv_usage)
+        self._advance(self.preemptions, ("preemptions", ""), stats.num_preemptions)
+        self._advance(self._prefix_queries.labels(self.model_name), ("queries", ""),
+                      stats.prefix_queried_tokens)
+        for tier, tokens in stats.prefix_hit_tokens.items():
+            self._advance(self._prefix_hits.labels(self.model_name, tier), ("hits", tier),
+                          tokens)
+        for t in stats.tiers:
+            self._advance(self._tier_loads.labels(self.model_name, t.name), ("load", t.name),
+                          t.loads)
+            self._advance(self._tier_saves.labels(self.model_name, t.name), ("save", t.name),
+                          t.saves)
+        if stats.spec is not None:
+            self.observe_spec(stats.spec)
+        self.observe_steps(stats.steps)
 
     def dashboard(self, now: float | None = None, window: float = 10.0) -> dict:
         """Recent figures: output tokens/s over the last `window` seconds, and TTFT / ITL
@@ -195,13 +195,13 @@ class EngineMetrics:
                 self._step_phase.labels(self.model_name, TP_PHASE).observe(rec.all_reduce)
             self.step_tokens.observe(rec.prefill_tokens + rec.decode_tokens)
 
-    def observe_spec(self, config, stats) -> None:
-        """Speculative decoding: the policy (SpecConfig) and running totals (SpecStats)."""
+    def observe_spec(self, stats: SpecState) -> None:
+        """Speculative decoding: the policy (a gauge of 1 labelled with it) and its totals."""
         if ("spec", "config") not in self._seen:
-            self._spec_config.labels(self.model_name, config.method,
-                                     str(config.num_speculative_tokens),
-                                     str(config.max_batch_size),
-                                     str(config.min_acceptance)).set(1)
+            self._spec_config.labels(self.model_name, stats.method,
+                                      str(stats.num_speculative_tokens),
+                                      str(stats.max_batch_size),
+                                      str(stats.min_acceptance)).set(1)
             self._seen[("spec", "config")] = 1
         self._advance(self._spec_drafts.labels(self.model_name), ("spec", "drafts"),
                       stats.num_drafts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from kvserve.request import Request
@@ -79,8 +80,8 @@ class RequestMetrics:
             num_preemptions=sum(x.num_preemptions for x in t),
             num_prompt_tokens=reqs[0].num_prompt_tokens,
             num_generation_tokens=sum(r.num_output_tokens for r in reqs),
-            num_draft_tokens=sum(r.num_drafted for r in reqs),
-            num_accepted_tokens=sum(r.num_accepted for r in reqs),
+            num_draft_tokens=sum(x.num_drafted for x in t),
+            num_accepted_tokens=sum(x.num_accepted for x in t),
             num_cached_prompt_tokens=reqs[0].num_cached_tokens or 0,
             preempted_time=sum(x.preempted_time for x in t),
         )
@@ -95,16 +96,33 @@ def _min(values: list[float | None]) -> float | None:
     return min(present) if present else None
 
 
+class OutputKind(enum.Enum):
+    """What a request's outputs hold, chosen by its caller when adding it (vLLM's
+    RequestOutputKind). A step costs the same whatever the request's length in DELTA and
+    FINAL_ONLY; CUMULATIVE copies everything so far into every output."""
+
+    CUMULATIVE = "cumulative"  # text, token_ids and logprobs: everything so far
+    DELTA = "delta"  # text, token_ids and logprobs: only what is new since the last output
+    # outputs before the last hold no text, token ids or logprobs (counts and metrics only);
+    # the last holds everything
+    FINAL_ONLY = "final_only"
+
+
 @dataclass
 class CompletionOutput:
+    """One sample of a request. `text`, `token_ids` and `logprobs` hold what the request's
+    OutputKind says; `delta_*` always hold only what is new since the previous output and
+    `num_output_tokens` always counts every token so far."""
+
     index: int
-    text: str  # all text so far
+    text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     logprobs: list[TokenLogprobs] | None = None
     delta_text: str = ""  # new since the previous output of this request
     delta_token_ids: list[int] = field(default_factory=list)
+    num_output_tokens: int = 0
 
     @property
     def finished(self) -> bool:

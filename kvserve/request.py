@@ -54,6 +54,8 @@ class RequestTimeline:
     num_preemptions: int = 0
     preempted_time: float = 0.0  # seconds spent waiting between preemption and resume
     preempted_at: float | None = None  # the latest preemption
+    num_drafted: int = 0  # speculative decoding: drafts verified
+    num_accepted: int = 0  # ... and accepted
     events: list[list] = field(default_factory=list)
     record: bool = True  # False: keep the instants only, no events (timelines off)
 
@@ -82,6 +84,8 @@ class RequestTimeline:
 
     def add_spec(self, drafted: int, accepted: int) -> None:
         """Verification result of the newest decode step."""
+        self.num_drafted += drafted
+        self.num_accepted += accepted
         if self.events and self.events[-1][1] == "decode":
             self.events[-1][2]["drafted"] += drafted
             self.events[-1][2]["accepted"] += accepted
@@ -142,12 +146,6 @@ class Request:
     # only, taken as one-hot).
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
-    num_drafted: int = 0
-    num_accepted: int = 0
-    spec_acceptance: float = 1.0  # recent acceptance rate, for the adaptive policy
-    spec_idle_steps: int = 0  # decode steps without drafts since the last probe
-    # Target's final hidden state at the row that sampled the newest token (MTP drafting).
-    spec_hidden: torch.Tensor | None = None
     timeline: RequestTimeline = field(init=False)
 
     def __post_init__(self) -> None:

@@ -42,6 +42,25 @@ class ScheduledRequest:
 
 
 @dataclass
+class ShortStepRun:
+    """The one state the scheduler carries from step to step besides its queues: the run of
+    short prompt steps in progress (see `Scheduler.schedule`, part 0)."""
+
+    backlog: set[str] = field(default_factory=set)  # short work left of the current run
+    last_step_short: bool = False  # the previous step was one of the run's
+
+
+@dataclass
+class _Step:
+    """What one call of `schedule` builds up: its output and what is left of its budget."""
+
+    out: SchedulerOutput
+    budget: int
+    now: float
+    granted: set[str] = field(default_factory=set)  # requests scheduled in this step
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -62,8 +81,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self._short_step_last = False
-        self._short_backlog: set[str] = set()  # short work left of the current run of steps
+        self.short_run = ShortStepRun()
 
     def check_request(self, req: Request) -> None:
         """Raise ValueError if `req` could never be served within the configured limits."""
@@ -88,10 +106,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        self._budget = self.config.max_num_batched_tokens
-        self._now = time.perf_counter()
-        self._granted: set[str] = set()
+        step = _Step(SchedulerOutput(), self.config.max_num_batched_tokens, time.perf_counter())
+        out, run = step.out, self.short_run
         short = self.config.max_num_batched_tokens // 4
         is_short = lambda r: r.num_tokens - self.kv.num_pool_hit_tokens(r) <= short  # noqa: E731
         prompts = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
@@ -104,17 +120,17 @@ class Scheduler:
         # SHORT_STEP_TOKENS, so the first prompts need not wait for the last; then comes a
         # normal step, so decodes are never starved by short work arriving all the time.
         if self.config.short_prompt_steps:
-            if not self._short_backlog and not self._short_step_last:
-                self._short_backlog = {r.request_id for r in prompts
-                                       if r.num_tokens - r.num_computed_tokens <= short}
-                self._short_backlog.update(
+            if not run.backlog and not run.last_step_short:
+                run.backlog = {r.request_id for r in prompts
+                               if r.num_tokens - r.num_computed_tokens <= short}
+                run.backlog.update(
                     r.request_id for r in itertools.islice(self.waiting, self._seats())
                     if is_short(r))
-            if self._short_backlog:
-                backlog = self._short_backlog
+            if run.backlog:
+                backlog = run.backlog
                 self._short_prompts(
                     [r for r in prompts if r.request_id in backlog],
-                    lambda r: r.request_id in backlog and is_short(r), short, out,
+                    lambda r: r.request_id in backlog and is_short(r), short, step,
                     stop_at=SHORT_STEP_TOKENS)
                 backlog.difference_update(s.request.request_id for s in out.scheduled)
                 # What could not be scheduled now (no seats, no blocks) leaves the backlog.
@@ -123,9 +139,9 @@ class Scheduler:
                 else:
                     backlog.intersection_update(
                         {r.request_id for r in prompts} | {r.request_id for r in self.waiting})
-                    self._short_step_last = True
-                    return self._finish(out)
-        self._short_step_last = False
+                    run.last_step_short = True
+                    return self._finish(step)
+        run.last_step_short = False
 
         # 1. Decodes first, in arrival order, so that a long prompt never delays the next
         # token of a request already streaming.
@@ -133,114 +149,115 @@ class Scheduler:
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING or req.request_id in prompt_ids:
                 continue  # preempted earlier in this loop, or prompt work
-            if self._budget > 0:
-                self._run(req, out)
+            if step.budget > 0:
+                self._run(req, step)
 
         # 2. Short prompt work goes next, in arrival order, using at most half of what is
         # left: one long cold prompt then no longer holds up every short one's first token,
         # and short ones can never starve it.
-        spend = self._budget // 2
-        keep, self._budget = self._budget - spend, spend
-        self._short_prompts(prompts, is_short, short, out)
-        self._budget += keep
+        spend = step.budget // 2
+        keep, step.budget = step.budget - spend, spend
+        self._short_prompts(prompts, is_short, short, step)
+        step.budget += keep
 
         # 3. The rest, in arrival order: running prompts, then new requests.
         for req in prompts:
-            if (req.status == RequestStatus.RUNNING and req.request_id not in self._granted
-                    and self._budget > 0):
-                self._run(req, out)
-        self._admit(out)
-        return self._finish(out)
+            if (req.status == RequestStatus.RUNNING and req.request_id not in step.granted
+                    and step.budget > 0):
+                self._run(req, step)
+        self._admit(step)
+        return self._finish(step)
 
     def _short_prompts(self, prompts: list[Request], is_short: Callable[[Request], bool],
-                       short: int, out: SchedulerOutput, stop_at: int | None = None) -> None:
+                       short: int, step: _Step, stop_at: int | None = None) -> None:
         """Schedule the prompt work that ends in a first token within `short` tokens: running
         prompts' last chunks, then waiting requests (after their prefix-cache hit); with
         `stop_at`, no more once the step holds that many tokens."""
-        full = lambda: stop_at is not None and out.num_tokens >= stop_at  # noqa: E731
+        full = lambda: stop_at is not None and step.out.num_tokens >= stop_at  # noqa: E731
         for req in prompts:
             if (req.status == RequestStatus.RUNNING and not full()
-                    and req.num_tokens - req.num_computed_tokens <= min(short, self._budget)):
-                self._run(req, out)
-        self._admit(out, lambda r: not full() and is_short(r))
+                    and req.num_tokens - req.num_computed_tokens <= min(short, step.budget)):
+                self._run(req, step)
+        self._admit(step, lambda r: not full() and is_short(r))
 
-    def _finish(self, out: SchedulerOutput) -> SchedulerOutput:
+    def _finish(self, step: _Step) -> SchedulerOutput:
+        out = step.out
         batch = len(out.scheduled)
         for s in out.scheduled:
             req = s.request
             s.prefill = (req.num_computed_tokens < req.num_prompt_tokens
                          or req.num_tokens - req.num_computed_tokens > 1)
-            req.timeline.add_step(self._now, s.prefill, s.num_new_tokens, batch)
+            req.timeline.add_step(step.now, s.prefill, s.num_new_tokens, batch)
         return out
 
-    def _run(self, req: Request, out: SchedulerOutput) -> None:
+    def _run(self, req: Request, step: _Step) -> None:
         """Schedule a running request for as much of its gap as the budget allows (drafts
         that do not fit are dropped), preempting the latest arrivals not yet scheduled this
         step (possibly itself) until it fits; drafts go before anyone is preempted."""
-        n = min(req.num_tokens_with_drafts - req.num_computed_tokens, self._budget)
+        n = min(req.num_tokens_with_drafts - req.num_computed_tokens, step.budget)
         while not self.kv.allocate_slots(req, n):
             if req.draft_token_ids:
                 req.clear_drafts()
-                n = min(req.num_tokens - req.num_computed_tokens, self._budget)
+                n = min(req.num_tokens - req.num_computed_tokens, step.budget)
                 continue
-            victim = max((r for r in self.running if r.request_id not in self._granted),
+            victim = max((r for r in self.running if r.request_id not in step.granted),
                          key=lambda r: r.arrival_time)
             self.running.remove(victim)
-            self._preempt(victim)
-            out.preempted.append(victim)
+            self._preempt(victim, step.now)
+            step.out.preempted.append(victim)
             if victim is req:
                 return
-        out.scheduled.append(self._grant(req, n, self._now))
-        self._granted.add(req.request_id)
-        self._budget -= n
+        self._grant(req, n, step)
 
-    def _admit(self, out: SchedulerOutput,
+    def _admit(self, step: _Step,
                wanted: Callable[[Request], bool] | None = None) -> None:
         """Admit waiting requests (those `wanted`, else all) in arrival order while budget,
         seats and blocks last. No admissions in a step that had to preempt: memory is short.
         The scan looks at most at as many requests as there are free seats."""
+        now = step.now
         for req in list(itertools.islice(self.waiting, self._seats())):
-            if (self._budget <= 0 or out.preempted
+            if (step.budget <= 0 or step.out.preempted
                     or len(self.running) >= self.config.max_num_seqs):
                 return
             if wanted is not None and not wanted(req):
                 continue
             hit = self.kv.get_computed_blocks(req)
             num_hit = hit.num_blocks * self.kv.block_size
-            n = min(req.num_tokens - req.num_computed_tokens - num_hit, self._budget)
+            n = min(req.num_tokens - req.num_computed_tokens - num_hit, step.budget)
             if not self.kv.allocate_slots(req, n, hit):
                 return
             self.waiting.remove(req)
             req.num_computed_tokens += num_hit
             if req.status == RequestStatus.PREEMPTED:
                 assert req.timeline.preempted_at is not None
-                req.timeline.preempted_time += self._now - req.timeline.preempted_at
-                req.timeline.add(self._now, "resumed")
+                req.timeline.preempted_time += now - req.timeline.preempted_at
+                req.timeline.add(now, "resumed")
             if num_hit:
-                req.timeline.add(self._now, "prefix_hit", tokens=num_hit,
+                req.timeline.add(now, "prefix_hit", tokens=num_hit,
                                  tiers=hit.tokens_by_tier(self.kv.block_size))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(self._grant(req, n, self._now))
-            self._granted.add(req.request_id)
-            self._budget -= n
+            self._grant(req, n, step)
 
     def _seats(self) -> int:
         return max(self.config.max_num_seqs - len(self.running), 0)
 
-    def _grant(self, req: Request, n: int, now: float) -> ScheduledRequest:
+    def _grant(self, req: Request, n: int, step: _Step) -> None:
+        """Put `n` of the request's tokens in the step."""
         if req.timeline.first_scheduled is None:
-            req.timeline.first_scheduled = now
+            req.timeline.first_scheduled = step.now
         num_drafts = req.num_computed_tokens + n - req.num_tokens
         if num_drafts < len(req.draft_token_ids):  # the budget cut some drafts off
             req.draft_token_ids = req.draft_token_ids[:max(num_drafts, 0)]
             if req.draft_probs is not None:
                 req.draft_probs = req.draft_probs[:max(num_drafts, 0)]
-        return ScheduledRequest(req, n, num_drafts >= 0, max(num_drafts, 0))
+        step.out.scheduled.append(ScheduledRequest(req, n, num_drafts >= 0, max(num_drafts, 0)))
+        step.granted.add(req.request_id)
+        step.budget -= n
 
-    def _preempt(self, req: Request) -> None:
-        req.timeline.preempted_at = self._now
-        req.timeline.add(self._now, "preempted", tokens_lost=req.num_computed_tokens)
+    def _preempt(self, req: Request, now: float) -> None:
+        req.timeline.preempted_at = now
+        req.timeline.add(now, "preempted", tokens_lost=req.num_computed_tokens)
         req.clear_drafts()
         self.kv.free(req)
         req.num_computed_tokens = 0

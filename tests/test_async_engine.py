@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import threading
 
 import pytest
 
@@ -83,3 +85,58 @@ def test_load_failure_is_raised(tmp_path):
             await engine.start()
 
     asyncio.run(run())
+
+
+def test_readers_on_other_threads_see_only_snapshots(tiny_llama_dir):
+    """While the engine thread steps a busy batch, a plain thread polls the published stats
+    and the event loop asks for timelines and the dashboard between steps: every snapshot is
+    consistent and frozen, and one held across many steps never changes."""
+    errors: list[BaseException] = []
+    seen: list = []
+    stop = threading.Event()
+
+    def poll(engine: AsyncEngine) -> None:
+        try:
+            while not stop.is_set():
+                st = engine.stats
+                if st is None:
+                    continue
+                assert 0 <= st.kv_free_blocks <= st.kv_blocks
+                assert st.running + st.waiting <= 12
+                numbers = [r.step for r in st.steps]
+                assert numbers == sorted(set(numbers))
+                assert not st.steps or st.steps[-1].step <= st.num_steps
+                seen.append(st)
+        except BaseException as e:  # reported by the test body
+            errors.append(e)
+
+    async def run():
+        engine = make(tiny_llama_dir)
+        await engine.start()
+        first = engine.stats
+        kept = repr(first)
+        reader = threading.Thread(target=poll, args=(engine,))
+        reader.start()
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+        async def one(i: int) -> None:
+            async for _ in engine.generate(f"r{i}", [5 + i, 6, 7, 8 + i], params):
+                timeline = await engine.call(lambda e, i=i: e.request_timeline(f"r{i}"))
+                assert timeline is None or timeline["id"] == f"r{i}"
+                dash = await engine.call(lambda e: e.dashboard_state())
+                assert dash["running"] + dash["waiting"] <= 12
+
+        await asyncio.gather(*(one(i) for i in range(12)))
+        stop.set()
+        reader.join()
+        last = engine.stats
+        engine.stop()
+        return first, kept, last
+
+    first, kept, last = asyncio.run(run())
+    assert not errors, errors
+    assert len(seen) > 10 and last.num_steps > first.num_steps
+    assert repr(first) == kept  # held across the whole run, unchanged
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        last.running = 0  # type: ignore[misc]
+    assert sum(r.decode_tokens + r.prefill_tokens for r in last.steps) > 12 * 40

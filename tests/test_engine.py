@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from kvserve.outputs import OutputKind
 from kvserve.sampling_params import SamplingParams
 from tests.conftest import make_llm
 
@@ -169,6 +170,45 @@ def test_streaming_deltas_add_up(tiny_llama_dir):
             ids += o.outputs[0].delta_token_ids
             last = o
     assert last.finished and text == last.outputs[0].text and ids == last.outputs[0].token_ids
+
+
+def test_output_kinds_hold_the_same_generation(tiny_llama_dir):
+    """CUMULATIVE, DELTA and FINAL_ONLY outputs of one request (n=2, logprobs, a stop
+    string) put back together are the same text, tokens and logprobs; DELTA outputs hold
+    only what is new and FINAL_ONLY ones nothing before the last."""
+    llm = make_llm(tiny_llama_dir)
+    engine = llm.engine
+    prompt = random_prompts(1, seed=4)[0]
+    free = llm.generate([prompt], GREEDY)[0].outputs[0]
+    stop = free.text[len(free.text) // 2:][:2]
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=24, logprobs=2,
+                            stop=[stop] if stop else None, ignore_eos=True)
+    runs = {}
+    for kind in OutputKind:
+        engine.add_request(kind.value, prompt, params, output_kind=kind)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.request_id == kind.value]
+        runs[kind] = outs
+        for o in outs:
+            for c in o.outputs:
+                assert c.num_output_tokens >= len(c.delta_token_ids)
+                if kind is OutputKind.DELTA:
+                    assert c.text == c.delta_text and c.token_ids == c.delta_token_ids
+                    assert len(c.logprobs) == len(c.token_ids)
+                if kind is OutputKind.FINAL_ONLY and not o.finished:
+                    assert c.text == "" and c.token_ids == [] and c.logprobs == []
+    final = runs[OutputKind.CUMULATIVE][-1]
+    assert final.finished and runs[OutputKind.FINAL_ONLY][-1].outputs == final.outputs
+    for c in final.outputs:
+        assert c.num_output_tokens == len(c.token_ids) == len(c.logprobs)
+        deltas = [o.outputs[c.index] for o in runs[OutputKind.DELTA]]
+        assert "".join(d.text for d in deltas) == c.text
+        assert [t for d in deltas for t in d.token_ids] == c.token_ids
+        assert [lp for d in deltas for lp in d.logprobs] == c.logprobs
+        steps = [o.outputs[c.index] for o in runs[OutputKind.CUMULATIVE]]
+        assert "".join(d.delta_text for d in steps) == c.text
+    engine.check_integrity()
 
 
 def test_chat_uses_the_template(tiny_llama_dir):

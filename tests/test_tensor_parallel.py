@@ -170,7 +170,7 @@ def test_tp2_with_speculation_matches_plain_decoding(uneven_gqa_dir, mqa_dir, me
     with LLM(str(uneven_gqa_dir), dtype="float32", kv_cache_memory="8MiB",
              tensor_parallel_size=2, speculative_config=json.dumps(spec)) as llm:
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-        assert llm.engine.spec_stats.num_drafts > 0
+        assert llm.engine.speculation.stats.num_drafts > 0
     assert plain == out
 
 

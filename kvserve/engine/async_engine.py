@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.llm_engine import EngineDeadError, LLMEngine
 from kvserve.metrics import EngineMetrics
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,13 @@ class _Add:
     params: SamplingParams
     arrival: float
     cache_salt: str | None
+    output_kind: OutputKind
+    done: asyncio.Future = field(repr=False)
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], object]
     done: asyncio.Future = field(repr=False)
 
 
@@ -46,9 +54,11 @@ class RequestStream:
     """Outputs of one request, the last one finished. `close()` aborts it if unfinished;
     callers must close in a `finally` so a vanished client frees its KV blocks."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str,
+                 output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
         self.engine = engine
         self.request_id = request_id
+        self.output_kind = output_kind
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
         self._closed = False
@@ -93,9 +103,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._error: BaseException | None = None
-        # Read by the event loop without a lock: plain ints written by the engine thread.
-        self.num_running = 0
-        self.num_waiting = 0
+        # Published by the engine thread after every step and read anywhere: an immutable
+        # snapshot replaced whole, never changed in place.
+        self.stats: EngineStats | None = None
         self._pending_adds = 0
 
     # ------------------------------------------------------------------ event-loop side
@@ -113,6 +123,7 @@ class AsyncEngine:
         def main() -> None:
             try:
                 self.engine = self._make_engine()
+                self._publish_state()
             except BaseException as e:
                 self._resolve(loaded, e)
                 return
@@ -137,6 +148,25 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
+    @property
+    def num_running(self) -> int:
+        return self.stats.running if self.stats is not None else 0
+
+    @property
+    def num_waiting(self) -> int:
+        return self.stats.waiting if self.stats is not None else 0
+
+    async def call(self, fn: Callable[[LLMEngine], object]) -> object:
+        """Run `fn(engine)` on the engine thread between two steps (so it sees the engine
+        at rest) and return what it returns; for reads that need more than `stats` holds,
+        such as a running request's timeline. Waits at most one step."""
+        if self._error is not None or self._thread is None or not self._thread.is_alive():
+            raise EngineDeadError(self.health_error() or "the engine is not running")
+        assert self._loop is not None
+        done = self._loop.create_future()
+        self._send(_Call(fn, done))
+        return await done
+
     def health_error(self) -> str | None:
         """Why the engine cannot serve, or None (read from the event loop; never steps)."""
         if self._error is not None:
@@ -149,9 +179,10 @@ class AsyncEngine:
         return engine.workers.status() if engine.workers is not None else None
 
     async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams,
-                          cache_salt: str | None = None) -> RequestStream:
+                          params: SamplingParams, cache_salt: str | None = None,
+                          output_kind: OutputKind = OutputKind.CUMULATIVE) -> RequestStream:
         """Queue a request and wait (at most one step) until the engine has accepted it.
+        With OutputKind.FINAL_ONLY its stream yields only the last output.
 
         Raises ValueError (bad request), QueueFullError or EngineDeadError; otherwise returns
         the stream of its outputs."""
@@ -165,10 +196,11 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         assert self._loop is not None and self.engine is not None, "start() the engine first"
         done = self._loop.create_future()
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, output_kind)
         self._streams[request_id] = stream
         self._pending_adds += 1
-        self._send(_Add(request_id, prompt, params, time.perf_counter(), cache_salt, done))
+        self._send(_Add(request_id, prompt, params, time.perf_counter(), cache_salt,
+                        output_kind, done))
         try:
             await done
         except BaseException:  # rejected, or the caller went away while waiting
@@ -220,11 +252,13 @@ class AsyncEngine:
                 self._deliver_all([(out.request_id, out) for out in outputs])
                 self._publish_state()
             engine.close()
+            self._fail_commands(EngineDeadError("the engine has stopped"))
         except BaseException as e:  # a bug in the loop itself: fail everyone, loudly
             log.exception("engine loop died")
             self._error = e
             for rid in list(self._streams):
                 self._deliver(rid, EngineDeadError(f"engine loop died: {e}"))
+            self._fail_commands(EngineDeadError(f"engine loop died: {e}"))
 
     def _apply_commands(self) -> None:
         while True:
@@ -235,20 +269,38 @@ class AsyncEngine:
             if isinstance(cmd, _Add):
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival,
-                                            cmd.cache_salt)
+                                            cmd.cache_salt, cmd.output_kind)
                 except Exception as e:  # ValueError: the client's fault; else ours
                     self._resolve(cmd.done, e)
                 else:
                     self._resolve(cmd.done, None)
+            elif isinstance(cmd, _Call):
+                try:
+                    result = cmd.fn(self.engine)
+                except Exception as e:
+                    self._resolve(cmd.done, e)
+                else:
+                    self._resolve(cmd.done, None, result)
             else:
                 self.engine.abort_request(cmd[1])
 
-    def _resolve(self, fut: asyncio.Future, error: BaseException | None) -> None:
+    def _fail_commands(self, error: BaseException) -> None:
+        """The loop has ended: answer every add and call still queued with `error`."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add | _Call):
+                self._resolve(cmd.done, error)
+
+    def _resolve(self, fut: asyncio.Future, error: BaseException | None,
+                 result: object = None) -> None:
         def settle() -> None:
             if fut.done():
                 return
             if error is None:
-                fut.set_result(None)
+                fut.set_result(result)
             else:
                 fut.set_exception(error)
 
@@ -263,6 +315,9 @@ class AsyncEngine:
                 stream = self._streams.get(request_id)
                 if stream is None:
                     continue
+                if (stream.output_kind is OutputKind.FINAL_ONLY
+                        and isinstance(item, RequestOutput) and not item.finished):
+                    continue  # counted by the metrics on the engine thread; nothing to show
                 stream.queue.put_nowait(item)
                 if isinstance(item, BaseException) or item.finished:
                     # The consumer holds the stream; forget it here too, so one that is never
@@ -279,13 +334,6 @@ class AsyncEngine:
 
     def _publish_state(self) -> None:
         assert self.engine is not None
-        sched = self.engine.scheduler
-        self.num_running, self.num_waiting = len(sched.running), len(sched.waiting)
+        self.stats = stats = self.engine.stats()
         if self.metrics is not None:
-            kv = self.engine.kv
-            self.metrics.observe_engine(self.num_running, self.num_waiting, kv.usage,
-                                        sched.num_preemptions, kv.stats,
-                                        kv.store.stats if kv.store is not None else None)
-            if self.engine.spec is not None:
-                self.metrics.observe_spec(self.engine.spec, self.engine.spec_stats)
-            self.metrics.observe_steps(self.engine.steps)
+            self.metrics.observe_stats(stats)

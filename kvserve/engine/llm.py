@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 
 from kvserve.engine.llm_engine import EngineArgs, LLMEngine
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 Message = dict[str, str]
@@ -53,7 +53,8 @@ class LLM:
         ids = []
         try:
             for prompt, sp in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(None, prompt, sp))
+                ids.append(self.engine.add_request(None, prompt, sp,
+                                                   output_kind=OutputKind.FINAL_ONLY))
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)

@@ -13,7 +13,8 @@ import itertools
 import logging
 import time
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -37,11 +38,13 @@ from kvserve.kv_cache.planner import (
 )
 from kvserve.kv_cache.tiers import build_store, cache_fingerprint
 from kvserve.models.loader import read_model_config, resolve_model, shard_config
-from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus, timeline_segments
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import Scheduler
 from kvserve.spec_decode import build_drafter
+from kvserve.spec_decode.coordinator import SpecCoordinator
+from kvserve.stats import EngineStats, SpecState, StepRecord, TierState
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvserve.worker.model_runner import ModelRunner, load_target, resolve_quantization
 from kvserve.worker.tp_workers import TensorParallelError, TensorParallelWorkers
@@ -55,8 +58,8 @@ class _Sample:
     detok: IncrementalDetokenizer
     index: int
     stop_reason: str | int | None = None
-    sent_tokens: int = 0
-    sent_text: int = 0
+    sent_tokens: int = 0  # output tokens already handed out
+    new_text: list[str] = field(default_factory=list)  # text not yet handed out
 
 
 @dataclass
@@ -66,6 +69,7 @@ class _Group:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    output_kind: OutputKind = OutputKind.CUMULATIVE
     samples: list[_Sample] = field(default_factory=list)
 
     @property
@@ -107,64 +111,6 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     tp_timeout: float = 60.0  # seconds a collective may wait for a rank before it is failed
     seed: int = 0
-
-
-@dataclass
-class StepRecord:
-    """One engine step: what ran and where its time went (seconds). On a GPU, forward and
-    sample are only separated where the sampler copies results to the host."""
-
-    step: int
-    time: float  # unix time at the start of the step
-    num_requests: int
-    prefill_tokens: int
-    decode_tokens: int  # decode tokens including drafts being verified
-    draft_tokens: int
-    preempted: int
-    draft: float  # proposing speculative drafts
-    schedule: float
-    prepare: float  # input tensors and attention metadata
-    forward: float
-    sample: float  # logits, sampling or verification
-    output: float  # appending tokens, detokenizing, stop checks, outputs
-    total: float
-    all_reduce: float = 0.0  # tensor parallelism: collectives, part of forward and sample
-
-    def as_json(self) -> dict:
-        return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
-
-
-@dataclass
-class SpecStats:
-    """Running totals of speculative decoding, for metrics and benchmarks."""
-
-    num_drafts: int = 0  # draft tokens verified
-    num_accepted: int = 0  # of those, accepted
-    num_rounds: int = 0  # request-steps that verified at least one draft
-    num_steps_off: int = 0  # steps where the batch was too large to speculate
-    # per draft position i (0-based): drafts verified there, and accepted there
-    drafts_at: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted / self.num_drafts if self.num_drafts else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens a verifying step yields per request on average: accepted drafts + 1."""
-        return 1 + self.num_accepted / self.num_rounds if self.num_rounds else 0.0
-
-    def count(self, drafted: int, accepted: int) -> None:
-        self.num_drafts += drafted
-        self.num_accepted += accepted
-        self.num_rounds += 1
-        while len(self.drafts_at) < drafted:
-            self.drafts_at.append(0)
-            self.accepted_at.append(0)
-        for i in range(drafted):
-            self.drafts_at[i] += 1
-            self.accepted_at[i] += i < accepted
 
 
 class EngineDeadError(RuntimeError):
@@ -240,11 +186,10 @@ class LLMEngine:
         sched = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len,
                                 args.short_prompt_steps)
         self.config = EngineConfig(str(path), dtype, device, cache, sched, args.seed)
-        self.spec = SpecConfig.parse(args.speculative_config)
-        self.spec_stats = SpecStats()
-        self.drafter = (build_drafter(self.spec, loaded.model, path, dtype, device, sched)
-                        if self.spec is not None else None)
-        extra = self.drafter.kv_bytes_per_token() if self.drafter is not None else 0
+        spec = SpecConfig.parse(args.speculative_config)
+        drafter = (build_drafter(spec, loaded.model, path, dtype, device, sched)
+                   if spec is not None else None)
+        extra = drafter.kv_bytes_per_token() if drafter is not None else 0
         # A draft model keeps its K/V at the slots of group 0's table, which must then cover
         # every token: with no whole-context layer to head it, no block is freed early.
         all_windowed = all(cfg.window(i) for i in range(cfg.num_layers))
@@ -271,10 +216,11 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cache.block_size, args.enable_prefix_caching,
                                  store, layout)
         self.scheduler = Scheduler(sched, self.kv)
-        if self.drafter is not None:
-            self.drafter.allocate(self.kv)
-            self.runner.keep_hidden = self.drafter.needs_hidden
-            log.info("speculative decoding: %s", self.spec)
+        self.speculation: SpecCoordinator | None = None
+        if spec is not None and drafter is not None:
+            self.speculation = SpecCoordinator(spec, drafter, self.kv)
+            self.runner.keep_hidden = drafter.needs_hidden
+            log.info("speculative decoding: %s", spec)
         per_tok = kv_token_bytes(shard_config(cfg, tp), cache.kv_cache_dtype, dtype).total
         log.info("loaded %s (%s, %d layers, %s weights, %s; quantization %s: %s) in %.1fs",
                  path.name, cfg.architecture, cfg.num_layers, loaded.weight_format,
@@ -324,9 +270,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> str:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> str:
         """Queue a request; a str prompt is tokenized (with BOS if the model wants one).
-        `cache_salt` keeps its prefix-cache blocks apart from other salts (tenants).
+        `cache_salt` keeps its prefix-cache blocks apart from other salts (tenants);
+        `output_kind` says what its outputs hold (see OutputKind).
         Raises ValueError, naming the problem, for anything that cannot be served."""
         if self.dead is not None:
             raise EngineDeadError(f"engine failed: {self.dead}")
@@ -351,7 +299,7 @@ class LLMEngine:
                              f"{self.max_model_len}")
         max_tokens = room if params.max_tokens is None else params.max_tokens
         arrival = time.perf_counter() if arrival_time is None else arrival_time
-        group = _Group(request_id, text, ids)
+        group = _Group(request_id, text, ids, output_kind)
         eos = self.tokenizer.eos_token_ids
         for i in range(params.n):
             sp = params.child(i) if params.n > 1 else params
@@ -405,8 +353,8 @@ class LLMEngine:
         request's new token raises, only that request fails. Failed requests come out
         finished with `error` set."""
         t0 = time.perf_counter()
-        if self.drafter is not None:
-            self._propose()
+        if self.speculation is not None:
+            self.speculation.propose(self.scheduler.running)
         t1 = time.perf_counter()
         sched = self.scheduler.schedule()
         t2 = time.perf_counter()
@@ -438,7 +386,8 @@ class LLMEngine:
             tokens, logprobs, h = next(sampled)
             req = s.request
             if s.num_drafts:
-                self._count_round(req, s.num_drafts, len(tokens) - 1)
+                assert self.speculation is not None
+                self.speculation.verified(req, s.num_drafts, len(tokens) - 1)
             entry = self._samples.get(req.request_id)
             if entry is None:
                 continue  # its request failed earlier in this loop
@@ -446,7 +395,8 @@ class LLMEngine:
             try:
                 self._append(sample, tokens, logprobs, now)
                 if not req.status.finished:
-                    req.spec_hidden = h
+                    if self.speculation is not None:
+                        self.speculation.observe_hidden(req, h)
                     if s.num_drafts:
                         self.scheduler.rollback(req)
             except Exception as e:
@@ -509,7 +459,7 @@ class LLMEngine:
             if req.timeline.first_token is None:
                 req.timeline.first_token = now
                 req.timeline.add(now, "first_token")
-            sample.detok.add_tokens([token])
+            sample.new_text.append(sample.detok.add_tokens([token]))
             status = req.check_stop_token()
             if status is RequestStatus.FINISHED_STOPPED:
                 sample.stop_reason = token if token not in req.eos_token_ids else None
@@ -519,49 +469,6 @@ class LLMEngine:
             if status is not None:
                 self._finish(sample, status, now)
                 return
-
-    # ------------------------------------------------------------------ speculative decoding
-
-    def _propose(self) -> None:
-        """Drafts for the requests that decode in the coming step, by the adaptive policy
-        of SpecConfig (see there), never past a request's max_tokens."""
-        spec, drafter = self.spec, self.drafter
-        assert spec is not None and drafter is not None
-        running = self.scheduler.running
-        decoding = [r for r in running if r.status == RequestStatus.RUNNING
-                    and r.num_computed_tokens == r.num_tokens - 1]
-        if not decoding:
-            return
-        if len(running) > spec.max_batch_size:
-            self.spec_stats.num_steps_off += 1
-            return
-        reqs, ks = [], []
-        budget = spec.max_draft_tokens
-        for r in sorted(decoding, key=lambda r: -r.spec_acceptance):
-            k = min(spec.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1, budget)
-            if r.spec_acceptance < spec.min_acceptance:
-                r.spec_idle_steps += 1
-                if r.spec_idle_steps < spec.probe_interval:
-                    continue
-                k = min(k, 1)
-            if k >= 1:
-                r.spec_idle_steps = 0
-                reqs.append(r)
-                ks.append(k)
-                budget -= k
-        if reqs:
-            drafter.propose(reqs, ks)
-
-    def _count_round(self, req: Request, drafted: int, accepted: int) -> None:
-        self.spec_stats.count(drafted, accepted)
-        req.num_drafted += drafted
-        req.num_accepted += accepted
-        req.timeline.add_spec(drafted, accepted)
-        # Moving average over about the last acceptance_window drafts: each draft token
-        # moves the rate 1/window of the way towards 1 (accepted) or 0.
-        assert self.spec is not None
-        keep = (1 - 1 / self.spec.acceptance_window) ** drafted
-        req.spec_acceptance = keep * req.spec_acceptance + (1 - keep) * accepted / drafted
 
     def _take_pending(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
@@ -580,54 +487,45 @@ class LLMEngine:
 
     def request_timeline(self, request_id: str) -> dict | None:
         """The timeline of a running request or of one of the last `timeline_buffer_size`
-        finished ones (JSON-ready), None when unknown or expired. Safe to call from another
-        thread than the one stepping the engine (it reads, never writes)."""
+        finished ones (JSON-ready), None when unknown or expired. Call it on the thread that
+        steps the engine (AsyncEngine.call does, between steps)."""
         group = self._groups.get(request_id)
-        for _ in range(3):
-            if group is None:
-                break
-            try:
-                return self._timeline_json(group)
-            except (RuntimeError, KeyError, IndexError):  # changed under us; ask again
-                group = self._groups.get(request_id)
+        if group is not None:
+            return self._timeline_json(group)
         return self._timelines.get(request_id)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine now, made of copies (see EngineStats)."""
+        sched, kv = self.scheduler, self.kv
+        tiers = ()
+        if kv.store is not None:
+            st = kv.store.stats
+            tiers = tuple(TierState(t.name, len(t), getattr(t, "capacity", None),
+                                    st.loads.get(t.name, 0), st.saves.get(t.name, 0))
+                          for t in kv.store.tiers)
+        spec = None
+        if self.speculation is not None:
+            c, t = self.speculation.config, self.speculation.stats
+            spec = SpecState(c.method, c.num_speculative_tokens, c.max_batch_size,
+                             c.min_acceptance, t.num_drafts, t.num_accepted, t.num_rounds,
+                             t.num_steps_off, tuple(t.drafts_at), tuple(t.accepted_at))
+        return EngineStats(
+            num_steps=self._num_steps, running=len(sched.running), waiting=len(sched.waiting),
+            num_preemptions=sched.num_preemptions, kv_usage=kv.usage,
+            kv_blocks=kv.num_blocks, kv_free_blocks=kv.num_free_blocks,
+            block_size=kv.block_size, tiers=tiers, prefix_queried_tokens=kv.stats.queries,
+            prefix_hit_tokens=MappingProxyType(dict(kv.stats.hits)), spec=spec,
+            steps=tuple(self.steps) if self._keep_steps else ())
 
     def dashboard_state(self, recent: int = 20) -> dict:
         """The engine's side of the dashboard (JSON-ready): batch, KV pool and tiers, prefix
-        cache, speculation, and the newest requests' waterfall segments. Read-only, safe to
-        call from another thread."""
-        sched, kv = self.scheduler, self.kv
-        tiers = []
-        if kv.store is not None:
-            for t in kv.store.tiers:
-                tiers.append({"name": t.name, "blocks": len(t),
-                              "capacity_blocks": getattr(t, "capacity", None),
-                              "loads": kv.store.stats.loads.get(t.name, 0),
-                              "saves": kv.store.stats.saves.get(t.name, 0)})
-        hits = dict(kv.stats.hits)
-        queried = kv.stats.queries
-        spec = None
-        if self.spec is not None:
-            st = self.spec_stats
-            spec = {"method": self.spec.method, "draft_tokens": st.num_drafts,
-                    "accepted_tokens": st.num_accepted,
-                    "acceptance_rate": round(st.acceptance_rate, 4),
-                    "mean_acceptance_length": round(st.mean_acceptance_length, 3)}
+        cache, speculation, and the newest requests' waterfall segments. Call it on the thread
+        that steps the engine."""
         timelines = list(self._timelines.values())[-recent:]
-        for group in list(self._groups.values())[:recent]:
-            try:
-                timelines.append(self._timeline_json(group))
-            except (RuntimeError, KeyError, IndexError):
-                continue  # changed under us; it shows up next time
+        timelines += [self._timeline_json(g) for g in itertools.islice(
+            self._groups.values(), recent)]
         return {
-            "running": len(sched.running), "waiting": len(sched.waiting),
-            "kv": {"usage": round(kv.usage, 4), "blocks": kv.num_blocks,
-                   "free_blocks": kv.num_free_blocks, "block_size": kv.block_size,
-                   "tiers": tiers},
-            "prefix_cache": {"queried_tokens": queried, "hit_tokens": hits,
-                             "hit_rate": round(sum(hits.values()) / queried, 4) if queried
-                             else None},
-            "spec_decode": spec,
+            **self.stats().as_json(),
             "recent": [{"id": t["id"], "arrival_unix": t["arrival_unix"],
                         "finished": t["finished"], "breakdown": t["breakdown"],
                         "segments": timeline_segments(t["samples"][0]["events"])}
@@ -651,30 +549,49 @@ class LLMEngine:
 
     def _finish(self, sample: _Sample, status: RequestStatus, now: float | None = None) -> None:
         req = sample.request
-        if self.drafter is not None:
-            self.drafter.forget(req)
+        if self.speculation is not None:
+            self.speculation.forget(req)
         if not sample.detok.stopped:
-            sample.detok.finish()
+            sample.new_text.append(sample.detok.finish())
         req.timeline.finished = time.perf_counter() if now is None else now
         req.timeline.add(req.timeline.finished, "finished", reason=status.finish_reason)
         self.scheduler.finish(req, status)
 
     def _output(self, group: _Group) -> RequestOutput:
+        """The group's output for this step, holding what its OutputKind asks for: the new
+        tokens, text and logprobs are sliced from the end, so only CUMULATIVE outputs (and
+        the last one of FINAL_ONLY) cost more as a request grows."""
+        kind = group.output_kind
+        full = kind is OutputKind.CUMULATIVE or (kind is OutputKind.FINAL_ONLY
+                                                 and group.finished)
         completions = []
         for s in group.samples:
-            req, text = s.request, s.detok.text
+            req = s.request
+            new_ids = req.output_token_ids[s.sent_tokens:]
+            new_text = "".join(s.new_text)
+            s.new_text.clear()
+            logprobs = None
+            if req.sampling_params.logprobs is not None:
+                logprobs = (list(req.logprobs) if full else req.logprobs[s.sent_tokens:]
+                            if kind is OutputKind.DELTA else [])
+            if full:
+                text, token_ids = s.detok.text, list(req.output_token_ids)
+            elif kind is OutputKind.DELTA:
+                text, token_ids = new_text, new_ids
+            else:
+                text, token_ids = "", []
             completions.append(CompletionOutput(
                 index=s.index,
                 text=text,
-                token_ids=list(req.output_token_ids),
+                token_ids=token_ids,
                 finish_reason=req.status.finish_reason,
                 stop_reason=s.stop_reason,
-                logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None
-                else None,
-                delta_text=text[s.sent_text:],
-                delta_token_ids=req.output_token_ids[s.sent_tokens:],
+                logprobs=logprobs,
+                delta_text=new_text,
+                delta_token_ids=new_ids,
+                num_output_tokens=req.num_output_tokens,
             ))
-            s.sent_text, s.sent_tokens = len(text), req.num_output_tokens
+            s.sent_tokens = req.num_output_tokens
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,

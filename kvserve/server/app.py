@@ -29,7 +29,7 @@ from kvserve.engine.async_engine import (
 from kvserve.engine.llm_engine import EngineArgs, LLMEngine
 from kvserve.metrics import EngineMetrics
 from kvserve.models.loader import DEFAULT_MODEL, resolve_model
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import OutputKind, RequestOutput
 from kvserve.server.errors import APIError, GuardMiddleware, error_body, install_error_handlers
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -99,9 +99,11 @@ class ServerState:
 
 
 async def _add(engine: AsyncEngine, request_id: str, prompt, params,
-               cache_salt: str | None) -> RequestStream:
+               cache_salt: str | None, stream: bool) -> RequestStream:
+    """A streamed response needs each step's new text; a whole one only the last output."""
+    kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
     try:
-        return await engine.add_request(request_id, prompt, params, cache_salt)
+        return await engine.add_request(request_id, prompt, params, cache_salt, kind)
     except ValueError as e:
         raise APIError(400, str(e)) from e
     except QueueFullError as e:
@@ -141,6 +143,14 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def _engine_call(state: ServerState, fn):
+    """`fn(engine)` on the engine thread between steps: reads of what that thread changes."""
+    try:
+        return await state.ready().call(fn)
+    except EngineDeadError as e:
+        raise APIError(503, str(e)) from e
 
 
 def _close(streams: list[RequestStream]) -> None:
@@ -241,7 +251,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
 
     @app.get("/v1/requests/{request_id}/timeline")
     async def request_timeline(request_id: str) -> dict:
-        timeline = state.llm_engine.request_timeline(request_id)
+        timeline = await _engine_call(state, lambda e: e.request_timeline(request_id))
         if timeline is None:
             raise APIError(404, f"no timeline for request {request_id!r}: unknown, or older "
                            f"than the last {state.engine_args.timeline_buffer_size} finished "
@@ -251,7 +261,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
     @app.get("/v1/engine/stats")
     async def engine_stats() -> dict:
         """Everything the dashboard shows, in one poll."""
-        out = state.llm_engine.dashboard_state()
+        out = await _engine_call(state, lambda e: e.dashboard_state())
         out.update(state.metrics.dashboard())
         out["model"] = state.model_name
         return out
@@ -264,7 +274,8 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
     async def engine_steps(limit: int = 100) -> dict:
         if limit < 1:
             raise APIError(400, "limit must be >= 1", "limit")
-        steps = list(state.llm_engine.steps)[-limit:]
+        stats = state.ready().stats
+        steps = stats.steps[-limit:] if stats is not None else ()
         return {"object": "list", "data": [s.as_json() for s in steps]}
 
     @app.get("/v1/models")
@@ -318,7 +329,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         try:
             for i, p in enumerate(prompts):
                 sub = rid if len(prompts) == 1 else f"{rid}-{i}"
-                streams.append(await _add(engine, sub, p, params, body.cache_salt))
+                streams.append(await _add(engine, sub, p, params, body.cache_salt, body.stream))
         except BaseException:
             _close(streams)
             raise
@@ -354,7 +365,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         rid = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         log.debug("request %s user %s", rid, body.user)
         fmt = Formatter(tok, rid, state.model_name, body.n)
-        stream = await _add(engine, rid, ids, params, body.cache_salt)
+        stream = await _add(engine, rid, ids, params, body.cache_salt, body.stream)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_chat_stream(fmt, stream, include_usage),

@@ -26,7 +26,7 @@ def timings(outs: list[RequestOutput]) -> dict | list[dict]:
 
 def usage(outs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    completion = sum(c.num_output_tokens for o in outs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,

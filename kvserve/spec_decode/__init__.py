@@ -1,4 +1,5 @@
-"""Speculative decoding: drafters (ngram, draft_model, mtp) and exact verification."""
+"""Speculative decoding: the drafters (ngram, draft_model, mtp) and the coordinator that
+decides who drafts (verification is kvserve.rejection_sampler)."""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import torch
+
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request
 
@@ -19,8 +21,8 @@ class Drafter(ABC):
     its next step, so a drafter affects speed only, never the output distribution.
     """
 
-    # Set when the drafter reads the target's final hidden state of the newest token
-    # (`Request.spec_hidden`); the model runner then keeps it.
+    # Set when the drafter reads the target's final hidden state of the newest token; the
+    # model runner then keeps it and the engine hands it over through `take_hidden`.
     needs_hidden: bool = False
 
     @abstractmethod
@@ -34,6 +36,11 @@ class Drafter(ABC):
     def allocate(self, kv: KVCacheManager) -> None:
         """Allocate the drafter's own state for the target's KV pool, once it exists."""
         del kv  # a drafter without state per token slot has nothing to allocate
+
+    def take_hidden(self, req: Request, hidden: torch.Tensor) -> None:
+        """The target's final hidden state at the row that sampled `req`'s newest token
+        (only called when `needs_hidden`)."""
+        del req, hidden
 
     def forget(self, req: Request) -> None:
         """Drop per-request state of a finished request."""

@@ -122,6 +122,7 @@ class MTPDrafter(Drafter):
         # The draft vocabulary's rows of the LM head, copied once (9 MB for 8192 x 576 bf16).
         self.head = head.detach()[ids].clone() if self.vocab_ids is not None else None
         self.head_q: QuantizedWeight | None = None
+        self._hidden: dict[str, torch.Tensor] = {}  # per request: see take_hidden
         if kernels.quant_kernels(dtype, device, module.hidden, 2 * module.hidden):
             # A draft step is one row through ~9 MB of bf16 weights and as much head: int8
             # on the VNNI kernel halves the bytes and skips torch's slow bf16 GEMV (a draft
@@ -164,16 +165,22 @@ class MTPDrafter(Drafter):
             return self.vocab_ids[sub.argmax(dim=-1)].tolist(), None
         return sample_drafts(self._logits(h), reqs, drafts, self.device)
 
+    def take_hidden(self, req: Request, hidden: torch.Tensor) -> None:
+        self._hidden[req.request_id] = hidden
+
+    def forget(self, req: Request) -> None:
+        self._hidden.pop(req.request_id, None)
+
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_drafts: list[int]) -> None:
         live = [(r, k) for r, k in zip(requests, num_drafts, strict=True)
-                if r.spec_hidden is not None and k >= 1]
+                if r.request_id in self._hidden and k >= 1]
         for r in requests:
             r.clear_drafts()
         if not live:
             return
         reqs = [r for r, _ in live]
-        h = torch.stack([r.spec_hidden for r in reqs]).to(self.dtype)
+        h = torch.stack([self._hidden[r.request_id] for r in reqs]).to(self.dtype)
         tokens = torch.tensor([r.all_token_ids[-1] for r in reqs], device=self.device)
         drafts: dict[str, list[int]] = {r.request_id: [] for r in reqs}
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in reqs}

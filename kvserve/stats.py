@@ -1,0 +1,145 @@
+"""What the engine reports about itself: step records, speculation totals, and the
+immutable snapshot (`EngineStats`) that the engine thread publishes after every step, which
+the server, dashboard and metrics read from other threads without locks or retries."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step: what ran and where its time went (seconds). On a GPU, forward and
+    sample are only separated where the sampler copies results to the host."""
+
+    step: int
+    time: float  # unix time at the start of the step
+    num_requests: int
+    prefill_tokens: int
+    decode_tokens: int  # decode tokens including drafts being verified
+    draft_tokens: int
+    preempted: int
+    draft: float  # proposing speculative drafts
+    schedule: float
+    prepare: float  # input tensors and attention metadata
+    forward: float
+    sample: float  # logits, sampling or verification
+    output: float  # appending tokens, detokenizing, stop checks, outputs
+    total: float
+    all_reduce: float = 0.0  # tensor parallelism: collectives, part of forward and sample
+
+    def as_json(self) -> dict:
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+@dataclass
+class SpecStats:
+    """Running totals of speculative decoding, for metrics and benchmarks."""
+
+    num_drafts: int = 0  # draft tokens verified
+    num_accepted: int = 0  # of those, accepted
+    num_rounds: int = 0  # request-steps that verified at least one draft
+    num_steps_off: int = 0  # steps where the batch was too large to speculate
+    # per draft position i (0-based): drafts verified there, and accepted there
+    drafts_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step yields per request on average: accepted drafts + 1."""
+        return 1 + self.num_accepted / self.num_rounds if self.num_rounds else 0.0
+
+    def count(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += drafted
+        self.num_accepted += accepted
+        self.num_rounds += 1
+        while len(self.drafts_at) < drafted:
+            self.drafts_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(drafted):
+            self.drafts_at[i] += 1
+            self.accepted_at[i] += i < accepted
+
+
+@dataclass(frozen=True)
+class TierState:
+    """One lower tier of the prefix cache (host memory or disk)."""
+
+    name: str
+    blocks: int
+    capacity_blocks: int | None
+    loads: int  # blocks served from this tier since start
+    saves: int  # blocks written to it since start
+
+
+@dataclass(frozen=True)
+class SpecState:
+    """Speculative decoding: the policy and a copy of its running totals."""
+
+    method: str
+    num_speculative_tokens: int
+    max_batch_size: int
+    min_acceptance: float
+    num_drafts: int
+    num_accepted: int
+    num_rounds: int
+    num_steps_off: int
+    drafts_at: tuple[int, ...]
+    accepted_at: tuple[int, ...]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.num_accepted / self.num_rounds if self.num_rounds else 0.0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine between two steps. Built on the engine thread from copies, never changed
+    afterwards: a reader on any thread may keep it as long as it likes."""
+
+    num_steps: int
+    running: int
+    waiting: int
+    num_preemptions: int
+    kv_usage: float
+    kv_blocks: int
+    kv_free_blocks: int
+    block_size: int
+    tiers: tuple[TierState, ...] = ()
+    prefix_queried_tokens: int = 0
+    # prompt tokens served by the prefix cache, per tier ("device" is the fast pool)
+    prefix_hit_tokens: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    spec: SpecState | None = None
+    steps: tuple[StepRecord, ...] = ()  # the step profiler's recent records, oldest first
+
+    def as_json(self) -> dict:
+        """The dashboard's engine figures (JSON-ready)."""
+        hits = dict(self.prefix_hit_tokens)
+        queried = self.prefix_queried_tokens
+        spec = None
+        if self.spec is not None:
+            st = self.spec
+            spec = {"method": st.method, "draft_tokens": st.num_drafts,
+                    "accepted_tokens": st.num_accepted,
+                    "acceptance_rate": round(st.acceptance_rate, 4),
+                    "mean_acceptance_length": round(st.mean_acceptance_length, 3)}
+        return {
+            "running": self.running, "waiting": self.waiting,
+            "kv": {"usage": round(self.kv_usage, 4), "blocks": self.kv_blocks,
+                   "free_blocks": self.kv_free_blocks, "block_size": self.block_size,
+                   "tiers": [asdict(t) for t in self.tiers]},
+            "prefix_cache": {"queried_tokens": queried, "hit_tokens": hits,
+                             "hit_rate": round(sum(hits.values()) / queried, 4) if queried
+                             else None},
+            "spec_decode": spec,
+        }
