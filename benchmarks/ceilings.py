@@ -25,7 +25,7 @@ import argparse
 
 import torch
 
-from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+from kvserve.engine.llm_engine import EngineArgs, LLMEngine, build_engine
 from kvserve.roofline import PROMPT_LEN, CostModel, measure_machine, time_decode
 
 
@@ -56,7 +56,7 @@ def main() -> None:
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 
-    engine = LLMEngine(EngineArgs(model=None, quantization=args.quantization,
+    engine = build_engine(EngineArgs(model=None, quantization=args.quantization,
                                   max_num_seqs=max(batches),
                                   max_num_batched_tokens=max(512, max(batches))))
     m = machine(args.repeats)

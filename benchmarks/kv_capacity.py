@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import random
 
-from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+from kvserve.engine.llm_engine import EngineArgs, build_engine
 from kvserve.sampling_params import SamplingParams
 
 
 def peak_running(kv_cache_dtype: str, budget: str, n: int, prompt_len: int) -> dict:
-    engine = LLMEngine(EngineArgs(kv_cache_memory=budget, kv_cache_dtype=kv_cache_dtype,
+    engine = build_engine(EngineArgs(kv_cache_memory=budget, kv_cache_dtype=kv_cache_dtype,
                                   max_num_seqs=512, max_num_batched_tokens=8192,
                                   enable_prefix_caching=False))
     rng = random.Random(0)

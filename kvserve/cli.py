@@ -75,6 +75,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-timeout", type=float, default=60.0,
                    help="seconds a tensor-parallel collective waits for a rank before the "
                         "engine fails (a dead or hung rank)")
+    g.add_argument("--engine-process", action="store_true",
+                   help="run the engine core (scheduler, model, KV cache) in a process of its "
+                        "own, behind a pipe, instead of on the engine thread")
     g.add_argument("--no-download", action="store_true",
                    help="fail instead of installing the default model when it is missing")
 
@@ -139,13 +142,14 @@ def engine_args_from(args: argparse.Namespace):
         kv_cache_write_policy=args.kv_cache_write_policy,
         speculative_config=args.speculative_config,
         timeline_buffer_size=args.timeline_buffer_size, step_buffer_size=args.step_buffer_size,
-        tensor_parallel_size=args.tensor_parallel_size, tp_timeout=args.tp_timeout)
+        tensor_parallel_size=args.tensor_parallel_size, tp_timeout=args.tp_timeout,
+        engine_process=args.engine_process)
 
 
 def engine_from(args: argparse.Namespace):
-    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.llm_engine import build_engine
 
-    return LLMEngine(engine_args_from(args))
+    return build_engine(engine_args_from(args))
 
 
 def stream(engine, request_id: str, out=sys.stdout) -> object:
@@ -395,7 +399,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     import torch
 
     from kvserve import roofline
-    from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+    from kvserve.engine.llm_engine import EngineArgs, build_engine
     from kvserve.kv_cache.planner import dtype_name
 
     ensure_default_model(args)
@@ -407,7 +411,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     if not batches or min(batches) < 1 or args.prefill < 0 or args.steps < 1 \
             or args.repeats < 1:
         raise ValueError("--batches must be >= 1, --prefill >= 0, --steps and --repeats >= 1")
-    engine = LLMEngine(EngineArgs(
+    engine = build_engine(EngineArgs(
         model=args.model, dtype=args.dtype, quantization=args.quantization,
         enable_prefix_caching=False, max_num_seqs=max(batches),
         max_num_batched_tokens=max(512, max(batches), args.prefill),

@@ -155,7 +155,7 @@ class EngineMetrics:
         self._advance(self.preemptions, ("preemptions", ""), stats.num_preemptions)
         self._advance(self._prefix_queries.labels(self.model_name), ("queries", ""),
                       stats.prefix_queried_tokens)
-        for tier, tokens in stats.prefix_hit_tokens.items():
+        for tier, tokens in stats.prefix_hit_tokens:
             self._advance(self._prefix_hits.labels(self.model_name, tier), ("hits", tier),
                           tokens)
         for t in stats.tiers:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvserve.request import Request
+from kvserve.request import Request, RequestStatus
 from kvserve.sampler import TokenLogprobs
 
 
@@ -68,23 +68,64 @@ class RequestMetrics:
         }
 
     @classmethod
-    def from_requests(cls, reqs: list[Request]) -> RequestMetrics:
-        """One request's metrics; for n > 1 the samples' timelines are merged."""
-        t = [r.timeline for r in reqs]
-        done = [x.finished for x in t]
+    def from_times(cls, times: list[RequestTimes], num_generation_tokens: int
+                   ) -> RequestMetrics:
+        """One request's metrics from its samples' times (merged for n > 1)."""
+        done = [t.finished for t in times]
         return cls(
-            arrival_time=min(x.arrival for x in t),
-            first_scheduled_time=_min([x.first_scheduled for x in t]),
-            first_token_time=_min([x.first_token for x in t]),
+            arrival_time=min(t.arrival for t in times),
+            first_scheduled_time=_min([t.first_scheduled for t in times]),
+            first_token_time=_min([t.first_token for t in times]),
             finished_time=None if None in done else max(done),  # type: ignore[type-var]
-            num_preemptions=sum(x.num_preemptions for x in t),
-            num_prompt_tokens=reqs[0].num_prompt_tokens,
-            num_generation_tokens=sum(r.num_output_tokens for r in reqs),
-            num_draft_tokens=sum(x.num_drafted for x in t),
-            num_accepted_tokens=sum(x.num_accepted for x in t),
-            num_cached_prompt_tokens=reqs[0].num_cached_tokens or 0,
-            preempted_time=sum(x.preempted_time for x in t),
+            num_preemptions=sum(t.num_preemptions for t in times),
+            num_prompt_tokens=times[0].num_prompt_tokens,
+            num_generation_tokens=num_generation_tokens,
+            num_draft_tokens=sum(t.num_drafted for t in times),
+            num_accepted_tokens=sum(t.num_accepted for t in times),
+            num_cached_prompt_tokens=times[0].num_cached_tokens or 0,
+            preempted_time=sum(t.preempted_time for t in times),
         )
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """The instants and counts of one scheduled request (a sample), as the engine core
+    reports them with every output: a copy, O(1) to make."""
+
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    finished: float | None
+    num_preemptions: int
+    preempted_time: float
+    num_drafted: int
+    num_accepted: int
+    num_prompt_tokens: int
+    num_cached_tokens: int | None  # prompt tokens served by the prefix cache at admission
+
+    @classmethod
+    def of(cls, req: Request) -> RequestTimes:
+        t = req.timeline
+        return cls(t.arrival, t.first_scheduled, t.first_token, t.finished, t.num_preemptions,
+                   t.preempted_time, t.num_drafted, t.num_accepted, req.num_prompt_tokens,
+                   req.num_cached_tokens)
+
+
+@dataclass
+class CoreOutput:
+    """What one step did to one scheduled request (a sample), from the engine core to the
+    output processor: only the new tokens, so its size does not grow with the request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    times: RequestTimes
+    # set when the core finished the request: a stop token or length (then the tokens end
+    # there), an abort, or a failure (`error`)
+    finish: RequestStatus | None = None
+    stop_token: int | None = None  # the stop token (not EOS) that ended it
+    error: str | None = None
+    events: list[dict] | None = None  # once finished: its timeline (JSON), when recorded
 
 
 def _span(a: float | None, b: float | None) -> float | None:

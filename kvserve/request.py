@@ -138,7 +138,6 @@ class Request:
     # Block tables of KV groups 1, 2, ... (models mixing sliding-window and whole-context
     # layers, see kv_cache.layout); block_ids is group 0's.
     group_tables: list[list[int]] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
     num_cached_tokens: int | None = None  # prompt tokens served from the cache at admission
     # Speculative decoding: unverified tokens after all_token_ids, scheduled like any other
     # token; verification turns the accepted ones into output and drops the rest. draft_probs

@@ -4,9 +4,7 @@ the server, dashboard and metrics read from other threads without locks or retri
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from types import MappingProxyType
 
 
 @dataclass(frozen=True)
@@ -118,7 +116,7 @@ class EngineStats:
     tiers: tuple[TierState, ...] = ()
     prefix_queried_tokens: int = 0
     # prompt tokens served by the prefix cache, per tier ("device" is the fast pool)
-    prefix_hit_tokens: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    prefix_hit_tokens: tuple[tuple[str, int], ...] = ()
     spec: SpecState | None = None
     steps: tuple[StepRecord, ...] = ()  # the step profiler's recent records, oldest first
 

@@ -215,6 +215,11 @@ class Tokenizer:
         )
 
     @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """The tokenizer of a model: a GGUF file or a Hugging Face style directory."""
+        return cls.from_dir(path) if Path(path).is_dir() else cls.from_gguf(path)
+
+    @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Load a Hugging Face style directory: tokenizer.json plus the optional
         tokenizer_config.json, chat_template.jinja / chat_template.json, generation_config.json."""

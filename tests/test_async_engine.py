@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from kvserve.engine.async_engine import AsyncEngine, QueueFullError
-from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+from kvserve.engine.llm_engine import EngineArgs, build_engine
 from kvserve.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -17,7 +17,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 def make(path, **kw) -> AsyncEngine:
     args = EngineArgs(model=str(path), dtype="float32", block_size=4, num_kv_blocks=128)
-    return AsyncEngine(lambda: LLMEngine(args), **kw)
+    return AsyncEngine(lambda: build_engine(args), **kw)
 
 
 async def _tokens(engine: AsyncEngine, rid: str, prompt: list[int]) -> list[int]:
@@ -80,7 +80,7 @@ def test_bad_request_and_full_queue(tiny_llama_dir):
 
 def test_load_failure_is_raised(tmp_path):
     async def run():
-        engine = AsyncEngine(lambda: LLMEngine(EngineArgs(model=str(tmp_path / "nope.gguf"))))
+        engine = AsyncEngine(lambda: build_engine(EngineArgs(model=str(tmp_path / "nope.gguf"))))
         with pytest.raises(ValueError, match="not found"):
             await engine.start()
 

@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+from kvserve.engine.llm_engine import EngineArgs, LLMEngine, build_engine
 from kvserve.sampling_params import SamplingParams
 
 
@@ -41,7 +41,7 @@ def run_workload(args: EngineArgs, requests: list[tuple[list[int], SamplingParam
                  ) -> list[list[Completion]]:
     """Each request (prompt ids, params, arrival step) added at its step of one engine;
     returns every request's completions (token ids, their logprobs), in request order."""
-    engine = LLMEngine(args)
+    engine = build_engine(args)
     _invariant_or_skip(engine)
     order = sorted(range(len(requests)), key=lambda i: requests[i][2])
     done: dict[str, list[Completion]] = {}
@@ -75,7 +75,7 @@ class Alone:
         key = (config, tuple(prompt), repr(params))
         if key not in self.results:
             if config not in self.engines:
-                self.engines[config] = LLMEngine(EngineArgs(
+                self.engines[config] = build_engine(EngineArgs(
                     model=args.model, dtype=args.dtype, quantization=args.quantization,
                     kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False,
                     disable_hybrid_kv_cache_manager=True, kv_cache_memory="64MiB"))
@@ -221,7 +221,7 @@ def test_seeded_sampling_is_independent_of_speculation_and_preemption(tiny_llama
            "block_size": 4, "num_kv_blocks": 20, "enable_prefix_caching": True,
            "short_prompt_steps": True, "tier": "host", "speculation": "draft_model"}
     args = engine_args(cfg, "float32", tmp_path)
-    engine = LLMEngine(args)
+    engine = build_engine(args)
     _invariant_or_skip(engine)
     requests = [(p, sp, i % 3) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
     _check(args, requests, alone)
@@ -262,7 +262,7 @@ def test_a_configuration_that_is_not_invariant_says_so(tiny_llama_dir, monkeypat
     kernels.ops.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="kvserve.engine.llm_engine"):
-            engine = LLMEngine(EngineArgs(model=str(tiny_llama_dir), dtype="float32",
+            engine = build_engine(EngineArgs(model=str(tiny_llama_dir), dtype="float32",
                                           num_kv_blocks=16, block_size=4))
     finally:
         monkeypatch.delenv("KVSERVE_NO_CPP")
@@ -271,7 +271,7 @@ def test_a_configuration_that_is_not_invariant_says_so(tiny_llama_dir, monkeypat
     assert len(lines) == 1
     assert "attention on torch's ops" in lines[0] and "F.linear" in lines[0]
     assert engine.runner.model.batch_variant_parts()
-    invariant = LLMEngine(EngineArgs(model=str(tiny_llama_dir), dtype="float32",
+    invariant = build_engine(EngineArgs(model=str(tiny_llama_dir), dtype="float32",
                                      num_kv_blocks=16, block_size=4))
     if kernels.attention_kernels(torch.float32, "cpu", 16) is not None:
         assert invariant.runner.model.batch_variant_parts() == []

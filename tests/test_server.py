@@ -12,7 +12,8 @@ import openai
 import pytest
 import torch
 
-from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+from kvserve.engine.llm_engine import EngineArgs
+from kvserve.engine.processor import OutputProcessor
 from tests.server_utils import metric, run_server
 from tests.test_cli import CHAT_QUESTION
 
@@ -363,15 +364,15 @@ def test_unknown_route_404(server):
 def test_one_failing_request_does_not_disturb_others(server, monkeypatch):
     """An exception while handling one request fails it with 500; others run on."""
     url, _ = server
-    original = LLMEngine._append
+    original = OutputProcessor._append
     poison = "POISON"
 
-    def flaky(self, sample, token, logprobs, now):
-        if poison in (self._samples[sample.request.request_id][0].prompt or ""):
+    def flaky(self, sample, core_output):
+        if poison in (self._samples[sample.request_id][0].prompt or ""):
             raise RuntimeError("injected failure")
-        return original(self, sample, token, logprobs, now)
+        return original(self, sample, core_output)
 
-    monkeypatch.setattr(LLMEngine, "_append", flaky)
+    monkeypatch.setattr(OutputProcessor, "_append", flaky)
     results: dict[str, httpx.Response] = {}
 
     def call(name: str, prompt: str) -> None:

@@ -22,8 +22,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvserve.distributed.parallel import TensorParallel, check_split, head_shard, split
+from kvserve.engine.core import _check_tensor_parallel
 from kvserve.engine.llm import LLM
-from kvserve.engine.llm_engine import EngineArgs, _check_tensor_parallel
+from kvserve.engine.llm_engine import EngineArgs
 from kvserve.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from kvserve.sampling_params import SamplingParams
 from tests.conftest import build_tiny_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import fields
 
-from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+from kvserve.engine.llm_engine import EngineArgs, build_engine
 from kvserve.outputs import OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -24,7 +24,7 @@ class LLM:
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(known)}")
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self.engine = build_engine(EngineArgs(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
     def close(self) -> None:
@@ -72,10 +72,7 @@ class LLM:
 
     def render_chat(self, messages: list[Message], add_generation_prompt: bool = True
                     ) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages,
-                                                  add_generation_prompt=add_generation_prompt)
-        # The template writes BOS itself where the model wants it.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.engine.processor.encode_chat(messages, add_generation_prompt)
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

@@ -26,7 +26,8 @@ from kvserve.engine.async_engine import (
     QueueFullError,
     RequestStream,
 )
-from kvserve.engine.llm_engine import EngineArgs, LLMEngine
+from kvserve.engine.llm_engine import EngineArgs, LLMEngine, build_engine
+from kvserve.engine.processor import OutputProcessor
 from kvserve.metrics import EngineMetrics
 from kvserve.models.loader import DEFAULT_MODEL, resolve_model
 from kvserve.outputs import OutputKind, RequestOutput
@@ -83,6 +84,10 @@ class ServerState:
         engine = self.ready().engine
         assert engine is not None
         return engine
+
+    @property
+    def processor(self) -> OutputProcessor:
+        return self.llm_engine.processor
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -205,7 +210,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
     state = ServerState(engine_args, args)
 
     async def load() -> None:
-        engine = AsyncEngine(lambda: LLMEngine(engine_args), state.metrics,
+        engine = AsyncEngine(lambda: build_engine(engine_args), state.metrics,
                              args.max_waiting_requests)
         try:
             await engine.start()
@@ -293,8 +298,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'")
         if body.messages is not None:
-            text = _render_chat(tok, body.messages, body.add_generation_prompt)
-            ids = tok.encode(text, add_special_tokens=False)
+            ids = _encode_chat(state.processor, body.messages, body.add_generation_prompt)
         else:
             ids = tok.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
@@ -357,8 +361,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", "top_logprobs")
         tok = state.tokenizer
-        ids = tok.encode(_render_chat(tok, body.messages, body.add_generation_prompt),
-                         add_special_tokens=False)
+        ids = _encode_chat(state.processor, body.messages, body.add_generation_prompt)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
         params = _params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
@@ -393,7 +396,7 @@ def _params(body, max_tokens: int | None, logprobs: int | None):
         raise APIError(400, str(e)) from e
 
 
-def _render_chat(tok: Tokenizer, messages, add_generation_prompt: bool) -> str:
+def _encode_chat(processor: OutputProcessor, messages, add_generation_prompt: bool) -> list[int]:
     plain = []
     for m in messages:
         item = {"role": m.role, "content": m.text()}
@@ -401,7 +404,7 @@ def _render_chat(tok: Tokenizer, messages, add_generation_prompt: bool) -> str:
             item["name"] = m.name
         plain.append(item)
     try:
-        return tok.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        return processor.encode_chat(plain, add_generation_prompt)
     except ValueError as e:
         raise APIError(400, f"chat template: {e}", "messages") from e
 

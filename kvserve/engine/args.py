@@ -1,0 +1,44 @@
+"""The engine's user-facing configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineArgs:
+    """User-facing knobs, named as vLLM names them."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    short_prompt_steps: bool = True
+    block_size: int = 16
+    kv_cache_memory: int | str = "1GiB"
+    num_kv_blocks: int | None = None  # exact block count, overriding the memory budget
+    kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or "int8"
+    # weight-only quantization: auto (a GGUF's precision class where kvserve's int4/int8
+    # kernel runs, unless dtype is float32 by name; else none) | none | int8 | int4
+    quantization: str = "auto"
+    enable_prefix_caching: bool = True
+    # keep blocks before the windows of sliding-window layers (see kv_cache.layout)
+    disable_hybrid_kv_cache_manager: bool = False
+    host_kv_cache_memory: int | str = 0  # host tier of the prefix cache; 0 = none
+    kv_cache_dir: str | None = None  # disk tier of the prefix cache, kept across restarts
+    kv_cache_disk_size: int | str = "8GiB"
+    kv_cache_write_policy: str = "write-back"  # or "write-through"
+    # speculative decoding: JSON string or dict, vLLM's --speculative-config (SpecConfig)
+    speculative_config: str | dict | None = None
+    timeline_buffer_size: int = 1000  # finished requests whose timelines are kept; 0: off
+    step_buffer_size: int = 1000  # recent engine steps kept by the step profiler; 0: off
+    # ranks the model is split over (torch.distributed: gloo on CPU, NCCL on CUDA); the KV
+    # budget is per rank
+    tensor_parallel_size: int = 1
+    tp_timeout: float = 60.0  # seconds a collective may wait for a rank before it is failed
+    # run the engine core (scheduler, model, KV cache) in a process of its own, behind a pipe
+    # (engine.core_process), instead of on the engine thread
+    engine_process: bool = False
+    seed: int = 0

@@ -1,0 +1,446 @@
+"""The engine core: the scheduler, model runner, KV cache and speculative decoding.
+
+It serves scheduled requests (`Request`, one per sample, already tokenized) and reports what
+each step did to each of them as `CoreOutput`s holding only the new tokens. It knows nothing
+of text, stop strings, n > 1 groups or output kinds: that is the output processor's side
+(engine.processor). One step: drafts are proposed, the scheduler picks what runs, the runner
+computes and samples, and the core appends the tokens (stopping at a stop token or the
+length limit) and releases finished requests.
+
+Readers on other threads use `stats()`'s snapshots (published by AsyncEngine), never the
+parts themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import torch
+
+from kvserve.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpecConfig,
+    parse_size,
+    resolve_dtype,
+)
+from kvserve.distributed.parallel import SINGLE, TensorParallel, check_split
+from kvserve.engine.args import EngineArgs
+from kvserve.kv_cache.layout import KVLayout
+from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.kv_cache.planner import (
+    capacity_gain,
+    dtype_name,
+    kv_token_bytes,
+    plan_num_blocks,
+    slot_bytes,
+)
+from kvserve.kv_cache.tiers import build_store, cache_fingerprint
+from kvserve.models.loader import read_model_config, resolve_model, shard_config
+from kvserve.outputs import CoreOutput, RequestTimes
+from kvserve.request import Request, RequestStatus
+from kvserve.scheduler import Scheduler
+from kvserve.spec_decode import build_drafter
+from kvserve.spec_decode.coordinator import SpecCoordinator
+from kvserve.stats import EngineStats, SpecState, StepRecord, TierState
+from kvserve.tokenizer import Tokenizer
+from kvserve.worker.model_runner import ModelRunner, load_target, resolve_quantization
+from kvserve.worker.tp_workers import TensorParallelError, TensorParallelWorkers
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine can no longer serve (its loop died, or a tensor-parallel rank failed)."""
+
+
+def _check_tensor_parallel(args: EngineArgs) -> None:
+    """Features that keep state only on rank 0 and so cannot work split over ranks."""
+    if parse_size(args.host_kv_cache_memory) or args.kv_cache_dir:
+        raise ValueError("the host and disk prefix-cache tiers copy one process's KV cache; "
+                         "they are not supported with --tensor-parallel-size > 1")
+    spec = SpecConfig.parse(args.speculative_config)
+    if spec is not None and spec.method == "mtp":
+        raise ValueError("the mtp drafter reads the target's full embedding and LM head, "
+                         "which tensor parallelism splits; use ngram or draft_model")
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs) -> None:
+        """Load the model (and spawn the tensor-parallel ranks) and set up the KV cache,
+        scheduler and drafter; the loaded tokenizer is `tokenizer`, for the front."""
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda requested but no CUDA device is available")
+        dtype = resolve_dtype(args.dtype, device)
+        if args.timeline_buffer_size < 0 or args.step_buffer_size < 0:
+            raise ValueError("timeline and step buffer sizes must be >= 0")
+        torch.manual_seed(args.seed)
+        path = resolve_model(args.model)
+        t0 = time.perf_counter()
+        self.workers: TensorParallelWorkers | None = None
+        self.dead: str | None = None  # why the engine can no longer step, once it cannot
+        tp = SINGLE
+        if args.tensor_parallel_size > 1:
+            _check_tensor_parallel(args)
+            cfg = read_model_config(path)  # metadata only: refuse a bad split before spawning
+            check_split(cfg.num_heads, cfg.num_kv_heads, args.tensor_parallel_size)
+            self.workers = TensorParallelWorkers(
+                str(path), dtype, device.type, args.kv_cache_dtype,
+                resolve_quantization(args.quantization, args.dtype),
+                args.block_size, args.tensor_parallel_size, args.tp_timeout,
+                args.max_model_len)
+            tp = self.workers.tp
+            device = self.workers.device
+        elif args.tensor_parallel_size != 1:
+            raise ValueError("--tensor-parallel-size must be >= 1")
+        try:
+            self._build(args, path, dtype, device, tp, t0)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.close(timeout=1.0)
+            raise
+
+    def _build(self, args: EngineArgs, path, dtype: torch.dtype, device: torch.device,
+               tp: TensorParallel, t0: float) -> None:
+        """Load this rank's model shard and set up the cache, scheduler and drafter."""
+        loaded, self.quantization = load_target(
+            str(path), dtype, device, args.kv_cache_dtype,
+            resolve_quantization(args.quantization, args.dtype), tp, args.max_model_len)
+        self.model_config = cfg = loaded.config
+        if loaded.gguf_reader is not None:
+            self.tokenizer = Tokenizer.from_gguf(path, reader=loaded.gguf_reader)
+            # The reader's parsed metadata (a numpy array per vocabulary entry and merge) and
+            # its mapped file held ~230 MB measured here; drop it before the KV cache is
+            # allocated, which is when resident memory peaks.
+            loaded.gguf_reader = None
+        else:
+            self.tokenizer = Tokenizer.from_dir(path)
+        max_len = args.max_model_len or cfg.max_position
+        if max_len > cfg.max_position:
+            raise ValueError(f"--max-model-len {max_len} exceeds the model's context length "
+                             f"{cfg.max_position}")
+        cache = CacheConfig(args.block_size, parse_size(args.kv_cache_memory),
+                            args.num_kv_blocks, args.kv_cache_dtype)
+        sched = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len,
+                                args.short_prompt_steps)
+        self.config = EngineConfig(str(path), dtype, device, cache, sched, args.seed)
+        spec = SpecConfig.parse(args.speculative_config)
+        drafter = (build_drafter(spec, loaded.model, path, dtype, device, sched)
+                   if spec is not None else None)
+        extra = drafter.kv_bytes_per_token() if drafter is not None else 0
+        # A draft model keeps its K/V at the slots of group 0's table, which must then cover
+        # every token: with no whole-context layer to head it, no block is freed early.
+        all_windowed = all(cfg.window(i) for i in range(cfg.num_layers))
+        free = not args.disable_hybrid_kv_cache_manager and not (extra and all_windowed)
+        self.kv_layout = layout = KVLayout.for_model(cfg, free_windows=free)
+        num_blocks = plan_num_blocks(shard_config(cfg, tp), cache, dtype, extra, layout)
+        if self.workers is not None:
+            num_blocks = self.workers.agree_num_blocks(cache, layout, num_blocks)
+        self.runner = ModelRunner(loaded.model, cache, num_blocks, dtype, device, self.workers,
+                                  layout)
+        store = None
+        host_bytes = parse_size(args.host_kv_cache_memory)
+        if host_bytes or args.kv_cache_dir:
+            if not args.enable_prefix_caching:
+                raise ValueError("--host-kv-cache-memory and --kv-cache-dir need prefix caching")
+            kv0 = self.runner.kv_caches[0]
+            fingerprint = cache_fingerprint(path, cfg, dtype, (tuple(kv0.shape[:2]), kv0.shape[3],
+                                                               str(kv0.dtype), layout),
+                                            cache.block_size)
+            store = build_store(self.runner.kv_caches, cache.block_size,
+                                host_bytes, args.kv_cache_dir,
+                                parse_size(args.kv_cache_disk_size), fingerprint,
+                                args.kv_cache_write_policy)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, args.enable_prefix_caching,
+                                 store, layout)
+        self.scheduler = Scheduler(sched, self.kv)
+        self.speculation: SpecCoordinator | None = None
+        if spec is not None and drafter is not None:
+            self.speculation = SpecCoordinator(spec, drafter, self.kv)
+            self.runner.keep_hidden = drafter.needs_hidden
+            log.info("speculative decoding: %s", spec)
+        per_tok = kv_token_bytes(shard_config(cfg, tp), cache.kv_cache_dtype, dtype).total
+        log.info("loaded %s (%s, %d layers, %s weights, %s; quantization %s: %s) in %.1fs",
+                 path.name, cfg.architecture, cfg.num_layers, loaded.weight_format,
+                 dtype_name(dtype), self.quantization, loaded.model.weight_kernel(),
+                 time.perf_counter() - t0)
+        variant = loaded.model.batch_variant_parts()
+        if variant:
+            log.warning("not batch-invariant here: a request's tokens may depend on what else "
+                        "runs with it (%s)", "; ".join(variant))
+        if layout.hybrid:
+            # A block holds one group's layers; a token costs per_tok in the whole-context
+            # layers and nothing more in a sliding-window layer once it leaves the window.
+            blk = slot_bytes(shard_config(cfg, tp), cache.kv_cache_dtype, dtype, layout)
+            log.info("KV cache%s: %d blocks x %d tokens x %d layers, %.2f GiB; %s; a token "
+                     "takes %.1f KiB in every layer, %.1f KiB once older than the windows",
+                     " (rank 0's heads)" if tp.size > 1 else "", num_blocks,
+                     cache.block_size, layout.group_size,
+                     num_blocks * cache.block_size * blk / 2**30, layout.describe(),
+                     per_tok / 1024, blk * layout.group_windows.count(0) / 1024)
+        else:
+            log.info("KV cache%s: %d blocks x %d tokens = %d tokens, %.1f KiB per token, "
+                     "%.2f GiB%s", " (rank 0's heads)" if tp.size > 1 else "", num_blocks,
+                     cache.block_size, num_blocks * cache.block_size, per_tok / 1024,
+                     num_blocks * cache.block_size * per_tok / 2**30,
+                     "" if not any(cfg.window(i) for i in range(cfg.num_layers)) else
+                     f"; {layout.describe()}" if layout.group_windows[0] else
+                     "; blocks before the sliding windows kept")
+        if cache.kv_cache_dtype == "int8":
+            log.info("int8 KV: %.2fx the tokens of %s", capacity_gain(cfg, "int8", dtype),
+                     dtype_name(dtype))
+        self.steps: deque[StepRecord] = deque(maxlen=max(args.step_buffer_size, 1))
+        self._keep_steps = args.step_buffer_size > 0
+        self._record_timelines = args.timeline_buffer_size > 0
+        self._num_steps = 0
+        self.wall_offset = time.time() - time.perf_counter()  # perf_counter -> unix time
+        self._requests: dict[str, Request] = {}
+        self._pending: list[CoreOutput] = []
+        self._step_start: tuple | None = None  # a step's timings until record_step
+
+    # ------------------------------------------------------------------ requests in and out
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def check_request(self, req: Request) -> None:
+        """Raise ValueError, naming the problem, if `req` could never be served."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine failed: {self.dead}")
+        if req.request_id in self._requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.scheduler.check_request(req)
+
+    def add_request(self, req: Request) -> None:
+        """Queue `req` (checked by check_request first); the core owns it from now on."""
+        self.check_request(req)
+        req.timeline.record = self._record_timelines
+        req.timeline.add(req.arrival_time, "arrival", prompt_tokens=req.num_prompt_tokens)
+        self.scheduler.add_request(req)
+        self._requests[req.request_id] = req
+
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       num_output_tokens: int | None = None, error: str | None = None
+                       ) -> CoreOutput | None:
+        """End a request now and free its KV blocks (an abort, or a stop string the front
+        found); with `num_output_tokens`, the tokens after that many are dropped first (a
+        stop string inside a step's speculative tokens). Returns its last output, None if
+        the id is unknown or already finished."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        if num_output_tokens is not None:
+            extra = req.num_output_tokens - num_output_tokens
+            if extra > 0:
+                del req.output_token_ids[-extra:]
+                del req.all_token_ids[-extra:]
+        self._finish(req, status)
+        if error and req.timeline.events:
+            req.timeline.events[-1][2]["error"] = error
+        return self._final(req, [], None, status, error=error)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._pending)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    def request_status(self, request_id: str) -> tuple[str, list[dict]] | None:
+        """A running request's status and timeline events (JSON), None when unknown."""
+        req = self._requests.get(request_id)
+        return None if req is None else (req.status.value, req.timeline.as_json())
+
+    # ------------------------------------------------------------------------------ a step
+
+    def step(self) -> list[CoreOutput]:
+        """Run one batch. A failure is confined to the requests it touches: if the model step
+        raises, every request in that batch fails (the others keep going); if handling one
+        request's new token raises, only that request fails. Failed requests come out
+        finished (aborted) with `error` set. Call `record_step` once the outputs are
+        handled, so the step profiler's output phase includes that."""
+        t0 = time.perf_counter()
+        if self.speculation is not None:
+            self.speculation.propose(self.scheduler.running)
+        t1 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t2 = time.perf_counter()
+        self._step_start = None
+        if sched.is_empty:
+            return self._take_pending()
+        try:
+            result = self.runner.execute(sched)
+        except TensorParallelError as e:
+            self._die(str(e))
+            return self._take_pending()
+        except Exception as e:
+            log.exception("model step failed; failing the %d requests in it",
+                          len(sched.scheduled))
+            self.kv.discard_step()  # blocks registered for this step hold no valid K/V
+            for s in sched.scheduled:
+                self._fail(s.request.request_id, f"{type(e).__name__}: {e}")
+            return self._take_pending()
+        self.scheduler.update_after_step(sched)
+        self.kv.after_step()
+        now = time.perf_counter()
+        outputs = self._take_pending()
+        hidden = result.hidden or [None] * len(result.token_ids)
+        sampled = iter(zip(result.token_ids, result.logprobs, hidden, strict=True))
+        for s in sched.scheduled:
+            if not s.samples:
+                continue
+            tokens, logprobs, h = next(sampled)
+            req = s.request
+            if s.num_drafts:
+                assert self.speculation is not None
+                self.speculation.verified(req, s.num_drafts, len(tokens) - 1)
+            if req.request_id not in self._requests:
+                continue  # it failed earlier in this loop
+            try:
+                out = self._append(req, tokens, logprobs, now)
+                if out.finish is None:
+                    if self.speculation is not None:
+                        self.speculation.observe_hidden(req, h)
+                    if s.num_drafts:
+                        self.scheduler.rollback(req)
+            except Exception as e:
+                log.exception("request %s failed", req.request_id)
+                self._fail(req.request_id, f"{type(e).__name__}: {e}")
+                continue
+            outputs.append(out)
+        self._step_start = (sched, result.timings, t0, t1, t2)
+        return outputs
+
+    def record_step(self) -> None:
+        """Close the step profiler's record of the step just run (no-op after an empty or
+        failed step)."""
+        if self._step_start is None:
+            return
+        sched, timings, t0, t1, t2 = self._step_start
+        self._step_start = None
+        self._num_steps += 1
+        if not self._keep_steps:
+            return
+        t_end = time.perf_counter()
+        t3 = t2 + sum(timings.get(k, 0.0) for k in ("prepare", "forward", "sample"))
+        prefill = sum(s.num_new_tokens for s in sched.scheduled if s.prefill)
+        decode = sum(s.num_new_tokens for s in sched.scheduled if not s.prefill)
+        drafts = sum(s.num_drafts for s in sched.scheduled)
+        self.steps.append(StepRecord(
+            self._num_steps, t0 + self.wall_offset, len(sched.scheduled), prefill, decode,
+            drafts, len(sched.preempted), t1 - t0, t2 - t1, timings.get("prepare", 0.0),
+            timings.get("forward", 0.0), timings.get("sample", 0.0), max(t_end - t3, 0.0),
+            t_end - t0, timings.get("all_reduce", 0.0)))
+
+    def _append(self, req: Request, tokens: list[int], logprobs: list, now: float
+                ) -> CoreOutput:
+        """Add a step's tokens (several after speculation) to a request one at a time,
+        checking the stop rules after each; tokens after a stop are dropped, exactly as if
+        they had been generated one per step."""
+        want_lp = req.sampling_params.logprobs is not None
+        for n, token in enumerate(tokens, 1):
+            req.append_token(token)
+            if req.timeline.first_token is None:
+                req.timeline.first_token = now
+                req.timeline.add(now, "first_token")
+            status = req.check_stop_token()
+            if status is not None:
+                stop = token if (status is RequestStatus.FINISHED_STOPPED
+                                 and token not in req.eos_token_ids) else None
+                self._finish(req, status, now)
+                return self._final(req, tokens[:n], logprobs[:n] if want_lp else None,
+                                   status, stop)
+        return CoreOutput(req.request_id, list(tokens), list(logprobs) if want_lp else None,
+                          RequestTimes.of(req))
+
+    def _final(self, req: Request, tokens: list[int], logprobs: list | None,
+               status: RequestStatus, stop_token: int | None = None,
+               error: str | None = None) -> CoreOutput:
+        """A finished request's last output; the core forgets it."""
+        self._requests.pop(req.request_id, None)
+        return CoreOutput(req.request_id, tokens, logprobs, RequestTimes.of(req), status,
+                          stop_token, error,
+                          req.timeline.as_json() if req.timeline.record else None)
+
+    def _fail(self, request_id: str, error: str) -> None:
+        out = self.finish_request(request_id, RequestStatus.FINISHED_ABORTED, error=error)
+        if out is not None:
+            self._pending.append(out)
+
+    def _finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
+        if self.speculation is not None:
+            self.speculation.forget(req)
+        req.timeline.finished = time.perf_counter() if now is None else now
+        req.timeline.add(req.timeline.finished, "finished", reason=status.finish_reason)
+        self.scheduler.finish(req, status)
+
+    def _take_pending(self) -> list[CoreOutput]:
+        outputs, self._pending = self._pending, []
+        return outputs
+
+    def check_health(self) -> str | None:
+        """Why the engine cannot serve, or None. Notices a tensor-parallel worker that died
+        while the engine was idle (and then fails the engine as a failed step would)."""
+        if self.dead is None and self.workers is not None:
+            reason = self.workers.status()
+            if reason is not None:
+                self._die(reason)
+        return self.dead
+
+    def _die(self, reason: str) -> None:
+        """A failure the engine cannot step past: fail every request with `reason`; later
+        adds raise EngineDeadError."""
+        log.error("engine failed: %s; failing %d requests", reason, len(self._requests))
+        self.dead = reason
+        for request_id in list(self._requests):
+            self._fail(request_id, reason)
+
+    # ------------------------------------------------------------------------- reporting
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine now, made of copies (see EngineStats)."""
+        sched, kv = self.scheduler, self.kv
+        tiers: tuple[TierState, ...] = ()
+        if kv.store is not None:
+            st = kv.store.stats
+            tiers = tuple(TierState(t.name, len(t), getattr(t, "capacity", None),
+                                    st.loads.get(t.name, 0), st.saves.get(t.name, 0))
+                          for t in kv.store.tiers)
+        spec = None
+        if self.speculation is not None:
+            c, t = self.speculation.config, self.speculation.stats
+            spec = SpecState(c.method, c.num_speculative_tokens, c.max_batch_size,
+                             c.min_acceptance, t.num_drafts, t.num_accepted, t.num_rounds,
+                             t.num_steps_off, tuple(t.drafts_at), tuple(t.accepted_at))
+        return EngineStats(
+            num_steps=self._num_steps, running=len(sched.running), waiting=len(sched.waiting),
+            num_preemptions=sched.num_preemptions, kv_usage=kv.usage,
+            kv_blocks=kv.num_blocks, kv_free_blocks=kv.num_free_blocks,
+            block_size=kv.block_size, tiers=tiers, prefix_queried_tokens=kv.stats.queries,
+            prefix_hit_tokens=tuple(kv.stats.hits.items()), spec=spec,
+            steps=tuple(self.steps) if self._keep_steps else ())
+
+    def close(self) -> None:
+        """Persist the prefix cache to the disk tier, when there is one (a clean shutdown),
+        and stop the tensor-parallel workers."""
+        if self.kv.store is not None and any(t.name == "disk" for t in self.kv.store.tiers):
+            t0 = time.perf_counter()
+            written = self.kv.flush_to_disk()
+            log.info("flushed %d KV blocks to disk in %.1fs", written,
+                     time.perf_counter() - t0)
+        if self.workers is not None:
+            self.workers.close()
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        if not self.scheduler.has_unfinished:
+            assert self.kv.num_free_blocks == self.kv.num_blocks, "blocks leaked"
