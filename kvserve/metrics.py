@@ -26,6 +26,7 @@ _STEP = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2
 STEP_PHASES = ("draft", "schedule", "prepare", "forward", "sample", "output", "total")
 # Observed only under tensor parallelism: time in collectives, a part of forward and sample.
 TP_PHASE = "all_reduce"
+KV_IO_PHASE = "kv_io"  # only with prefix-cache tiers
 
 
 class EngineMetrics:
@@ -193,6 +194,8 @@ class EngineMetrics:
                 h.observe(getattr(rec, phase))
             if rec.all_reduce:
                 self._step_phase.labels(self.model_name, TP_PHASE).observe(rec.all_reduce)
+            if rec.kv_io:
+                self._step_phase.labels(self.model_name, KV_IO_PHASE).observe(rec.kv_io)
             self.step_tokens.observe(rec.prefill_tokens + rec.decode_tokens)
 
     def observe_spec(self, stats: SpecState) -> None:

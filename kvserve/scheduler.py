@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
-from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.kv_cache.manager import KVCacheManager, KVTransfers
 from kvserve.request import Request, RequestStatus
 
 # Short prompt steps stop adding prompts at this many tokens: from about 32 rows the matmuls
@@ -64,6 +64,8 @@ class _Step:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # prefix-cache tier copies the step needs before its forward (done by the engine core)
+    kv_transfers: KVTransfers = field(default_factory=KVTransfers)
 
     @property
     def num_tokens(self) -> int:
@@ -182,6 +184,7 @@ class Scheduler:
 
     def _finish(self, step: _Step) -> SchedulerOutput:
         out = step.out
+        out.kv_transfers = self.kv.take_transfers()
         batch = len(out.scheduled)
         for s in out.scheduled:
             req = s.request
@@ -265,6 +268,25 @@ class Scheduler:
         req.timeline.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def recompute_failed_loads(self, out: SchedulerOutput, failed: set[int]) -> None:
+        """Loads into the pool blocks `failed` found no good copy in any tier: the requests of
+        this step holding one lose their K/V as in a preemption (counted as one) and compute
+        it again when they are next admitted; the rest of the step runs as scheduled."""
+        self.kv.drop_failed_loads(failed)
+        now = time.perf_counter()
+        keep = []
+        for s in out.scheduled:
+            req = s.request
+            if not any(b in failed for table in (req.block_ids, *req.group_tables)
+                       for b in table):
+                keep.append(s)
+                continue
+            req.timeline.add(now, "kv_load_failed")
+            self.running.remove(req)
+            self._preempt(req, now)
+            out.preempted.append(req)
+        out.scheduled = keep
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance the counters of what ran; called before new tokens are appended. Drafts

@@ -27,6 +27,7 @@ class StepRecord:
     output: float  # appending tokens, detokenizing, stop checks, outputs
     total: float
     all_reduce: float = 0.0  # tensor parallelism: collectives, part of forward and sample
+    kv_io: float = 0.0  # prefix-cache tiers: copies to and from host and disk, before forward
 
     def as_json(self) -> dict:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.kv_cache.hashing import ROOT_HASH, BlockKey, hash_block
-from kvserve.kv_cache.manager import KVCacheManager, Loaded
+from kvserve.kv_cache.manager import KVCacheManager, Stored
 from kvserve.kv_cache.tiers import DiskTier, HostTier, KVTier, TieredKVStore
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
@@ -196,11 +196,21 @@ class Harness:
         if not self.kv.allocate_slots(req, n, hit):
             return False
         req.num_computed_tokens = hit.num_blocks * BS
+        self.transfer()
         self.check_served(req, hit.num_blocks)
         self.compute(req, hit.num_blocks)
         return True
 
+    def transfer(self) -> None:
+        """Carry out the tier copies decided so far, as the engine core does before a step."""
+        t = self.kv.take_transfers()
+        if self.store is not None:
+            assert not self.store.execute(t.saves, t.loads)
+        else:
+            assert not t
+
     def compute(self, req: Request, start_block: int) -> None:
+        self.transfer()
         for i in range(start_block, req.num_tokens // BS):
             self.write(req.block_ids[i], self.kv._key(req, i))
         req.num_computed_tokens = req.num_tokens
@@ -229,7 +239,7 @@ def test_evicted_blocks_come_back_from_host_identical(tmp_path):
     h.kv.free(b)
     a2 = make_req(list(range(100, 109)))
     hit = h.kv.get_computed_blocks(a2)
-    assert [type(e) for e in hit.entries] == [Loaded, Loaded]
+    assert [type(e) for e in hit.entries] == [Stored, Stored]
     assert {e.tier for e in hit.entries} == {"host"}
     assert h.admit(a2)
     assert a2.num_cached_tokens == 8 and h.kv.stats.hits["host"] == 8

@@ -65,6 +65,31 @@ def test_host_and_disk_tiers_keep_outputs_across_restart(tiny_llama_dir, referen
     assert cached[0] >= 28 and restarted.engine.kv.stats.hits["disk"] > 0
 
 
+def test_bad_copies_on_disk_are_recomputed(tiny_llama_dir, reference, tmp_path):
+    """Blocks whose disk copies were damaged after the engine indexed them are found by the
+    scheduler (it reads only the index), fail to load before the step, and are computed
+    again: the outputs stay the same and nothing leaks."""
+    first = llm(tiny_llama_dir, num_kv_blocks=400, kv_cache_dir=str(tmp_path),
+                kv_cache_write_policy="write-through")
+    first.generate(prompts(), GREEDY)
+    first.close()
+    engine = llm(tiny_llama_dir, num_kv_blocks=400, kv_cache_dir=str(tmp_path))
+    files = [f for f in tmp_path.rglob("*") if f.is_file()]
+    assert files
+    for f in files:  # flip a byte of every payload, keeping each file's length
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    outs = [engine.generate([p], GREEDY)[0] for p in prompts()]
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    events = [e["event"] for o in outs
+              for e in engine.engine.request_timeline(o.request_id)["samples"][0]["events"]]
+    assert "kv_load_failed" in events
+    assert engine.engine.kv.store.stats.loads.get("disk", 0) == 0
+    engine.engine.check_integrity()
+    assert engine.engine.kv.num_free_blocks == engine.engine.kv.num_blocks
+
+
 def test_cache_from_another_model_is_not_used(tiny_llama_dir, tiny_qwen2_dir, tmp_path):
     first = llm(tiny_llama_dir, num_kv_blocks=400, kv_cache_dir=str(tmp_path),
                 kv_cache_write_policy="write-through")

@@ -274,6 +274,16 @@ class EngineCore:
         t1 = time.perf_counter()
         sched = self.scheduler.schedule()
         t2 = time.perf_counter()
+        kv_io = 0.0
+        if sched.kv_transfers:
+            assert self.kv.store is not None
+            t = sched.kv_transfers
+            failed = self.kv.store.execute(t.saves, t.loads)
+            if failed:
+                log.warning("%d prefix-cache blocks failed to load; recomputing them",
+                            len(failed))
+                self.scheduler.recompute_failed_loads(sched, failed)
+            kv_io = time.perf_counter() - t2
         self._step_start = None
         if sched.is_empty:
             return self._take_pending()
@@ -317,7 +327,7 @@ class EngineCore:
                 self._fail(req.request_id, f"{type(e).__name__}: {e}")
                 continue
             outputs.append(out)
-        self._step_start = (sched, result.timings, t0, t1, t2)
+        self._step_start = (sched, result.timings, t0, t1, t2, kv_io)
         return outputs
 
     def record_step(self) -> None:
@@ -325,13 +335,13 @@ class EngineCore:
         failed step)."""
         if self._step_start is None:
             return
-        sched, timings, t0, t1, t2 = self._step_start
+        sched, timings, t0, t1, t2, kv_io = self._step_start
         self._step_start = None
         self._num_steps += 1
         if not self._keep_steps:
             return
         t_end = time.perf_counter()
-        t3 = t2 + sum(timings.get(k, 0.0) for k in ("prepare", "forward", "sample"))
+        t3 = t2 + kv_io + sum(timings.get(k, 0.0) for k in ("prepare", "forward", "sample"))
         prefill = sum(s.num_new_tokens for s in sched.scheduled if s.prefill)
         decode = sum(s.num_new_tokens for s in sched.scheduled if not s.prefill)
         drafts = sum(s.num_drafts for s in sched.scheduled)
@@ -339,7 +349,7 @@ class EngineCore:
             self._num_steps, t0 + self.wall_offset, len(sched.scheduled), prefill, decode,
             drafts, len(sched.preempted), t1 - t0, t2 - t1, timings.get("prepare", 0.0),
             timings.get("forward", 0.0), timings.get("sample", 0.0), max(t_end - t3, 0.0),
-            t_end - t0, timings.get("all_reduce", 0.0)))
+            t_end - t0, timings.get("all_reduce", 0.0), kv_io))
 
     def _append(self, req: Request, tokens: list[int], logprobs: list, now: float
                 ) -> CoreOutput:

@@ -137,6 +137,10 @@ class BlockPool:
         block.key = key
         self.cached[key.block_hash] = block
 
+    def uncache(self, block: KVBlock) -> None:
+        """Take a block out of the prefix cache (its contents are not what its key says)."""
+        self._forget(block)
+
     def _forget(self, block: KVBlock) -> None:
         if block.key is not None:
             del self.cached[block.key.block_hash]

@@ -9,7 +9,12 @@ writes the step's K/V before any attention reads it. The last token of a request
 served from the cache, since its logits are needed.
 
 With lower tiers (`store`), a hashed block evicted from the pool is copied down first, and a
-prefix hit found only in a lower tier is copied back into a fresh block at admission.
+prefix hit found only in a lower tier is copied back into a fresh block at admission. The
+manager only decides these copies: it lists them (`take_transfers`) for the scheduler's output,
+and the engine core has the store carry them out after scheduling and before the step's
+forward (saves first, then loads), so no tier I/O runs while the scheduler decides. A copy
+that turns out bad when read is reported back (`drop_failed_loads`), and the requests that
+counted on it compute those tokens instead.
 
 With several KV groups (kv_cache.layout: models mixing sliding-window and global layers) a
 request holds one table per group, all drawing on the one pool; a group's blocks are keyed
@@ -23,8 +28,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-import torch
-
 from kvserve.kv_cache.block_pool import BlockPool, KVBlock
 from kvserve.kv_cache.hashing import ROOT_HASH, BlockKey, hash_block
 from kvserve.kv_cache.layout import KVLayout
@@ -37,15 +40,28 @@ def cdiv(a: int, b: int) -> int:
 
 
 @dataclass
-class Loaded:
-    """A prefix block found in a lower tier, already fetched (and verified) into memory."""
+class Stored:
+    """A prefix block found in a lower tier (or on its way there), to be loaded into a fresh
+    pool block before the step runs."""
 
     key: BlockKey
-    payload: torch.Tensor
     tier: str
 
 
-Entry = KVBlock | Loaded | None  # None: a sliding-window group's block before its window
+@dataclass
+class KVTransfers:
+    """The tier copies one step needs, in order: `saves` (pool block, key) copy evicted
+    blocks down before anything overwrites them, then `loads` (pool block, key) fill fresh
+    blocks from the tiers."""
+
+    saves: list[tuple[int, BlockKey]] = field(default_factory=list)
+    loads: list[tuple[int, BlockKey]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads)
+
+
+Entry = KVBlock | Stored | None  # None: a sliding-window group's block before its window
 
 
 @dataclass
@@ -108,6 +124,8 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}  # per request: leading blocks already hashed
         self._hashes: dict[str, list[int]] = {}
         self._computed_this_step: list[KVBlock] = []  # write-through candidates
+        self._transfers = KVTransfers()  # decided, not yet carried out
+        self._saving: dict[int, BlockKey] = {}  # block hash -> key of the pending saves
 
     @property
     def num_blocks(self) -> int:
@@ -183,8 +201,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, req: Request) -> PrefixHit:
         """The longest cached run at the start of the request's tokens that every KV group
-        can serve, from the pool or (fetched now) from a lower tier. Call only for a request
-        with nothing computed."""
+        can serve, from the pool or (loaded before the step) from a lower tier. Reads no
+        tier: it asks only their indexes. Call only for a request with nothing computed."""
         if not self.enable_prefix_caching or req.num_computed_tokens:
             return PrefixHit([[] for _ in self.windows])
         pool_block: dict[tuple[int, int], KVBlock | None] = {}
@@ -194,35 +212,34 @@ class KVCacheManager:
             if (g, i) not in found:
                 key = self._key(req, i, g)
                 pool_block[g, i] = block = self.pool.lookup(key)
-                found[g, i] = block is not None or (
-                    self.store is not None and self.store.find(key) is not None)
+                found[g, i] = block is not None or self._stored_tier(key) is not None
             return found[g, i]
 
-        limit = (req.num_tokens - 1) // self.block_size
-        while True:
-            n = self._hit_length(req, limit, present)
-            groups = [self._hit_entries(req, g, n, pool_block, found)
-                      for g in range(len(self.windows))]
-            if all(entries is not None for entries in groups):
-                return PrefixHit(groups)  # type: ignore[arg-type]
+        n = self._hit_length(req, (req.num_tokens - 1) // self.block_size, present)
+        return PrefixHit([self._hit_entries(req, g, n, pool_block)
+                          for g in range(len(self.windows))])
+
+    def _stored_tier(self, key: BlockKey) -> str | None:
+        """The lower tier that holds `key` (or will, once this step's saves are done)."""
+        if self.store is None:
+            return None
+        if self._saving.get(key.block_hash) == key:
+            return self.store.top.name
+        tier = self.store.find(key)
+        return None if tier is None else tier.name
 
     def _hit_entries(self, req: Request, group: int, n: int,
-                     pool_block: dict[tuple[int, int], KVBlock | None],
-                     found: dict[tuple[int, int], bool]) -> list[Entry] | None:
-        """The entries of `group` for a hit of n blocks, fetching those only a lower tier
-        holds; None (marking the block missing) when a fetched copy turns out bad."""
+                     pool_block: dict[tuple[int, int], KVBlock | None]) -> list[Entry]:
+        """The entries of `group` for a hit of n blocks."""
         first = self._first_needed(group, n * self.block_size)
         entries: list[Entry] = [None] * first
         for i in range(first, n):
             block = pool_block[group, i]
             if block is None:
-                assert self.store is not None
                 key = self._key(req, i, group)
-                loaded = self.store.fetch(key)
-                if loaded is None:  # a bad copy, dropped by its tier
-                    found[group, i] = False
-                    return None
-                entries.append(Loaded(key, *loaded))
+                tier = self._stored_tier(key)
+                assert tier is not None
+                entries.append(Stored(key, tier))
             else:
                 entries.append(block)
         return entries
@@ -277,24 +294,20 @@ class KVCacheManager:
         self._release_out_of_window(req, computed)
         total = computed + num_new_tokens
         shared = [e for entries in groups for e in entries if isinstance(e, KVBlock)]
-        loads = [e for entries in groups for e in entries if isinstance(e, Loaded)]
+        loads = [e for entries in groups for e in entries if isinstance(e, Stored)]
         need = [max(cdiv(total, self.block_size) - len(held) - n_hit, 0) for held in blocks]
         revived = sum(1 for b in shared if b.ref_cnt == 0)
         if sum(need) + len(loads) + revived > self.pool.num_free_blocks:
             return False
         self.pool.touch(shared)  # before allocating, so a hit is never the one evicted
         fresh = self.pool.allocate(len(loads) + sum(need))
-        if loads:
-            assert self.store is not None
-            targets = fresh[:len(loads)]
-            self.store.write_blocks([b.block_id for b in targets],
-                                    torch.stack([e.payload for e in loads]))
-            for block, e in zip(targets, loads, strict=True):
-                self.pool.cache(block, e.key)
+        for block, e in zip(fresh[:len(loads)], loads, strict=True):
+            self._transfers.loads.append((block.block_id, e.key))
+            self.pool.cache(block, e.key)
         it = iter(fresh)
         for g, entries in enumerate(groups):
             new: list[KVBlock | None] = [
-                next(it) if isinstance(e, Loaded) else e for e in entries]
+                next(it) if isinstance(e, Stored) else e for e in entries]
             new += [next(it) for _ in range(need[g])]
             blocks[g].extend(new)
             self._table(req, g).extend(0 if b is None else b.block_id for b in new)
@@ -345,8 +358,24 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
 
     def _save_evicted(self, blocks: list[KVBlock]) -> None:
-        assert self.store is not None
-        self.store.save([b.block_id for b in blocks], [b.key for b in blocks])  # type: ignore[misc]
+        """A pool block about to be handed out again: copy it down before the step (its K/V
+        stay intact until the step's loads and forward write into it)."""
+        for b in blocks:
+            assert b.key is not None
+            self._transfers.saves.append((b.block_id, b.key))
+            self._saving[b.key.block_hash] = b.key
+
+    def take_transfers(self) -> KVTransfers:
+        """The tier copies decided since the last call, for the step about to run."""
+        out, self._transfers = self._transfers, KVTransfers()
+        self._saving.clear()
+        return out
+
+    def drop_failed_loads(self, block_ids: set[int]) -> None:
+        """Loads into these pool blocks failed (a bad copy, dropped by its tier): no hash may
+        point at them. The scheduler recomputes the requests that hold them."""
+        for block_id in block_ids:
+            self.pool.uncache(self.pool.blocks[block_id])
 
     def flush_to_disk(self) -> int:
         """Persist every cached block to the lowest tier (for a clean shutdown)."""

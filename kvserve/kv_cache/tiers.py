@@ -359,6 +359,27 @@ class TieredKVStore:
                     tier.put(key, payload)
         self.stats.saves[self.top.name] += len(block_ids)
 
+    def execute(self, saves: list[tuple[int, BlockKey]], loads: list[tuple[int, BlockKey]]
+                ) -> set[int]:
+        """Carry out one step's copies (the scheduler decided them; see KVTransfers): the
+        saves first, since a block saved may be the target of a load or of the step's
+        forward, then the loads. Returns the pool blocks whose load found no good copy."""
+        if saves:
+            self.save([b for b, _ in saves], [k for _, k in saves])
+        failed: set[int] = set()
+        good: list[int] = []
+        payloads = []
+        for block_id, key in loads:
+            fetched = self.fetch(key)
+            if fetched is None:
+                failed.add(block_id)
+            else:
+                good.append(block_id)
+                payloads.append(fetched[0])
+        if good:
+            self.write_blocks(good, torch.stack(payloads))
+        return failed
+
     def find(self, key: BlockKey) -> KVTier | None:
         for tier in self.tiers:
             if tier.contains(key):
