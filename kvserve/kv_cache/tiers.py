@@ -361,23 +361,31 @@ class TieredKVStore:
 
     def execute(self, saves: list[tuple[int, BlockKey]], loads: list[tuple[int, BlockKey]]
                 ) -> set[int]:
-        """Carry out one step's copies (the scheduler decided them; see KVTransfers): the
-        saves first, since a block saved may be the target of a load or of the step's
-        forward, then the loads. Returns the pool blocks whose load found no good copy."""
-        if saves:
-            self.save([b for b, _ in saves], [k for _, k in saves])
-        failed: set[int] = set()
-        good: list[int] = []
-        payloads = []
+        """Carry out one step's copies (the scheduler decided them; see KVTransfers) and
+        return the pool blocks whose load found no good copy. The loads are read first (a
+        save may push their entries out of a full tier), a block saved in this same step
+        straight from the pool block it leaves; then the saves; then the loads are written,
+        since a load's target may be a block being saved."""
+        leaving = {key: block_id for block_id, key in saves}
+        from_pool = [(b, leaving[k]) for b, k in loads if k in leaving]
+        targets, payloads, failed = [], [], set()
+        if from_pool:
+            targets += [b for b, _ in from_pool]
+            payloads += list(self.read_blocks([src for _, src in from_pool]))
+            self.stats.loads[self.top.name] += len(from_pool)
         for block_id, key in loads:
+            if key in leaving:
+                continue
             fetched = self.fetch(key)
             if fetched is None:
                 failed.add(block_id)
             else:
-                good.append(block_id)
+                targets.append(block_id)
                 payloads.append(fetched[0])
-        if good:
-            self.write_blocks(good, torch.stack(payloads))
+        if saves:
+            self.save([b for b, _ in saves], [k for _, k in saves])
+        if targets:
+            self.write_blocks(targets, torch.stack(payloads))
         return failed
 
     def find(self, key: BlockKey) -> KVTier | None:
