@@ -1,2 +1,2 @@
-"""Tensor parallelism: how the model is cut across ranks (parallel.py), and the worker
-processes that hold the other ranks (worker.py)."""
+"""Tensor parallelism: how the model is cut across ranks and the collectives between them
+(parallel.py). The rank processes themselves are worker/tp_workers.py."""
