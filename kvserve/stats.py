@@ -33,17 +33,12 @@ class StepRecord:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
-@dataclass
-class SpecStats:
-    """Running totals of speculative decoding, for metrics and benchmarks."""
+class _AcceptanceRates:
+    """The rates of speculative decoding's totals (num_drafts, num_accepted, num_rounds)."""
 
-    num_drafts: int = 0  # draft tokens verified
-    num_accepted: int = 0  # of those, accepted
-    num_rounds: int = 0  # request-steps that verified at least one draft
-    num_steps_off: int = 0  # steps where the batch was too large to speculate
-    # per draft position i (0-based): drafts verified there, and accepted there
-    drafts_at: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
+    num_drafts: int
+    num_accepted: int
+    num_rounds: int
 
     @property
     def acceptance_rate(self) -> float:
@@ -53,6 +48,19 @@ class SpecStats:
     def mean_acceptance_length(self) -> float:
         """Tokens a verifying step yields per request on average: accepted drafts + 1."""
         return 1 + self.num_accepted / self.num_rounds if self.num_rounds else 0.0
+
+
+@dataclass
+class SpecStats(_AcceptanceRates):
+    """Running totals of speculative decoding, for metrics and benchmarks."""
+
+    num_drafts: int = 0  # draft tokens verified
+    num_accepted: int = 0  # of those, accepted
+    num_rounds: int = 0  # request-steps that verified at least one draft
+    num_steps_off: int = 0  # steps where the batch was too large to speculate
+    # per draft position i (0-based): drafts verified there, and accepted there
+    drafts_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
 
     def count(self, drafted: int, accepted: int) -> None:
         self.num_drafts += drafted
@@ -78,7 +86,7 @@ class TierState:
 
 
 @dataclass(frozen=True)
-class SpecState:
+class SpecState(_AcceptanceRates):
     """Speculative decoding: the policy and a copy of its running totals."""
 
     method: str
@@ -91,14 +99,6 @@ class SpecState:
     num_steps_off: int
     drafts_at: tuple[int, ...]
     accepted_at: tuple[int, ...]
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted / self.num_drafts if self.num_drafts else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1 + self.num_accepted / self.num_rounds if self.num_rounds else 0.0
 
 
 @dataclass(frozen=True)

@@ -76,8 +76,6 @@ class EngineCore:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA device is available")
         dtype = resolve_dtype(args.dtype, device)
-        if args.timeline_buffer_size < 0 or args.step_buffer_size < 0:
-            raise ValueError("timeline and step buffer sizes must be >= 0")
         torch.manual_seed(args.seed)
         path = resolve_model(args.model)
         t0 = time.perf_counter()

@@ -76,8 +76,6 @@ class _Group:
 class OutputProcessor:
     def __init__(self, core: EngineCore, tokenizer: Tokenizer, timeline_buffer_size: int
                  ) -> None:
-        if timeline_buffer_size < 0:
-            raise ValueError("timeline and step buffer sizes must be >= 0")
         self.core = core
         self.tokenizer = tokenizer
         self._timelines: OrderedDict[str, dict] = OrderedDict()  # finished, newest last
