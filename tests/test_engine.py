@@ -234,6 +234,19 @@ def test_bad_requests_are_rejected_clearly(tiny_llama_dir, prompt, params, match
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_a_batch_of_prompts_is_queued_whole_or_not_at_all(tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir)
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([[1, 2, 3], [4, 5], [1, 999]], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.stats().waiting == 0 and llm.engine.stats().running == 0
+    with pytest.raises(ValueError, match="given twice"):
+        llm.engine.add_requests([("x", [1, 2], GREEDY), ("x", [3, 4], GREEDY)])
+    assert not llm.engine.has_unfinished_requests()
+    outs = llm.generate([[1, 2, 3], [4, 5]], GREEDY)
+    assert [o.prompt_token_ids for o in outs] == [[1, 2, 3], [4, 5]]
+
+
 def test_bad_sampling_values_name_the_field():
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)

@@ -71,6 +71,19 @@ def test_echo(client):
     assert r.choices[0].text.startswith("The capital of France is Paris")
 
 
+def test_several_prompts_are_accepted_or_refused_together(server, client):
+    r = client.completions.create(model=MODEL, prompt=["The capital of France is", "Hello"],
+                                  max_tokens=3, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    alone = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    assert r.choices[1].text == alone.choices[0].text
+    # The second prompt is refused, so the first is never queued: no timeline of it exists.
+    url = server[0]
+    _error(_post(url, "/v1/completions", {"prompt": [[1, 2, 3], [1, 10**9]], "max_tokens": 2,
+                                          "request_id": "pair"}), 400)
+    _error(httpx.get(f"{url}/v1/requests/pair-0/timeline"), 404)
+
+
 def test_chat_and_stream_agree(client):
     _invariant_or_skip()
     messages = [{"role": "user", "content": CHAT_QUESTION}]

@@ -35,9 +35,7 @@ __all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestStream"]
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
+    requests: list[tuple[str, str | list[int], SamplingParams]]
     arrival: float
     cache_salt: str | None
     output_kind: OutputKind
@@ -186,29 +184,45 @@ class AsyncEngine:
 
         Raises ValueError (bad request), QueueFullError or EngineDeadError; otherwise returns
         the stream of its outputs."""
+        (stream,) = await self.add_requests([(request_id, prompt, params)], cache_salt,
+                                            output_kind)
+        return stream
+
+    async def add_requests(self, requests: list[tuple[str, str | list[int], SamplingParams]],
+                           cache_salt: str | None = None,
+                           output_kind: OutputKind = OutputKind.CUMULATIVE
+                           ) -> list[RequestStream]:
+        """add_request for several (id, prompt, params) at once: the engine accepts all of
+        them or none (OutputProcessor.add_requests), and a full queue refuses them whole."""
         reason = self.health_error()
         if reason is not None:
             raise EngineDeadError(reason)
         if self.max_waiting_requests is not None and (
-                self.num_waiting + self._pending_adds >= self.max_waiting_requests):
+                self.num_waiting + self._pending_adds + len(requests)
+                > self.max_waiting_requests):
             raise QueueFullError(f"{self.max_waiting_requests} requests already waiting")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = [rid for rid, _, _ in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be distinct")
+        for rid in ids:
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already in use")
         assert self._loop is not None and self.engine is not None, "start() the engine first"
         done = self._loop.create_future()
-        stream = RequestStream(self, request_id, output_kind)
-        self._streams[request_id] = stream
-        self._pending_adds += 1
-        self._send(_Add(request_id, prompt, params, time.perf_counter(), cache_salt,
-                        output_kind, done))
+        streams = [RequestStream(self, rid, output_kind) for rid in ids]
+        for stream in streams:
+            self._streams[stream.request_id] = stream
+        self._pending_adds += len(requests)
+        self._send(_Add(list(requests), time.perf_counter(), cache_salt, output_kind, done))
         try:
             await done
         except BaseException:  # rejected, or the caller went away while waiting
-            stream.close()
+            for stream in streams:
+                stream.close()
             raise
         finally:
-            self._pending_adds -= 1
-        return stream
+            self._pending_adds -= len(requests)
+        return streams
 
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -268,8 +282,8 @@ class AsyncEngine:
                 return
             if isinstance(cmd, _Add):
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival,
-                                            cmd.cache_salt, cmd.output_kind)
+                    self.engine.add_requests(cmd.requests, cmd.arrival, cmd.cache_salt,
+                                             cmd.output_kind)
                 except Exception as e:  # ValueError: the client's fault; else ours
                     self._resolve(cmd.done, e)
                 else:

@@ -50,16 +50,9 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        ids = []
-        try:
-            for prompt, sp in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(None, prompt, sp,
-                                                   output_kind=OutputKind.FINAL_ONLY))
-        except Exception:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            self.engine.step()  # drain the abort outputs
-            raise
+        ids = self.engine.add_requests(
+            [(None, prompt, sp) for prompt, sp in zip(prompts, params, strict=True)],
+            output_kind=OutputKind.FINAL_ONLY)
         return self._run(ids)
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],

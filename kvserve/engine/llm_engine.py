@@ -59,6 +59,12 @@ class LLMEngine:
         return self.processor.add_request(request_id, prompt, params, arrival_time,
                                           cache_salt, output_kind)
 
+    def add_requests(self, requests, arrival_time: float | None = None,
+                     cache_salt: str | None = None,
+                     output_kind: OutputKind = OutputKind.CUMULATIVE) -> list[str]:
+        """See OutputProcessor.add_requests: all of them or none."""
+        return self.processor.add_requests(requests, arrival_time, cache_salt, output_kind)
+
     def abort_request(self, request_id: str, error: str | None = None) -> bool:
         """See OutputProcessor.abort_request."""
         return self.processor.abort_request(request_id, error)

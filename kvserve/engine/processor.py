@@ -1,11 +1,12 @@
 """The output processor: the engine's front side, between callers and the engine core.
 
 It owns everything about text and about callers' requests: tokenization (text prompts and
-chat templates), the n > 1 fan-out (sample i of a request is its own scheduled request,
-seeded with seed + i, sharing the prompt's KV blocks through the prefix cache), incremental
-detokenization and stop strings, the outputs callers asked for (OutputKind), and the buffer
-of finished requests' timelines. The core reports only new tokens per sample (CoreOutput);
-this side builds the callers' RequestOutputs from them.
+chat templates), both fan-outs (several prompts in one call, accepted or refused whole; n > 1,
+where sample i of a request is its own scheduled request, seeded with seed + i, sharing the
+prompt's KV blocks through the prefix cache), incremental detokenization and stop strings,
+the outputs callers asked for (OutputKind), and the buffer of finished requests' timelines.
+The core reports only new tokens per sample (CoreOutput); this side builds the callers'
+RequestOutputs from them.
 
 A stop string is found here, after the core appended the step's tokens: the request is then
 finished in the core at once (this runs between two of its steps), with the tokens after the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvserve.engine.core import EngineCore, EngineDeadError
@@ -106,10 +108,44 @@ class OutputProcessor:
         `cache_salt` keeps its prefix-cache blocks apart from other salts (tenants);
         `output_kind` says what its outputs hold (see OutputKind).
         Raises ValueError, naming the problem, for anything that cannot be served."""
+        (rid,) = self.add_requests([(request_id, prompt, params)], arrival_time, cache_salt,
+                                   output_kind)
+        return rid
+
+    def add_requests(self, requests: Sequence[tuple[str | None, str | list[int],
+                                                    SamplingParams | None]],
+                     arrival_time: float | None = None, cache_salt: str | None = None,
+                     output_kind: OutputKind = OutputKind.CUMULATIVE) -> list[str]:
+        """Queue several requests (id, prompt, params) at once, as add_request does each, or
+        none of them: every one is checked before any is queued, so a caller's batch of
+        prompts (the API's list of prompts, the offline API's) is accepted or refused whole.
+        Returns their ids (None ids get fresh ones)."""
         core = self.core
         if core.dead is not None:
             raise EngineDeadError(f"engine failed: {core.dead}")
-        params = params or SamplingParams()
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        prepared: list[tuple[_Group, list[Request]]] = []
+        ids: set[str] = set()
+        for request_id, prompt, params in requests:
+            group, reqs = self._prepare(request_id, prompt, params or SamplingParams(),
+                                        arrival, cache_salt, output_kind)
+            new = {group.request_id, *(r.request_id for r in reqs)}
+            if new & ids:
+                raise ValueError(f"request id {min(new & ids)!r} is given twice")
+            ids |= new
+            prepared.append((group, reqs))
+        for group, reqs in prepared:
+            for req, s in zip(reqs, group.samples, strict=True):
+                core.add_request(req)
+                self._samples[s.request_id] = (group, s)
+            self._groups[group.request_id] = group
+        return [group.request_id for group, _ in prepared]
+
+    def _prepare(self, request_id: str | None, prompt: str | list[int],
+                 params: SamplingParams, arrival: float, cache_salt: str | None,
+                 output_kind: OutputKind) -> tuple[_Group, list[Request]]:
+        """A request's group and its samples' core requests, checked but not queued."""
+        core = self.core
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups or request_id in self._samples:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -129,7 +165,6 @@ class OutputProcessor:
             raise ValueError(f"prompt has {len(ids)} tokens, max_model_len is "
                              f"{core.max_model_len}")
         max_tokens = room if params.max_tokens is None else params.max_tokens
-        arrival = time.perf_counter() if arrival_time is None else arrival_time
         group = _Group(request_id, text, ids, output_kind)
         eos = self.tokenizer.eos_token_ids
         reqs = []
@@ -139,16 +174,12 @@ class OutputProcessor:
                           eos, max_tokens, arrival, cache_salt=cache_salt)
             if req.request_id in self._samples:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
-            core.check_request(req)  # every sample before queueing any
+            core.check_request(req)
             reqs.append(req)
             group.samples.append(_Sample(req.request_id, i, IncrementalDetokenizer(
                 self.tokenizer, sp.skip_special_tokens, sp.stop or (),
                 sp.include_stop_str_in_output), RequestTimes.of(req), sp.logprobs is not None))
-        for req, s in zip(reqs, group.samples, strict=True):
-            core.add_request(req)
-            self._samples[s.request_id] = (group, s)
-        self._groups[request_id] = group
-        return request_id
+        return group, reqs
 
     def abort_request(self, request_id: str, error: str | None = None) -> bool:
         """Stop a request now and free its KV blocks; its final output (finish_reason "abort",

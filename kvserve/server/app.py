@@ -103,12 +103,17 @@ class ServerState:
                            f"{self.model_name!r}", "model")
 
 
-async def _add(engine: AsyncEngine, request_id: str, prompt, params,
-               cache_salt: str | None, stream: bool) -> RequestStream:
-    """A streamed response needs each step's new text; a whole one only the last output."""
+async def _add(engine: AsyncEngine, request_id: str, prompts: list, params,
+               cache_salt: str | None, stream: bool) -> list[RequestStream]:
+    """One engine request per prompt (ids `<id>-<i>` when there are several), accepted or
+    refused together. A streamed response needs each step's new text; a whole one only the
+    last output."""
     kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
+                                                  for i in range(len(prompts))]
     try:
-        return await engine.add_request(request_id, prompt, params, cache_salt, kind)
+        return await engine.add_requests([(rid, p, params) for rid, p in zip(
+            ids, prompts, strict=True)], cache_salt, kind)
     except ValueError as e:
         raise APIError(400, str(e)) from e
     except QueueFullError as e:
@@ -329,14 +334,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         rid = body.request_id or f"cmpl-{uuid.uuid4().hex}"
         log.debug("request %s user %s", rid, body.user)
         fmt = Formatter(state.tokenizer, rid, state.model_name, body.n)
-        streams: list[RequestStream] = []
-        try:
-            for i, p in enumerate(prompts):
-                sub = rid if len(prompts) == 1 else f"{rid}-{i}"
-                streams.append(await _add(engine, sub, p, params, body.cache_salt, body.stream))
-        except BaseException:
-            _close(streams)
-            raise
+        streams = await _add(engine, rid, prompts, params, body.cache_salt, body.stream)
         echo = None
         if body.echo:
             echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in prompts]
@@ -368,7 +366,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         rid = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         log.debug("request %s user %s", rid, body.user)
         fmt = Formatter(tok, rid, state.model_name, body.n)
-        stream = await _add(engine, rid, ids, params, body.cache_salt, body.stream)
+        (stream,) = await _add(engine, rid, [ids], params, body.cache_salt, body.stream)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_chat_stream(fmt, stream, include_usage),
