@@ -27,6 +27,7 @@ STEP_PHASES = ("draft", "schedule", "prepare", "forward", "sample", "output", "t
 # Observed only under tensor parallelism: time in collectives, a part of forward and sample.
 TP_PHASE = "all_reduce"
 KV_IO_PHASE = "kv_io"  # only with prefix-cache tiers
+GRAMMAR_PHASE = "grammar"  # only in steps with structured outputs
 
 
 class EngineMetrics:
@@ -99,7 +100,8 @@ class EngineMetrics:
         self._step_phase = Histogram("kvserve:engine_step_seconds", "Engine step time by "
                                      "phase (draft, schedule, prepare, forward, sample, "
                                      "output, total; all_reduce under tensor parallelism, "
-                                     "part of forward and sample)", ["model_name", "phase"],
+                                     "part of forward and sample; kv_io with cache tiers; "
+                                     "grammar with structured outputs)", ["model_name", "phase"],
                                      buckets=_STEP, registry=r)
         self._step_phases = {p: self._step_phase.labels(model_name, p) for p in STEP_PHASES}
         self.step_tokens = hist("engine_step_tokens", "Tokens computed per engine step",
@@ -196,6 +198,8 @@ class EngineMetrics:
                 self._step_phase.labels(self.model_name, TP_PHASE).observe(rec.all_reduce)
             if rec.kv_io:
                 self._step_phase.labels(self.model_name, KV_IO_PHASE).observe(rec.kv_io)
+            if rec.grammar:
+                self._step_phase.labels(self.model_name, GRAMMAR_PHASE).observe(rec.grammar)
             self.step_tokens.observe(rec.prefill_tokens + rec.decode_tokens)
 
     def observe_spec(self, stats: SpecState) -> None:

@@ -57,20 +57,22 @@ class VerifyOutput:
 
 
 def plain_greedy(req: Request) -> bool:
-    """Greedy on the raw logits: no bias, no penalties, no min_tokens bans pending, no
-    logprobs to compute."""
+    """Greedy on the raw logits: no grammar, no bias, no penalties, no min_tokens bans
+    pending, no logprobs to compute."""
     p = req.sampling_params
-    return (p.is_greedy and not p.logit_bias and not p.has_penalties and p.logprobs is None
-            and (p.min_tokens == 0 or req.num_output_tokens >= p.min_tokens))
+    return (p.is_greedy and req.grammar is None and not p.logit_bias and not p.has_penalties
+            and p.logprobs is None and (p.min_tokens == 0 or req.num_output_tokens >= p.min_tokens))
 
 
-def process_rows(logits: torch.Tensor, rows: list[Row], device: torch.device
+def process_rows(logits: torch.Tensor, rows: list[Row], device: torch.device,
+                 allowed: tuple[list[int], torch.Tensor] | None = None
                  ) -> tuple[SamplingMetadata, torch.Tensor, torch.Tensor | None,
                             torch.Tensor | None]:
-    """Rows of logits processed as the sampler processes them: (metadata, the greedy token
-    of each row, and when any row samples, the distribution of each row and the token the
-    sampler draws from it, else None and None)."""
-    meta = SamplingMetadata.build(rows, logits.shape[-1], device)
+    """Rows of logits processed as the sampler processes them (`allowed`: the grammar masks
+    of constrained rows): (metadata, the greedy token of each row, and when any row samples,
+    the distribution of each row and the token the sampler draws from it, else None and
+    None)."""
+    meta = SamplingMetadata.build(rows, logits.shape[-1], device, allowed)
     processed = apply_processors(logits.to(torch.float32, copy=True), meta)
     greedy = processed.argmax(dim=-1)
     if meta.all_greedy:
@@ -89,8 +91,11 @@ def _accept_matching(drafts: list[int], target: list[int], row: int) -> list[int
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
-           device: torch.device) -> VerifyOutput:
-    """`logits` [sum(k_i + 1), V]: per request, in order, one row per draft and one more."""
+           device: torch.device, allowed: tuple[list[int], torch.Tensor] | None = None
+           ) -> VerifyOutput:
+    """`logits` [sum(k_i + 1), V]: per request, in order, one row per draft and one more.
+    `allowed`: the grammar masks of constrained rows (structured.fill_bitmasks), under which
+    a draft its grammar forbids has probability 0 and is rejected."""
     if all(plain_greedy(r) for r in requests):  # the common case, without the machinery
         greedy_h = logits.argmax(dim=-1).tolist()
         tokens, o = [], 0
@@ -106,7 +111,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
                              out + req.draft_token_ids[:j], req.eos_token_ids))
     if logits.shape[0] != len(rows):
         raise ValueError(f"expected {len(rows)} rows of logits, got {logits.shape[0]}")
-    meta, greedy, probs, sampled = process_rows(logits, rows, device)
+    meta, greedy, probs, sampled = process_rows(logits, rows, device, allowed)
 
     # Host copies of what the decisions need: greedy argmaxes, and p(d) of each draft.
     draft_rows: list[int] = []

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -145,6 +146,9 @@ class Request:
     # only, taken as one-hot).
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
+    # Structured outputs: the matcher of its constraint, advanced by every output token
+    # (set by the engine core when it accepts the request).
+    grammar: Grammar | None = None
     timeline: RequestTimeline = field(init=False)
 
     def __post_init__(self) -> None:
@@ -179,12 +183,14 @@ class Request:
         return len(self.output_token_ids)
 
     def append_token(self, token_id: int) -> None:
+        if self.grammar is not None:
+            self.grammar.accept(token_id)  # raises if the mask let through a forbidden token
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
     def check_stop_token(self) -> RequestStatus | None:
-        """Stop on length or a stop token after the newest token. Stop strings are matched
-        on text by the detokenizer, outside the scheduler."""
+        """Stop on length, a stop token or a completed grammar after the newest token. Stop
+        strings are matched on text by the detokenizer, outside the scheduler."""
         sp = self.sampling_params
         last = self.output_token_ids[-1]
         if self.num_output_tokens >= sp.min_tokens:
@@ -192,6 +198,8 @@ class Request:
                 return RequestStatus.FINISHED_STOPPED
             if sp.stop_token_ids and last in sp.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.terminated:
+            return RequestStatus.FINISHED_STOPPED  # complete: it allows no further token
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

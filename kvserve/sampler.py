@@ -6,9 +6,12 @@ transfer is the final copy of the results.
 
 Processing order for a row (the same for greedy and random rows up to the temperature step):
 
+0. A constrained row (structured outputs) keeps only the tokens its grammar allows; the others
+   are set to -inf (kvserve.structured).
 1. ``logit_bias`` is added.
 2. While ``len(output) < min_tokens`` the row's ``eos_token_ids`` and ``stop_token_ids`` are set
-   to -inf (regardless of ``ignore_eos``, which only affects the engine's stop check).
+   to -inf (regardless of ``ignore_eos``, which only affects the engine's stop check); not on
+   constrained rows, whose grammar decides where they may end.
 3. Repetition penalty on tokens seen in prompt or output (logit > 0 -> logit / p, else * p),
    then frequency (-f * count) and presence (-p * [count > 0]) penalties on output tokens.
 4. Greedy rows take the argmax here. Random rows continue: divide by temperature, drop tokens
@@ -32,6 +35,7 @@ from typing import Protocol
 import torch
 
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured import apply_bitmask
 
 # Top-p first looks for the nucleus among this many most likely tokens (a partial topk),
 # falling back to a full sort only for rows where that cannot decide it exactly. Measured
@@ -109,12 +113,17 @@ class SamplingMetadata:
     # Logprobs: which rows asked, and how many top entries each wants (clamped to V).
     logprob_rows: list[int]
     num_logprobs: list[int]
+    # Structured outputs: the constrained rows and their allowed-token bitmasks [R, V/32].
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
     @classmethod
     def build(
-        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
+        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str,
+        allowed: tuple[list[int], torch.Tensor] | None = None,
     ) -> SamplingMetadata:
-        """Gather per-row settings into tensors on ``device``.
+        """Gather per-row settings into tensors on ``device``. ``allowed`` gives the
+        constrained rows and their bitmasks (kvserve.structured.fill_bitmasks).
 
         Cost: O(B) Python work plus O(bias entries + banned ids); rows with penalties also
         upload their prompt and output ids and materialise [P, V] tensors, so penalties cost
@@ -132,6 +141,7 @@ class SamplingMetadata:
         bias_vals: list[float] = []
         ban_rows: list[int] = []
         ban_tokens: list[int] = []
+        constrained = set(allowed[0]) if allowed is not None else set()
         for i, (row, p) in enumerate(zip(rows, params, strict=True)):
             if p.logit_bias:
                 for token, value in p.logit_bias.items():
@@ -139,7 +149,7 @@ class SamplingMetadata:
                     bias_rows.append(i)
                     bias_tokens.append(token)
                     bias_vals.append(value)
-            if len(row.output_token_ids) < p.min_tokens:
+            if len(row.output_token_ids) < p.min_tokens and i not in constrained:
                 banned = set(row.eos_token_ids).union(p.stop_token_ids or ())
                 for token in sorted(banned):
                     _check_token(token, vocab_size, "min_tokens banned")
@@ -199,7 +209,8 @@ class SamplingMetadata:
             batch_size=b,
             vocab_size=vocab_size,
             all_greedy=all_greedy,
-            needs_processing=bool(bias_rows or ban_rows or penalties is not None),
+            needs_processing=bool(bias_rows or ban_rows or penalties is not None
+                                  or constrained),
             greedy_mask=(
                 torch.tensor(greedy, dtype=torch.bool, device=device)
                 if any_greedy and not all_greedy
@@ -218,6 +229,8 @@ class SamplingMetadata:
             any_unseeded_random=any_unseeded_random,
             logprob_rows=logprob_rows,
             num_logprobs=num_logprobs,
+            grammar_rows=ints(allowed[0]) if constrained else None,
+            grammar_bitmask=allowed[1] if constrained else None,
         )
 
 
@@ -356,10 +369,14 @@ class Sampler:
 
 
 def apply_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Steps 1-3 of the module docstring (bias, min_tokens bans, penalties), in place.
+    """Steps 0-3 of the module docstring (grammar masks, bias, min_tokens bans, penalties),
+    in place.
 
     ``logits`` must be a float32 tensor the caller owns; it is also returned for chaining.
     """
+    if meta.grammar_rows is not None:
+        assert meta.grammar_bitmask is not None
+        apply_bitmask(logits, meta.grammar_rows, meta.grammar_bitmask)
     if meta.bias_index is not None:
         logits.index_put_(meta.bias_index, meta.bias_values, accumulate=True)
     if meta.ban_index is not None:

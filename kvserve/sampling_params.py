@@ -63,6 +63,42 @@ def _token_id(name: str, value: Any) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on what a request may generate (vLLM's structured outputs): exactly one
+    of a JSON schema (as JSON text), any JSON object, a regular expression, a choice among
+    strings, or a Lark grammar (as llguidance reads it). Enforced token by token with a mask
+    (kvserve.structured); checked against the tokenizer when the request is added."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None] + (["json_object"] if self.json_object
+                                                       else [])
+        if len(given) != 1:
+            raise ValueError("structured outputs take exactly one of json, json_object, regex, "
+                             f"choice and grammar, got {given or 'none'}")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured outputs: {name} must be a non-empty string")
+        if self.choice is not None and (
+                not isinstance(self.choice, tuple) or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured outputs: choice must be a non-empty list of "
+                                 "non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in ("json", "regex", "choice", "grammar")
+                    if getattr(self, n) is not None) if not self.json_object else "json_object"
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request and when to stop it.
@@ -91,6 +127,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top logprobs per sampled token; 0 => only the sampled one
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n)
@@ -152,6 +189,10 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
+
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputs):
+            raise ValueError("structured_outputs must be a StructuredOutputs")
 
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs)

@@ -28,6 +28,7 @@ class StepRecord:
     total: float
     all_reduce: float = 0.0  # tensor parallelism: collectives, part of forward and sample
     kv_io: float = 0.0  # prefix-cache tiers: copies to and from host and disk, before forward
+    grammar: float = 0.0  # structured outputs: the constrained rows' token masks
 
     def as_json(self) -> dict:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}

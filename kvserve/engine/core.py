@@ -46,6 +46,7 @@ from kvserve.scheduler import Scheduler
 from kvserve.spec_decode import build_drafter
 from kvserve.spec_decode.coordinator import SpecCoordinator
 from kvserve.stats import EngineStats, SpecState, StepRecord, TierState
+from kvserve.structured import GrammarCompiler
 from kvserve.tokenizer import Tokenizer
 from kvserve.worker.model_runner import ModelRunner, load_target, resolve_quantization
 from kvserve.worker.tp_workers import TensorParallelError, TensorParallelWorkers
@@ -117,6 +118,8 @@ class EngineCore:
             loaded.gguf_reader = None
         else:
             self.tokenizer = Tokenizer.from_dir(path)
+        self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), cfg.vocab_size,
+                                        sorted(self.tokenizer.eos_token_ids))
         max_len = args.max_model_len or cfg.max_position
         if max_len > cfg.max_position:
             raise ValueError(f"--max-model-len {max_len} exceeds the model's context length "
@@ -217,10 +220,16 @@ class EngineCore:
         if req.request_id in self._requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.scheduler.check_request(req)
+        spec = req.sampling_params.structured_outputs
+        if spec is not None:
+            self.grammars.compile(spec)  # raises StructuredOutputError; cached for the add
 
     def add_request(self, req: Request) -> None:
         """Queue `req` (checked by check_request first); the core owns it from now on."""
         self.check_request(req)
+        spec = req.sampling_params.structured_outputs
+        if spec is not None:
+            req.grammar = self.grammars.compile(spec)
         req.timeline.record = self._record_timelines
         req.timeline.add(req.arrival_time, "arrival", prompt_tokens=req.num_prompt_tokens)
         self.scheduler.add_request(req)
@@ -339,7 +348,8 @@ class EngineCore:
         if not self._keep_steps:
             return
         t_end = time.perf_counter()
-        t3 = t2 + kv_io + sum(timings.get(k, 0.0) for k in ("prepare", "forward", "sample"))
+        t3 = t2 + kv_io + sum(timings.get(k, 0.0)
+                              for k in ("prepare", "forward", "grammar", "sample"))
         prefill = sum(s.num_new_tokens for s in sched.scheduled if s.prefill)
         decode = sum(s.num_new_tokens for s in sched.scheduled if not s.prefill)
         drafts = sum(s.num_drafts for s in sched.scheduled)
@@ -347,7 +357,7 @@ class EngineCore:
             self._num_steps, t0 + self.wall_offset, len(sched.scheduled), prefill, decode,
             drafts, len(sched.preempted), t1 - t0, t2 - t1, timings.get("prepare", 0.0),
             timings.get("forward", 0.0), timings.get("sample", 0.0), max(t_end - t3, 0.0),
-            t_end - t0, timings.get("all_reduce", 0.0), kv_io))
+            t_end - t0, timings.get("all_reduce", 0.0), kv_io, timings.get("grammar", 0.0)))
 
     def _append(self, req: Request, tokens: list[int], logprobs: list, now: float
                 ) -> CoreOutput:

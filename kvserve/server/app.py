@@ -39,6 +39,7 @@ from kvserve.server.protocol import (
     TokenizeRequest,
 )
 from kvserve.server.responses import Formatter, sse
+from kvserve.structured import StructuredOutputError
 from kvserve.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.server")
@@ -104,16 +105,20 @@ class ServerState:
 
 
 async def _add(engine: AsyncEngine, request_id: str, prompts: list, params,
-               cache_salt: str | None, stream: bool) -> list[RequestStream]:
+               cache_salt: str | None, stream: bool, structured_field: str | None = None
+               ) -> list[RequestStream]:
     """One engine request per prompt (ids `<id>-<i>` when there are several), accepted or
     refused together. A streamed response needs each step's new text; a whole one only the
-    last output."""
+    last output. A constraint the engine cannot compile is a 400 naming `structured_field`,
+    the field it came from."""
     kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
                                                   for i in range(len(prompts))]
     try:
         return await engine.add_requests([(rid, p, params) for rid, p in zip(
             ids, prompts, strict=True)], cache_salt, kind)
+    except StructuredOutputError as e:
+        raise APIError(400, f"{structured_field}: {e}", structured_field) from e
     except ValueError as e:
         raise APIError(400, str(e)) from e
     except QueueFullError as e:
@@ -330,11 +335,13 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
             raise APIError(400, "echo with logprobs needs prompt logprobs, which kvserve does "
                            "not compute", "echo")
         prompts = _prompt_lists(body.prompt)
-        params = _params(body, body.max_tokens, body.logprobs)
+        spec, spec_field = body.structured()
+        params = _params(body, body.max_tokens, body.logprobs, spec)
         rid = body.request_id or f"cmpl-{uuid.uuid4().hex}"
         log.debug("request %s user %s", rid, body.user)
         fmt = Formatter(state.tokenizer, rid, state.model_name, body.n)
-        streams = await _add(engine, rid, prompts, params, body.cache_salt, body.stream)
+        streams = await _add(engine, rid, prompts, params, body.cache_salt, body.stream,
+                             spec_field)
         echo = None
         if body.echo:
             echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in prompts]
@@ -387,9 +394,9 @@ def _check_stream_options(stream: bool, options) -> None:
                        "stream_options")
 
 
-def _params(body, max_tokens: int | None, logprobs: int | None):
+def _params(body, max_tokens: int | None, logprobs: int | None, structured=None):
     try:
-        return body.sampling_params(max_tokens, logprobs)
+        return body.sampling_params(max_tokens, logprobs, structured)
     except ValueError as e:
         raise APIError(400, str(e)) from e
 

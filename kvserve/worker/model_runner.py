@@ -31,6 +31,7 @@ from kvserve.models.loader import LoadedModel, auto_quantization, load_model, re
 from kvserve.rejection_sampler import verify
 from kvserve.sampler import Sampler, SamplingMetadata, TokenLogprobs
 from kvserve.scheduler import SchedulerOutput
+from kvserve.structured import fill_bitmasks
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +145,9 @@ class ModelRunnerOutput:
     # Per entry, the final hidden state of the row its last token was sampled from; kept
     # only when a drafter drafts from it (MTP).
     hidden: list[torch.Tensor] | None = None
-    # Seconds spent in "prepare" (inputs, metadata), "forward" and "sample"; under tensor
-    # parallelism also "all_reduce", the part of forward and sample spent in collectives.
+    # Seconds spent in "prepare" (inputs, metadata), "forward", "grammar" (structured outputs'
+    # masks) and "sample"; under tensor parallelism also "all_reduce", the part of forward and
+    # sample spent in collectives.
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -226,21 +228,31 @@ class ModelRunner:
             return ModelRunnerOutput([], [], timings=timings)
         t0 = time.perf_counter()
         logits = self.model.compute_logits(hidden)
+        allowed, constrained, offset = None, [], 0
+        for s in rows:
+            if s.request.grammar is not None:
+                constrained.append((offset, s.request.grammar, s.request.draft_token_ids))
+            offset += s.num_drafts + 1
+        if constrained:
+            tg = time.perf_counter()
+            allowed = fill_bitmasks(constrained, logits.shape[-1])
+            timings["grammar"] = time.perf_counter() - tg
         if not any(s.num_drafts for s in rows):
             reqs = [s.request for s in rows]
             out = self.sampler(logits, SamplingMetadata.build(reqs, logits.shape[-1],
-                                                              self.device))
-            timings["sample"] = time.perf_counter() - t0
+                                                              self.device, allowed))
+            timings["sample"] = time.perf_counter() - t0 - timings.get("grammar", 0.0)
             return ModelRunnerOutput([[t] for t in out.token_ids], [[lp] for lp in out.logprobs],
                                      list(hidden) if self.keep_hidden else None, timings)
-        verified = verify(self.sampler, logits, [s.request for s in rows], self.device)
+        verified = verify(self.sampler, logits, [s.request for s in rows], self.device,
+                          allowed)
         kept = None
         if self.keep_hidden:
             kept, offset = [], 0
             for s, toks in zip(rows, verified.token_ids, strict=True):
                 kept.append(hidden[offset + len(toks) - 1])
                 offset += s.num_drafts + 1
-        timings["sample"] = time.perf_counter() - t0
+        timings["sample"] = time.perf_counter() - t0 - timings.get("grammar", 0.0)
         return ModelRunnerOutput(verified.token_ids, verified.logprobs, kept, timings)
 
 

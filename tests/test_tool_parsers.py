@@ -1,0 +1,359 @@
+"""Tool-call and reasoning parsers on text fixtures: whole parsing, and streaming checked against
+it by feeding every fixture in chunks of every size 1..7 and at random cut points."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from kvserve.server.reasoning import (
+    REASONING_PARSERS,
+    DeepSeekR1ReasoningParser,
+    Qwen3ReasoningParser,
+    ReasoningParser,
+    get_reasoning_parser,
+)
+from kvserve.server.tool_parsers import (
+    TOOL_PARSERS,
+    HermesToolParser,
+    Llama3JsonToolParser,
+    StreamDelta,
+    ToolParser,
+    get_tool_parser,
+)
+
+CHUNK_SIZES = range(1, 8)
+
+
+def chunked(text: str, size: int) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def random_splits(text: str, count: int = 20, seed: int = 0) -> list[list[str]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6))))
+        bounds = [0, *cuts, len(text)]
+        out.append([text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])
+    return out
+
+
+def all_splits(text: str) -> list[list[str]]:
+    # Empty deltas happen (a token that decodes to nothing); they must be harmless.
+    return [chunked(text, n) for n in CHUNK_SIZES] + random_splits(text) + [["", text, ""]]
+
+
+# --- tool parsers -------------------------------------------------------------------------------
+
+
+def stream_tools(parser: ToolParser, pieces: list[str]) -> tuple[str, list[dict]]:
+    """Feed `pieces`, check the per-delta invariants, return (content, calls by index)."""
+    deltas = [parser.feed(p) for p in pieces] + [parser.finish()]
+    content = "".join(d.content for d in deltas)
+    calls: list[dict] = []
+    for d in deltas:
+        for tc in d.tool_calls:
+            if tc.index == len(calls):
+                # The first piece of a call names it.
+                assert tc.id is not None and tc.name is not None
+                calls.append({"id": tc.id, "name": tc.name, "arguments": tc.arguments})
+            else:
+                assert tc.index < len(calls), "indexes must start at 0 and go up by one"
+                assert tc.id is None and tc.name is None
+                calls[tc.index]["arguments"] += tc.arguments
+    seen = parser.tool_calls()
+    assert [c.id for c in seen] == [c["id"] for c in calls]
+    assert [c.name for c in seen] == [c["name"] for c in calls]
+    assert [c.arguments for c in seen] == [c["arguments"] for c in calls]
+    return content, calls
+
+
+def check_tool_stream(cls: type[ToolParser], text: str) -> None:
+    expected = cls().parse(text)
+    for call in expected.tool_calls:
+        assert isinstance(json.loads(call.arguments), dict)
+    for pieces in all_splits(text):
+        content, calls = stream_tools(cls(), pieces)
+        assert content == (expected.content or ""), pieces
+        assert [c["name"] for c in calls] == [c.name for c in expected.tool_calls], pieces
+        assert [c["arguments"] for c in calls] == [c.arguments for c in expected.tool_calls]
+        for c in calls:
+            assert isinstance(json.loads(c["arguments"]), dict)
+
+
+def call(name: str, args: dict | str, key: str = "arguments") -> str:
+    return json.dumps({"name": name, key: args}, ensure_ascii=False)
+
+
+def hermes_block(name: str, args: dict | str) -> str:
+    return f"<tool_call>\n{call(name, args)}\n</tool_call>"
+
+
+WEATHER = {"city": "Zürich", "unit": "celsius"}
+TIME = {"timezone": "Europe/Paris"}
+
+# (text, expected content, expected [(name, arguments dict)])
+HERMES_CASES = {
+    "content_only": ("The weather is nice today.\nAnything else? a < b, <tool>",
+                     "The weather is nice today.\nAnything else? a < b, <tool>", []),
+    "one_call": (hermes_block("get_weather", WEATHER), None, [("get_weather", WEATHER)]),
+    "two_calls": (hermes_block("get_weather", WEATHER) + "\n" + hermes_block("get_time", TIME),
+                  None, [("get_weather", WEATHER), ("get_time", TIME)]),
+    "content_then_call": ("Let me check that.\n\n" + hermes_block("get_weather", WEATHER),
+                          "Let me check that.\n\n", [("get_weather", WEATHER)]),
+    "text_after_call": (hermes_block("get_time", TIME) + "\nDone.", "\nDone.",
+                        [("get_time", TIME)]),
+    "malformed_stays_content": (
+        '<tool_call>\n{"name": "f", "arguments": {oops}\n</tool_call>\n'
+        + hermes_block("get_time", TIME),
+        '<tool_call>\n{"name": "f", "arguments": {oops}\n</tool_call>\n', [("get_time", TIME)]),
+    "no_name_stays_content": ('<tool_call>\n{"arguments": {}}\n</tool_call>',
+                              '<tool_call>\n{"arguments": {}}\n</tool_call>', []),
+    "unterminated_last": (hermes_block("get_weather", WEATHER) + "\n<tool_call>\n"
+                          + call("get_time", TIME) + "\n",
+                          None, [("get_weather", WEATHER), ("get_time", TIME)]),
+    "unterminated_partial_end_tag": ("<tool_call>\n" + call("get_time", TIME) + "\n</tool_c",
+                                     None, [("get_time", TIME)]),
+    "unterminated_malformed": ('Hi <tool_call>\n{"name": "get_time", "argu',
+                               'Hi <tool_call>\n{"name": "get_time", "argu', []),
+    "string_arguments": (hermes_block("get_weather", json.dumps(WEATHER)), None,
+                         [("get_weather", WEATHER)]),
+    "no_arguments": ('<tool_call>\n{"name": "ping"}\n</tool_call>', None, [("ping", {})]),
+    "partial_start_tag_at_end": ("Thinking about <tool_ca", "Thinking about <tool_ca", []),
+    "whitespace_only_content": ("\n\n" + hermes_block("ping", {}) + "\n \n", None,
+                                [("ping", {})]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HERMES_CASES))
+def test_hermes_parse(case: str) -> None:
+    text, content, expected = HERMES_CASES[case]
+    parsed = HermesToolParser().parse(text)
+    assert parsed.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == expected
+    assert len({c.id for c in parsed.tool_calls}) == len(parsed.tool_calls)
+    for c in parsed.tool_calls:
+        assert c.id.startswith("call_")
+        assert c.arguments == json.dumps(json.loads(c.arguments), ensure_ascii=False)
+
+
+@pytest.mark.parametrize("case", sorted(HERMES_CASES))
+def test_hermes_stream_matches_parse(case: str) -> None:
+    check_tool_stream(HermesToolParser, HERMES_CASES[case][0])
+
+
+def test_hermes_arguments_keep_unicode() -> None:
+    parsed = HermesToolParser().parse(hermes_block("get_weather", WEATHER))
+    assert "Zürich" in parsed.tool_calls[0].arguments
+
+
+def test_hermes_split_tag_streams_content_early() -> None:
+    parser = HermesToolParser()
+    assert parser.feed("Sure").content == "Sure"
+    assert parser.feed(", checking. <").content == ", checking. "
+    assert parser.feed("tool").content == ""  # might be a tag: held
+    assert parser.feed("_call>\n{\"name\": \"get_time\", ").content == ""
+    d = parser.feed('"arguments": {"timezone": "Europe/Paris"}}\n</tool')
+    assert d.content == "" and d.tool_calls == []
+    d = parser.feed("_call>")
+    assert [(t.index, t.name) for t in d.tool_calls] == [(0, "get_time")]
+    assert json.loads(d.tool_calls[0].arguments) == TIME
+    assert d.tool_calls[0].id == parser.tool_calls()[0].id
+    assert parser.feed("<too").content == ""
+    assert parser.feed("l> is what I used").content == "<tool> is what I used"
+    assert parser.finish().content == ""
+
+
+def test_hermes_unknown_tool_name_is_kept() -> None:
+    parsed = HermesToolParser(tool_names=["get_time"]).parse(hermes_block("launch", {}))
+    assert [c.name for c in parsed.tool_calls] == ["launch"]
+
+
+def test_feed_after_finish_raises() -> None:
+    for cls in TOOL_PARSERS.values():
+        parser = cls()
+        parser.finish()
+        with pytest.raises(RuntimeError):
+            parser.feed("x")
+
+
+LLAMA_CASES = {
+    "content_only": ("The capital of France is Paris.", "The capital of France is Paris.", []),
+    "one_call": (call("get_weather", WEATHER, "parameters"), None, [("get_weather", WEATHER)]),
+    "python_tag": ("<|python_tag|>" + call("get_time", TIME, "parameters"), None,
+                   [("get_time", TIME)]),
+    "two_calls": (call("get_weather", WEATHER, "parameters") + "; "
+                  + call("get_time", TIME, "parameters"),
+                  None, [("get_weather", WEATHER), ("get_time", TIME)]),
+    "semicolon_in_string": (call("echo", {"text": "a; b"}, "parameters") + ";", None,
+                            [("echo", {"text": "a; b"})]),
+    "arguments_synonym": ("\n " + call("get_time", TIME), None, [("get_time", TIME)]),
+    "string_arguments": (call("get_time", json.dumps(TIME), "parameters"), None,
+                         [("get_time", TIME)]),
+    "no_arguments": ('{"name": "ping"}', None, [("ping", {})]),
+    "malformed": ('{"name": "f", "parameters": {"x": }}', '{"name": "f", "parameters": {"x": }}',
+                  []),
+    "unterminated_last": (call("get_time", TIME, "parameters") + '; {"name": "get_weather", "pa',
+                          call("get_time", TIME, "parameters") + '; {"name": "get_weather", "pa',
+                          []),
+    "json_not_a_call": ('{"answer": 42}', '{"answer": 42}', []),
+    "trailing_text": (call("ping", {}, "parameters") + " I called it.",
+                      call("ping", {}, "parameters") + " I called it.", []),
+    "tag_then_text": ("<|python_tag|>print(1)", "<|python_tag|>print(1)", []),
+    "partial_tag_only": ("<|pyth", "<|pyth", []),
+    "whitespace_only": ("\n  ", None, []),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LLAMA_CASES))
+def test_llama3_parse(case: str) -> None:
+    text, content, expected = LLAMA_CASES[case]
+    parsed = Llama3JsonToolParser().parse(text)
+    assert parsed.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == expected
+
+
+@pytest.mark.parametrize("case", sorted(LLAMA_CASES))
+def test_llama3_stream_matches_parse(case: str) -> None:
+    check_tool_stream(Llama3JsonToolParser, LLAMA_CASES[case][0])
+
+
+def test_llama3_streams_content_at_once_and_holds_json() -> None:
+    parser = Llama3JsonToolParser()
+    assert parser.feed("  ").content == ""
+    assert parser.feed("Hel").content == "  Hel"
+    assert parser.feed("lo {").content == "lo {"
+    assert parser.finish().content == ""
+
+    parser = Llama3JsonToolParser()
+    pieces = ["<|py", "thon_tag|>", '{"name": "get_time", ', '"parameters": {"timezone": ',
+              '"Europe/Paris"}}']
+    assert all(parser.feed(p) == StreamDelta() for p in pieces)
+    d = parser.finish()
+    assert d.content == ""
+    assert [(t.index, t.name, json.loads(t.arguments)) for t in d.tool_calls] == [
+        (0, "get_time", TIME)]
+    assert d.tool_calls[0].id == parser.tool_calls()[0].id
+
+
+def test_get_tool_parser() -> None:
+    assert get_tool_parser("hermes") is HermesToolParser
+    assert get_tool_parser("llama3_json") is Llama3JsonToolParser
+    with pytest.raises(ValueError, match="hermes") as err:
+        get_tool_parser("nope")
+    assert "llama3_json" in str(err.value) and "nope" in str(err.value)
+
+
+# --- reasoning parsers --------------------------------------------------------------------------
+
+
+def stream_reasoning(parser: ReasoningParser, pieces: list[str]) -> tuple[str, str]:
+    outs = [parser.feed(p) for p in pieces] + [parser.finish()]
+    return "".join(r for r, _ in outs), "".join(c for _, c in outs)
+
+
+def check_reasoning_stream(cls: type[ReasoningParser], text: str) -> None:
+    reasoning, content = cls().parse(text)
+    for pieces in all_splits(text):
+        parser = cls()
+        assert stream_reasoning(parser, pieces) == (reasoning or "", content or ""), pieces
+        if "</think>" in text and (reasoning is not None or cls is DeepSeekR1ReasoningParser):
+            assert parser.reasoning_done
+
+
+# (text, reasoning, content)
+DEEPSEEK_CASES = {
+    "both_tags": ("<think>\nAdd 2 and 2.\n</think>\n\nThe answer is 4.\n",
+                  "Add 2 and 2.", "The answer is 4.\n"),
+    "no_open_tag": ("Add 2 and 2.\n\n</think>\n\nThe answer is 4.", "Add 2 and 2.",
+                    "The answer is 4."),
+    "cut_off_thinking": ("Let me think\nabout this", "Let me think\nabout this", None),
+    "cut_off_with_open_tag": ("\n<think>\nStill going\n", "Still going", None),
+    "empty_thinking": ("<think>\n\n</think>\n\nHi", None, "Hi"),
+    "no_content": ("<think>done</think>\n\n", "done", None),
+    "second_tags_are_content": ("a</think>b <think>c</think>", "a", "b <think>c</think>"),
+    "partial_tag_at_end": ("thinking </thi", "thinking </thi", None),
+    "angle_brackets": ("if a<b and c</d\n</think>\nyes", "if a<b and c</d", "yes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DEEPSEEK_CASES))
+def test_deepseek_r1(case: str) -> None:
+    text, reasoning, content = DEEPSEEK_CASES[case]
+    assert DeepSeekR1ReasoningParser().parse(text) == (reasoning, content)
+    check_reasoning_stream(DeepSeekR1ReasoningParser, text)
+
+
+QWEN3_CASES = {
+    "both_tags": ("<think>\nPlan the answer.\n</think>\n\nHere it is.",
+                  "Plan the answer.", "Here it is."),
+    "no_tags": ("Just an answer.\n", None, "Just an answer.\n"),
+    "empty_think_block": ("<think>\n\n</think>\n\nHello!", None, "Hello!"),
+    "cut_off_thinking": ("<think>\nHalf a thought", "Half a thought", None),
+    "leading_whitespace": ("\n<think>x</think>y", "x", "y"),
+    "mid_text_unclosed": ("Wrap it in <think> tags.", None, "Wrap it in <think> tags."),
+    "mid_text_closed": ("Intro <think>\nhidden\n</think>\nrest", "hidden", "Intro \nrest"),
+    "close_without_open": ("abc</think>def", None, "abc</think>def"),
+    "partial_open_tag": ("<thi", None, "<thi"),
+    "partial_close_tag": ("<think>\nhmm </thin", "hmm </thin", None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(QWEN3_CASES))
+def test_qwen3(case: str) -> None:
+    text, reasoning, content = QWEN3_CASES[case]
+    assert Qwen3ReasoningParser().parse(text) == (reasoning, content)
+    check_reasoning_stream(Qwen3ReasoningParser, text)
+
+
+def test_reasoning_split_tags_stream_early() -> None:
+    parser = DeepSeekR1ReasoningParser()
+    assert parser.feed("<th") == ("", "")
+    assert parser.feed("ink>\nStep one") == ("Step one", "")
+    assert parser.feed(".\n") == (".", "")  # the newline may be trailing: held
+    assert parser.feed("</th") == ("", "")
+    assert not parser.reasoning_done
+    assert parser.feed("ink>\n") == ("", "")
+    assert parser.reasoning_done
+    assert parser.feed("\nFour") == ("", "Four")
+    assert parser.finish() == ("", "")
+
+    parser = Qwen3ReasoningParser()
+    assert parser.feed("<think>\nabc") == ("abc", "")
+    assert parser.feed("</think>\n\nxyz") == ("", "xyz")
+    assert parser.reasoning_done
+
+    # After a <think> in mid text nothing is sent until </think> or the end decides.
+    parser = Qwen3ReasoningParser()
+    assert parser.feed("Use <think>") == ("", "Use ")
+    assert parser.feed(" tags") == ("", "")
+    assert parser.finish() == ("", "<think> tags")
+
+
+def test_get_reasoning_parser() -> None:
+    assert get_reasoning_parser("deepseek_r1") is DeepSeekR1ReasoningParser
+    assert get_reasoning_parser("qwen3") is Qwen3ReasoningParser
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
+    with pytest.raises(ValueError, match="deepseek_r1") as err:
+        get_reasoning_parser("nope")
+    assert "qwen3" in str(err.value)
+
+
+# --- mixed fragments: the streaming contract on texts nobody wrote by hand ----------------------
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "<think>", "</think>", "</thi", "<",
+             "<|python_tag|>", "\n", "\n\n", " ", "hi", ";", '{"name": "f", "arguments": {}}',
+             '{"name": "g", "parameters": {"a": 1}}', "{", "}", '"x"']
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_stream_matches_parse_on_random_texts(seed: int) -> None:
+    rng = random.Random(seed)
+    text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(2, 14)))
+    for cls in TOOL_PARSERS.values():
+        check_tool_stream(cls, text)
+    for rcls in REASONING_PARSERS.values():
+        check_reasoning_stream(rcls, text)
