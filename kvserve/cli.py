@@ -288,7 +288,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
         max_request_bytes=parse_size(args.max_request_size),
-        shutdown_timeout=args.shutdown_timeout)
+        shutdown_timeout=args.shutdown_timeout,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+    if server_args.enable_auto_tool_choice and server_args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     failed: list[BaseException] = []
 
     def on_fatal(e: BaseException) -> None:
@@ -550,6 +554,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide to call tools (tool_choice "auto"); needs '
+                   "--tool-call-parser")
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="the model's tool-call format: hermes (Qwen 2.5/3, Hermes), "
+                   "llama3_json (Llama 3.1/3.2)")
+    s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split <think>...</think> into reasoning_content")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 

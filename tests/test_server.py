@@ -330,10 +330,9 @@ def _error(r: httpx.Response, status: int) -> dict:
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function"}]}, "tools"),
+                              "tools": [{"type": "function"}]}, "tools.0.function"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}},
-     "response_format.type"),
+                              "response_format": {"type": "xml"}}, "response_format.type"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],

@@ -31,6 +31,7 @@ from kvserve.engine.processor import OutputProcessor
 from kvserve.metrics import EngineMetrics
 from kvserve.models.loader import DEFAULT_MODEL, resolve_model
 from kvserve.outputs import OutputKind, RequestOutput
+from kvserve.server.chat_tools import ChatPlan, ChoiceStream, finish_reason, plan_chat
 from kvserve.server.errors import APIError, GuardMiddleware, error_body, install_error_handlers
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -38,7 +39,7 @@ from kvserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from kvserve.server.responses import Formatter, sse
+from kvserve.server.responses import Formatter, sse, usage
 from kvserve.structured import StructuredOutputError
 from kvserve.tokenizer import Tokenizer
 
@@ -55,6 +56,9 @@ class ServerArgs:
     max_waiting_requests: int | None = None
     max_request_bytes: int = 4 << 20
     shutdown_timeout: float = 30.0
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # the model's tool-call format, for tool_choice auto
+    reasoning_parser: str | None = None
 
 
 def default_served_name(model: str | None) -> str:
@@ -346,9 +350,10 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         if body.echo:
             echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in prompts]
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_completion_stream(fmt, streams, echo, include_usage),
-                                     media_type="text/event-stream")
+            opts = body.stream_options
+            return StreamingResponse(_completion_stream(
+                fmt, streams, echo, bool(opts and opts.include_usage),
+                bool(opts and opts.continuous_usage_stats)), media_type="text/event-stream")
         try:
             outs = await _collect(streams, raw)
         except ClientGone:
@@ -366,24 +371,31 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", "top_logprobs")
         tok = state.tokenizer
-        ids = _encode_chat(state.processor, body.messages, body.add_generation_prompt)
+        spec, spec_field = body.structured()
+        auto = args.tool_call_parser if args.enable_auto_tool_choice else None
+        plan = plan_chat(body, spec, spec_field, auto, args.reasoning_parser)
+        ids = _encode_chat(state.processor, body.messages, body.add_generation_prompt,
+                           plan.tools, body.chat_template_kwargs, body.continue_final_message)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
-        params = _params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        params = _params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                         plan.constraint)
         rid = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         log.debug("request %s user %s", rid, body.user)
         fmt = Formatter(tok, rid, state.model_name, body.n)
-        (stream,) = await _add(engine, rid, [ids], params, body.cache_salt, body.stream)
+        (stream,) = await _add(engine, rid, [ids], params, body.cache_salt, body.stream,
+                               plan.constraint_field)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_chat_stream(fmt, stream, include_usage),
-                                     media_type="text/event-stream")
+            opts = body.stream_options
+            return StreamingResponse(_chat_stream(
+                fmt, stream, bool(opts and opts.include_usage), plan,
+                bool(opts and opts.continuous_usage_stats)), media_type="text/event-stream")
         try:
             (out,) = await _collect([stream], raw)
         except ClientGone:
             return Response(status_code=499)
         _raise_failed([out])
-        return JSONResponse(fmt.chat(out))
+        return JSONResponse(fmt.chat(out, plan))
 
     return app
 
@@ -401,17 +413,33 @@ def _params(body, max_tokens: int | None, logprobs: int | None, structured=None)
         raise APIError(400, str(e)) from e
 
 
-def _encode_chat(processor: OutputProcessor, messages, add_generation_prompt: bool) -> list[int]:
-    plain = []
-    for m in messages:
-        item = {"role": m.role, "content": m.text()}
-        if m.name:
-            item["name"] = m.name
-        plain.append(item)
+def _encode_chat(processor: OutputProcessor, messages, add_generation_prompt: bool,
+                 tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                 continue_final_message: bool = False) -> list[int]:
+    if continue_final_message and add_generation_prompt:
+        raise APIError(400, "continue_final_message needs add_generation_prompt: false",
+                       "continue_final_message")
+    reserved = {"messages", "tools", "add_generation_prompt", "continue_final_message"}
+    clash = sorted(reserved & set(template_kwargs or {}))
+    if clash:
+        raise APIError(400, f"chat_template_kwargs must not set {clash}: they have fields of "
+                       "their own", "chat_template_kwargs")
+    plain = [m.for_template() for m in messages]
     try:
-        return processor.encode_chat(plain, add_generation_prompt)
+        return processor.encode_chat(plain, add_generation_prompt, tools=tools,
+                                     continue_final_message=continue_final_message,
+                                     **(template_kwargs or {}))
     except ValueError as e:
         raise APIError(400, f"chat template: {e}", "messages") from e
+
+
+def _merged(deltas: list[dict]) -> dict:
+    """One chat delta from a parser's pieces (tool-call pieces kept in order)."""
+    out: dict = {}
+    for d in deltas:
+        for k, v in d.items():
+            out[k] = out[k] + v if k in out else v
+    return out
 
 
 def _new_logprobs(c) -> list | None:
@@ -422,7 +450,8 @@ def _new_logprobs(c) -> list | None:
 
 
 async def _completion_stream(fmt: Formatter, streams: list[RequestStream],
-                             echo: list[str] | None, include_usage: bool) -> AsyncIterator[str]:
+                             echo: list[str] | None, include_usage: bool,
+                             continuous_usage: bool = False) -> AsyncIterator[str]:
     finals: list[RequestOutput | None] = [None] * len(streams)
     offsets: dict[int, int] = {}
     closed: set[int] = set()
@@ -441,7 +470,10 @@ async def _completion_stream(fmt: Formatter, streams: list[RequestStream],
                 if not text and not c.delta_token_ids and not c.finished:
                     continue
                 offset = offsets.get(idx, 0)
-                yield sse(fmt.completion_chunk(i, c, text, _new_logprobs(c), offset))
+                chunk = fmt.completion_chunk(i, c, text, _new_logprobs(c), offset)
+                if continuous_usage:
+                    chunk["usage"] = usage([out])
+                yield sse(chunk)
                 offsets[idx] = offset + len(text)
                 if c.finished:
                     closed.add(idx)
@@ -457,10 +489,11 @@ async def _completion_stream(fmt: Formatter, streams: list[RequestStream],
     yield sse("[DONE]")
 
 
-async def _chat_stream(fmt: Formatter, stream: RequestStream,
-                       include_usage: bool) -> AsyncIterator[str]:
+async def _chat_stream(fmt: Formatter, stream: RequestStream, include_usage: bool,
+                       plan: ChatPlan, continuous_usage: bool = False) -> AsyncIterator[str]:
     final = None
     closed: set[int] = set()
+    choices = [ChoiceStream(plan) for _ in range(fmt.n)]
     try:
         for i in range(fmt.n):
             yield sse(fmt.chat_chunk(i, {"role": "assistant", "content": ""}))
@@ -473,9 +506,17 @@ async def _chat_stream(fmt: Formatter, stream: RequestStream,
                     continue
                 if not c.delta_text and not c.delta_token_ids and not c.finished:
                     continue
-                delta = {"content": c.delta_text} if c.delta_text else {}
-                yield sse(fmt.chat_chunk(c.index, delta, c.finish_reason, _new_logprobs(c),
-                                         c.stop_reason))
+                cs = choices[c.index]
+                delta = _merged(cs.feed(c.delta_text, c.finished))
+                logprobs = _new_logprobs(c)
+                if not delta and not c.finished and not logprobs:
+                    continue  # held back by a parser (a tag may be starting)
+                chunk = fmt.chat_chunk(c.index, delta,
+                                       finish_reason(c.finish_reason, cs.has_calls),
+                                       logprobs, c.stop_reason)
+                if continuous_usage:
+                    chunk["usage"] = usage([out])
+                yield sse(chunk)
                 if c.finished:
                     closed.add(c.index)
             final = out

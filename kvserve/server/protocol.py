@@ -219,8 +219,6 @@ class ChatMessage(_Strict):
                 calls.append({"id": c.id, "type": "function",
                               "function": {"name": c.function.name, "arguments": args}})
             item["tool_calls"] = calls
-            if self.content is None:
-                item["content"] = None
         return item
 
 

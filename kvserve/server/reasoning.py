@@ -13,17 +13,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
+from kvserve.server.tool_parsers import partial_suffix_len
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 _NEWLINES = "\r\n"
-
-
-def partial_suffix_len(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag` (0 if none)."""
-    for k in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 def _finalize(text: str, strip_trailing: bool) -> str | None:

@@ -7,6 +7,7 @@ import time
 
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampler import TokenLogprobs
+from kvserve.server.chat_tools import ChatPlan, chat_message, finish_reason
 from kvserve.tokenizer import Tokenizer
 
 # JSON has no -inf; a floor like this is what OpenAI-compatible servers send instead.
@@ -102,14 +103,17 @@ class Formatter:
         return {"content": [{**entry(lp.token_id, lp.logprob),
                              "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
 
-    def chat(self, out: RequestOutput) -> dict:
-        choices = [{
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": None if c.logprobs is None else self.chat_logprobs(c.logprobs),
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        } for c in out.outputs]
+    def chat(self, out: RequestOutput, plan: ChatPlan) -> dict:
+        choices = []
+        for c in out.outputs:
+            message, has_calls = chat_message(plan, c.text)
+            choices.append({
+                "index": c.index,
+                "message": message,
+                "logprobs": None if c.logprobs is None else self.chat_logprobs(c.logprobs),
+                "finish_reason": finish_reason(c.finish_reason, has_calls),
+                "stop_reason": c.stop_reason,
+            })
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "choices": choices, "usage": usage([out]),
                 "timings": timings([out])}
