@@ -126,6 +126,8 @@ class CoreOutput:
     stop_token: int | None = None  # the stop token (not EOS) that ended it
     error: str | None = None
     events: list[dict] | None = None  # once finished: its timeline (JSON), when recorded
+    # with its first token, when asked for: one entry per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def _span(a: float | None, b: float | None) -> float | None:
@@ -180,3 +182,6 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None  # set when the request failed inside the engine
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first sample)
+    # when asked for (SamplingParams.prompt_logprobs), from the first output on: one entry
+    # per prompt token, None for the first (nothing precedes it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -149,6 +149,9 @@ class Request:
     # Structured outputs: the matcher of its constraint, advanced by every output token
     # (set by the engine core when it accepts the request).
     grammar: Grammar | None = None
+    # Prompt logprobs (sampling_params.prompt_logprobs): the sampler's TokenLogprobs of
+    # prompt tokens 1, 2, ..., filled chunk by chunk as the prompt is computed.
+    prompt_logprobs: list = field(default_factory=list)
     timeline: RequestTimeline = field(init=False)
 
     def __post_init__(self) -> None:

@@ -368,6 +368,35 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids, logprobs=out_logprobs)
 
 
+# Prompt logprobs are computed this many rows at a time, so a long prompt chunk never holds
+# more than a slice of float32 log-softmax at once (128 x 49152 x 4 bytes = 24 MiB).
+PROMPT_LOGPROB_ROWS = 128
+
+
+def token_logprobs(logits: torch.Tensor, targets: list[int], num_top: int
+                   ) -> list[TokenLogprobs]:
+    """Raw logprobs (as `Sampler.to_output` gives) of `targets[i]` under row i of `logits`,
+    with each row's `num_top` most likely tokens: prompt logprobs."""
+    out: list[TokenLogprobs] = []
+    k = min(num_top, logits.shape[-1])
+    for lo in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+        rows = logits[lo:lo + PROMPT_LOGPROB_ROWS].float()
+        lp = torch.log_softmax(rows, dim=-1)
+        tgt = torch.tensor(targets[lo:lo + PROMPT_LOGPROB_ROWS], dtype=torch.int64,
+                           device=lp.device).unsqueeze(1)
+        chosen = lp.gather(1, tgt)
+        ranks = (lp > chosen).sum(dim=-1) + 1
+        results = [chosen.squeeze(1), ranks]
+        if k:
+            vals, ids = lp.topk(k, dim=-1)
+            results += [vals, ids]
+        host = _to_host(results)
+        for j, t in enumerate(tgt.squeeze(1).tolist()):
+            top = list(zip(host[3][j], host[2][j], strict=True)) if k else []
+            out.append(TokenLogprobs(t, host[0][j], host[1][j], top))
+    return out
+
+
 def apply_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Steps 0-3 of the module docstring (grammar masks, bias, min_tokens bans, penalties),
     in place.

@@ -126,6 +126,10 @@ class SamplingParams:
     max_tokens: int | None = 16  # None => the engine fills up to the context limit
     min_tokens: int = 0
     logprobs: int | None = None  # top logprobs per sampled token; 0 => only the sampled one
+    # top logprobs per prompt token (from the second; 0 => only the token's own). A request
+    # asking for them computes its whole prompt: it reads no cached prefix.
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
 
@@ -189,6 +193,19 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
+
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs)
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                                 f"{self.prompt_logprobs}")
+
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = _check_int("truncate_prompt_tokens",
+                                                     self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens < 1:
+                raise ValueError(f"truncate_prompt_tokens must be >= 1, got "
+                                 f"{self.truncate_prompt_tokens}")
 
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,
                                                                   StructuredOutputs):

@@ -252,3 +252,30 @@ def test_bad_sampling_values_name_the_field():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+def test_prompt_logprobs_match_transformers_across_chunks_and_cache(tiny_llama_dir):
+    """Prompt logprobs computed chunk by chunk (16-token steps) are those of one transformers
+    pass; a repeat of the prompt, whose blocks are cached, still gets them all."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    llm = make_llm(tiny_llama_dir, max_num_batched_tokens=16)
+    prompt = random_prompts(1, seed=9)[0] + list(range(5, 40))
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, n=2)
+    (out,) = llm.generate([prompt], params)
+    lps = out.prompt_logprobs
+    assert len(lps) == len(prompt) and lps[0] is None
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for i, lp in enumerate(lps[1:]):
+        assert lp.token_id == prompt[i + 1]
+        assert lp.logprob == pytest.approx(ref[i, prompt[i + 1]].item(), abs=1e-4)
+        assert [t for t, _ in lp.top] == ref[i].topk(3).indices.tolist()
+    (again,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2,
+                                                      prompt_logprobs=3))
+    assert [(lp.token_id, lp.logprob) for lp in again.prompt_logprobs[1:]] == \
+        [(lp.token_id, lp.logprob) for lp in lps[1:]]
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+    llm.engine.check_integrity()

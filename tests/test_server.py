@@ -84,6 +84,40 @@ def test_several_prompts_are_accepted_or_refused_together(server, client):
     _error(httpx.get(f"{url}/v1/requests/pair-0/timeline"), 404)
 
 
+def test_echo_with_logprobs_scores_the_prompt(client):
+    """What lm-evaluation-harness sends for log-likelihoods: echo + logprobs, max_tokens 0
+    or 1."""
+    text = "The capital of France is Paris"
+    r = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True,
+                                  logprobs=1, temperature=0)
+    c, n = r.choices[0], r.usage.prompt_tokens
+    assert c.text == text and c.finish_reason == "length" and r.usage.completion_tokens == 0
+    assert len(c.logprobs.tokens) == n and "".join(c.logprobs.tokens) == text
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert all(v <= 0 for v in c.logprobs.token_logprobs[1:])
+    assert all(len(t) == 1 for t in c.logprobs.top_logprobs[1:])
+    assert c.logprobs.text_offset[:3] == [0, len(c.logprobs.tokens[0]),
+                                          len(c.logprobs.tokens[0] + c.logprobs.tokens[1])]
+    one = client.completions.create(model=MODEL, prompt=text, max_tokens=1, echo=True,
+                                    logprobs=1, temperature=0).choices[0]
+    assert len(one.logprobs.tokens) == n + 1
+    assert one.logprobs.token_logprobs[:n] == pytest.approx(c.logprobs.token_logprobs[:n],
+                                                            abs=1e-5)
+    stream = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True,
+                                       logprobs=1, temperature=0, stream=True)
+    chunks = [ch.choices[0] for ch in stream if ch.choices]
+    assert "".join(ch.text for ch in chunks) == text
+    assert [t for ch in chunks if ch.logprobs for t in ch.logprobs.tokens] == \
+        c.logprobs.tokens
+    vllm = client.completions.create(model=MODEL, prompt=text, max_tokens=1, temperature=0,
+                                     extra_body={"prompt_logprobs": 2}).choices[0]
+    plp = vllm.model_extra["prompt_logprobs"]
+    assert len(plp) == n and plp[0] is None
+    assert all(1 <= len(e) <= 3 for e in plp[1:])
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=MODEL, prompt=text, max_tokens=0)
+
+
 def test_chat_and_stream_agree(client):
     _invariant_or_skip()
     messages = [{"role": "user", "content": CHAT_QUESTION}]

@@ -308,6 +308,8 @@ class EngineCore:
             return self._take_pending()
         self.scheduler.update_after_step(sched)
         self.kv.after_step()
+        for request_id, lps in result.prompt_logprobs:
+            self._requests[request_id].prompt_logprobs.extend(lps)  # all still running here
         now = time.perf_counter()
         outputs = self._take_pending()
         hidden = result.hidden or [None] * len(result.token_ids)
@@ -365,6 +367,9 @@ class EngineCore:
         checking the stop rules after each; tokens after a stop are dropped, exactly as if
         they had been generated one per step."""
         want_lp = req.sampling_params.logprobs is not None
+        prompt_lps = None  # handed out once, with the first token
+        if req.sampling_params.prompt_logprobs is not None and not req.num_output_tokens:
+            prompt_lps = [None, *req.prompt_logprobs]
         for n, token in enumerate(tokens, 1):
             req.append_token(token)
             if req.timeline.first_token is None:
@@ -375,10 +380,12 @@ class EngineCore:
                 stop = token if (status is RequestStatus.FINISHED_STOPPED
                                  and token not in req.eos_token_ids) else None
                 self._finish(req, status, now)
-                return self._final(req, tokens[:n], logprobs[:n] if want_lp else None,
-                                   status, stop)
+                out = self._final(req, tokens[:n], logprobs[:n] if want_lp else None,
+                                  status, stop)
+                out.prompt_logprobs = prompt_lps
+                return out
         return CoreOutput(req.request_id, list(tokens), list(logprobs) if want_lp else None,
-                          RequestTimes.of(req))
+                          RequestTimes.of(req), prompt_logprobs=prompt_lps)
 
     def _final(self, req: Request, tokens: list[int], logprobs: list | None,
                status: RequestStatus, stop_token: int | None = None,

@@ -69,6 +69,7 @@ class _Group:
     prompt_token_ids: list[int]
     output_kind: OutputKind
     samples: list[_Sample] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -166,6 +167,9 @@ class OutputProcessor:
                                  f"{core.vocab_size}): {bad[:5]}")
         if not ids:
             raise ValueError("prompt is empty")
+        k = params.truncate_prompt_tokens
+        if k is not None and len(ids) > k:
+            ids, text = ids[-k:], None  # the text no longer is the prompt
         params.validate_vocab(core.vocab_size)
         room = core.max_model_len - len(ids)
         if room <= 0:
@@ -177,6 +181,8 @@ class OutputProcessor:
         reqs = []
         for i in range(params.n):
             sp = params.child(i) if params.n > 1 else params
+            if i:  # the prompt's logprobs are the same for every sample: the first computes
+                sp.prompt_logprobs = None  # them, the others may read the cached prefix
             req = Request(f"{request_id}#{i}" if params.n > 1 else request_id, ids, sp,
                           eos, max_tokens, arrival, cache_salt=cache_salt)
             if req.request_id in self._samples:
@@ -232,6 +238,8 @@ class OutputProcessor:
                 self._pending = []
                 touched.pop(group.request_id, None)
                 continue
+            if co.prompt_logprobs is not None and group.prompt_logprobs is None:
+                group.prompt_logprobs = co.prompt_logprobs  # every sample's are the same
             try:
                 self._append(sample, co)
             except Exception as e:
@@ -319,6 +327,7 @@ class OutputProcessor:
             finished=group.finished,
             metrics=self._metrics(group),
             num_cached_tokens=group.samples[0].times.num_cached_tokens or 0,
+            prompt_logprobs=group.prompt_logprobs,
         )
 
     @staticmethod

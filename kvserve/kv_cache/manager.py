@@ -202,8 +202,11 @@ class KVCacheManager:
     def get_computed_blocks(self, req: Request) -> PrefixHit:
         """The longest cached run at the start of the request's tokens that every KV group
         can serve, from the pool or (loaded before the step) from a lower tier. Reads no
-        tier: it asks only their indexes. Call only for a request with nothing computed."""
-        if not self.enable_prefix_caching or req.num_computed_tokens:
+        tier: it asks only their indexes. Call only for a request with nothing computed.
+        A request that wants prompt logprobs gets no hit: they need every prompt position
+        computed (its blocks are still cached for others)."""
+        if (not self.enable_prefix_caching or req.num_computed_tokens
+                or req.sampling_params.prompt_logprobs is not None):
             return PrefixHit([[] for _ in self.windows])
         pool_block: dict[tuple[int, int], KVBlock | None] = {}
         found: dict[tuple[int, int], bool] = {}

@@ -335,15 +335,23 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         _check_stream_options(body.stream, body.stream_options)
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of other than n is not supported", "best_of")
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs prompt logprobs, which kvserve does "
-                           "not compute", "echo")
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens 0 returns only the echoed prompt: it needs "
+                           "echo: true", "max_tokens")
+        echo_logprobs = body.echo and body.logprobs is not None
+        prompt_lps = body.prompt_logprobs
+        if echo_logprobs:  # the prompt's logprobs head the choice's logprobs
+            prompt_lps = max(prompt_lps or 0, body.logprobs or 0)
         prompts = _prompt_lists(body.prompt)
         spec, spec_field = body.structured()
-        params = _params(body, body.max_tokens, body.logprobs, spec)
+        # max_tokens 0 runs the prompt with one sampled token that is never shown.
+        params = _params(body, body.max_tokens or (1 if body.max_tokens == 0 else None),
+                         body.logprobs, spec, prompt_lps)
         rid = body.request_id or f"cmpl-{uuid.uuid4().hex}"
         log.debug("request %s user %s", rid, body.user)
-        fmt = Formatter(state.tokenizer, rid, state.model_name, body.n)
+        fmt = Formatter(state.tokenizer, rid, state.model_name, body.n,
+                        body.return_tokens_as_token_ids, echo_logprobs, body.max_tokens == 0,
+                        body.prompt_logprobs is not None)
         streams = await _add(engine, rid, prompts, params, body.cache_salt, body.stream,
                              spec_field)
         echo = None
@@ -379,10 +387,13 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
         params = _params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
-                         plan.constraint)
+                         plan.constraint, body.prompt_logprobs)
         rid = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         log.debug("request %s user %s", rid, body.user)
-        fmt = Formatter(tok, rid, state.model_name, body.n)
+        fmt = Formatter(tok, rid, state.model_name, body.n, body.return_tokens_as_token_ids,
+                        prompt_logprobs=body.prompt_logprobs is not None)
+        last = body.messages[-1]
+        plan.echo = last.text() if body.echo and last.role == "assistant" else ""
         (stream,) = await _add(engine, rid, [ids], params, body.cache_salt, body.stream,
                                plan.constraint_field)
         if body.stream:
@@ -406,9 +417,10 @@ def _check_stream_options(stream: bool, options) -> None:
                        "stream_options")
 
 
-def _params(body, max_tokens: int | None, logprobs: int | None, structured=None):
+def _params(body, max_tokens: int | None, logprobs: int | None, structured=None,
+            prompt_logprobs: int | None = None):
     try:
-        return body.sampling_params(max_tokens, logprobs, structured)
+        return body.sampling_params(max_tokens, logprobs, structured, prompt_logprobs)
     except ValueError as e:
         raise APIError(400, str(e)) from e
 
@@ -464,15 +476,16 @@ async def _completion_stream(fmt: Formatter, streams: list[RequestStream],
                 idx = fmt.index(i, c)
                 if idx in closed:
                     continue
-                text = c.delta_text
+                text = "" if fmt.prompt_only else c.delta_text
                 if idx not in offsets and echo is not None:
                     text = echo[i] + text
                 if not text and not c.delta_token_ids and not c.finished:
                     continue
                 offset = offsets.get(idx, 0)
-                chunk = fmt.completion_chunk(i, c, text, _new_logprobs(c), offset)
+                chunk = fmt.completion_chunk(i, c, text, _new_logprobs(c), offset,
+                                             out if idx not in offsets else None)
                 if continuous_usage:
-                    chunk["usage"] = usage([out])
+                    chunk["usage"] = usage([out], fmt.prompt_only)
                 yield sse(chunk)
                 offsets[idx] = offset + len(text)
                 if c.finished:

@@ -111,6 +111,7 @@ class ChatPlan:
     tool_parser: str | None  # auto: the format to parse
     reasoning_parser: str | None
     tool_names: list[str]
+    echo: str = ""  # vLLM's echo: the last (assistant) message's text, which this continues
 
     def parser(self) -> ToolParser | None:
         if self.mode == "named":
@@ -191,6 +192,7 @@ def finish_reason(reason: str | None, has_calls: bool) -> str | None:
 
 def chat_message(plan: ChatPlan, text: str) -> tuple[dict, bool]:
     """A whole choice's message, and whether it holds tool calls."""
+    text = plan.echo + text
     reasoning = None
     rp = plan.reasoning()
     content: str | None = text
@@ -218,9 +220,11 @@ class ChoiceStream:
         self.reasoning = plan.reasoning()
         self.tools = plan.parser()
         self.has_calls = False
+        self._echo = plan.echo
 
     def feed(self, text: str, final: bool) -> list[dict]:
         deltas: list[dict] = []
+        text, self._echo = self._echo + text, ""
         content = text
         if self.reasoning is not None:
             r, content = self.reasoning.feed(text)

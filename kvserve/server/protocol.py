@@ -71,6 +71,12 @@ class SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: prompt token logprobs, token ids as logprob tokens, keep the last k prompt
+    # tokens; spaces_between_special_tokens is what kvserve's tokenizers always do
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    spaces_between_special_tokens: Literal[True] = True
     request_id: str | None = None  # caller-chosen id, echoed in the response
     cache_salt: str | None = None  # prefix-cache isolation: only equal salts share blocks
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
@@ -116,7 +122,8 @@ class SamplingFields(_Strict):
         return structured_outputs(given, field), field
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        structured: StructuredOutputs | None = None) -> SamplingParams:
+                        structured: StructuredOutputs | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError naming the field for out-of-range values."""
         return SamplingParams(
             n=self.n,
@@ -139,6 +146,8 @@ class SamplingFields(_Strict):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=structured,
+            prompt_logprobs=prompt_logprobs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
 
@@ -160,7 +169,7 @@ def structured_outputs(given: dict[str, Any], field: str) -> StructuredOutputs:
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # 0: with echo, the prompt only
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     best_of: int | None = None  # only best_of == n (the default) is supported
@@ -251,6 +260,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False  # vLLM: prepend the last message when it is the assistant's
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

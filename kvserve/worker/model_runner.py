@@ -29,7 +29,8 @@ from kvserve.layers.quant import check_quantization
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import LoadedModel, auto_quantization, load_model, resolve_model
 from kvserve.rejection_sampler import verify
-from kvserve.sampler import Sampler, SamplingMetadata, TokenLogprobs
+from kvserve.request import Request
+from kvserve.sampler import Sampler, SamplingMetadata, TokenLogprobs, token_logprobs
 from kvserve.scheduler import SchedulerOutput
 from kvserve.structured import fill_bitmasks
 
@@ -145,6 +146,9 @@ class ModelRunnerOutput:
     # Per entry, the final hidden state of the row its last token was sampled from; kept
     # only when a drafter drafts from it (MTP).
     hidden: list[torch.Tensor] | None = None
+    # Prompt logprobs computed this step: (request id, the TokenLogprobs of its next prompt
+    # tokens, in order).
+    prompt_logprobs: list[tuple[str, list[TokenLogprobs]]] = field(default_factory=list)
     # Seconds spent in "prepare" (inputs, metadata), "forward", "grammar" (structured outputs'
     # masks) and "sample"; under tensor parallelism also "all_reduce", the part of forward and
     # sample spent in collectives.
@@ -211,12 +215,23 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         items, rows = [], []
+        # Requests wanting prompt logprobs get a row per position of the chunk whose next
+        # token is a prompt token: (request, its first row, first and end position).
+        prompt_rows: list[tuple[Request, int, int, int]] = []
+        offset = 0
         for s in sched.scheduled:
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
             tokens = [req.token_at(i) for i in range(start, start + n)]
-            items.append(ForwardItem(tokens, start, req.block_ids,
-                                     s.num_drafts + 1 if s.samples else 0, req.group_tables))
+            num_outputs = s.num_drafts + 1 if s.samples else 0
+            first = max(start, len(req.prompt_logprobs))  # earlier ones survive preemption
+            end = min(start + n, req.num_prompt_tokens - 1)
+            if req.sampling_params.prompt_logprobs is not None and first < end:
+                num_outputs = start + n - first  # the prompt rows, then any sampled row
+                prompt_rows.append((req, offset, first, end))
+            items.append(ForwardItem(tokens, start, req.block_ids, num_outputs,
+                                     req.group_tables))
+            offset += num_outputs
             if s.samples:
                 rows.append(s)
         timings: dict[str, float] = {}
@@ -224,10 +239,23 @@ class ModelRunner:
             self.workers.send(items)
         hidden = run_forward(self.model, self.kv_caches, self.block_size, items, self.device,
                              timings, self.layout)
-        if not rows:
+        if not rows and not prompt_rows:
             return ModelRunnerOutput([], [], timings=timings)
         t0 = time.perf_counter()
         logits = self.model.compute_logits(hidden)
+        prompt_lps = []
+        if prompt_rows:
+            keep = torch.ones(logits.shape[0], dtype=torch.bool)
+            for req, o, first, end in prompt_rows:
+                targets = req.prompt_token_ids[first + 1:end + 1]
+                prompt_lps.append((req.request_id, token_logprobs(
+                    logits[o:o + len(targets)], targets, req.sampling_params.prompt_logprobs)))
+                keep[o:o + len(targets)] = False
+            # What is left are the sampled rows, as without prompt logprobs.
+            logits, hidden = logits[keep], hidden[keep]
+            if not rows:
+                timings["sample"] = time.perf_counter() - t0
+                return ModelRunnerOutput([], [], prompt_logprobs=prompt_lps, timings=timings)
         allowed, constrained, offset = None, [], 0
         for s in rows:
             if s.request.grammar is not None:
@@ -243,7 +271,8 @@ class ModelRunner:
                                                               self.device, allowed))
             timings["sample"] = time.perf_counter() - t0 - timings.get("grammar", 0.0)
             return ModelRunnerOutput([[t] for t in out.token_ids], [[lp] for lp in out.logprobs],
-                                     list(hidden) if self.keep_hidden else None, timings)
+                                     list(hidden) if self.keep_hidden else None, prompt_lps,
+                                     timings)
         verified = verify(self.sampler, logits, [s.request for s in rows], self.device,
                           allowed)
         kept = None
@@ -253,7 +282,8 @@ class ModelRunner:
                 kept.append(hidden[offset + len(toks) - 1])
                 offset += s.num_drafts + 1
         timings["sample"] = time.perf_counter() - t0 - timings.get("grammar", 0.0)
-        return ModelRunnerOutput(verified.token_ids, verified.logprobs, kept, timings)
+        return ModelRunnerOutput(verified.token_ids, verified.logprobs, kept, prompt_lps,
+                                 timings)
 
 
 def release_freed_memory() -> None:
