@@ -290,7 +290,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=parse_size(args.max_request_size),
         shutdown_timeout=args.shutdown_timeout,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        pooling=args.pooling)
     if server_args.enable_auto_tool_choice and server_args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     failed: list[BaseException] = []
@@ -562,6 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "llama3_json (Llama 3.1/3.2)")
     s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="split <think>...</think> into reasoning_content")
+    s.add_argument("--pooling", default="mean", choices=["mean", "last"],
+                   help="/v1/embeddings: the mean of the final hidden states over the "
+                   "input's tokens, or the last token's; L2-normalised")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -128,6 +128,7 @@ class CoreOutput:
     events: list[dict] | None = None  # once finished: its timeline (JSON), when recorded
     # with its first token, when asked for: one entry per prompt token, None for the first
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's result (it then finishes)
 
 
 def _span(a: float | None, b: float | None) -> float | None:
@@ -185,3 +186,4 @@ class RequestOutput:
     # when asked for (SamplingParams.prompt_logprobs), from the first output on: one entry
     # per prompt token, None for the first (nothing precedes it)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: list[float] | None = None  # embedding requests (SamplingParams.pooling)

@@ -152,6 +152,11 @@ class Request:
     # Prompt logprobs (sampling_params.prompt_logprobs): the sampler's TokenLogprobs of
     # prompt tokens 1, 2, ..., filled chunk by chunk as the prompt is computed.
     prompt_logprobs: list = field(default_factory=list)
+    # Embedding requests (sampling_params.pooling): the final hidden states of the first
+    # `num_pooled` positions, chunk by chunk (mean), or the last position's (last). Summed
+    # only at the end, in one order, so the embedding does not depend on the chunking.
+    pooled: list[torch.Tensor] = field(default_factory=list)
+    num_pooled: int = 0
     timeline: RequestTimeline = field(init=False)
 
     def __post_init__(self) -> None:

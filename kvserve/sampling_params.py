@@ -130,6 +130,9 @@ class SamplingParams:
     # asking for them computes its whole prompt: it reads no cached prefix.
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    # An embedding request: instead of tokens, the prompt's final hidden states pooled
+    # ("mean" over its positions, or the "last" one) and L2-normalised.
+    pooling: str | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
 
@@ -206,6 +209,13 @@ class SamplingParams:
             if self.truncate_prompt_tokens < 1:
                 raise ValueError(f"truncate_prompt_tokens must be >= 1, got "
                                  f"{self.truncate_prompt_tokens}")
+
+        if self.pooling is not None:
+            if self.pooling not in ("mean", "last"):
+                raise ValueError(f"pooling must be mean or last, got {self.pooling!r}")
+            if self.n != 1 or self.prompt_logprobs is not None or self.structured_outputs:
+                raise ValueError("an embedding request (pooling) takes no n, prompt_logprobs "
+                                 "or structured outputs")
 
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,
                                                                   StructuredOutputs):

@@ -279,3 +279,29 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_cache(tiny_llama_d
         [(lp.token_id, lp.logprob) for lp in lps[1:]]
     assert again.outputs[0].token_ids == out.outputs[0].token_ids
     llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_embeddings_match_transformers_and_share_batches(tiny_llama_dir, pooling):
+    import torch
+    from transformers import AutoModel
+
+    llm = make_llm(tiny_llama_dir, max_num_batched_tokens=16)
+    prompts = [list(range(5, 45)), [7, 8, 9]]
+    alone = llm.embed(prompts, pooling)
+    hf = AutoModel.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    for p, e in zip(prompts, alone, strict=True):
+        with torch.no_grad():
+            h = hf(torch.tensor([p])).last_hidden_state[0]
+        ref = torch.nn.functional.normalize(h.mean(0) if pooling == "mean" else h[-1], dim=0)
+        assert torch.allclose(torch.tensor(e), ref, atol=1e-5)
+    # Embedding and generation requests in one batch: neither changes the other.
+    gen = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    (want,) = llm.generate([[3, 4, 5]], gen)
+    outs = llm.generate([prompts[0], [3, 4, 5], prompts[1]],
+                        [SamplingParams(max_tokens=1, pooling=pooling), gen,
+                         SamplingParams(max_tokens=1, pooling=pooling)])
+    assert [outs[0].embedding, outs[2].embedding] == alone
+    assert outs[1].outputs[0].token_ids == want.outputs[0].token_ids
+    assert outs[0].outputs[0].token_ids == [] and outs[0].finished
+    llm.engine.check_integrity()

@@ -540,3 +540,20 @@ def test_web_ui_and_dashboard_stats(server, client):
     assert s["recent"] and {"id", "arrival_unix", "breakdown", "segments"} <= s["recent"][-1].keys()
     kinds = {seg[0] for seg in s["recent"][-1]["segments"]}
     assert {"queue", "prefill", "decode"} <= kinds
+
+
+def test_embeddings(server, client):
+    r = client.embeddings.create(model=MODEL, input=["The cat sat.", "A dog ran.",
+                                                     "The cat sat."])
+    vecs = [d.embedding for d in r.data]
+    assert [d.index for d in r.data] == [0, 1, 2] and len(vecs[0]) == 576
+    assert all(abs(sum(x * x for x in v) - 1) < 1e-3 for v in vecs)
+    assert vecs[0] == vecs[2] and vecs[0] != vecs[1]
+    assert r.usage.prompt_tokens > 0
+    floats = client.embeddings.create(model=MODEL, input="The cat sat.",
+                                      encoding_format="float").data[0].embedding
+    assert floats == pytest.approx(vecs[0], abs=1e-6)
+    with pytest.raises(openai.BadRequestError, match="dimensions"):
+        client.embeddings.create(model=MODEL, input="x", dimensions=8)
+    err = _error(_post(server[0], "/v1/embeddings", {"input": []}), 400)
+    assert err["param"] == "input"

@@ -310,6 +310,10 @@ class EngineCore:
         self.kv.after_step()
         for request_id, lps in result.prompt_logprobs:
             self._requests[request_id].prompt_logprobs.extend(lps)  # all still running here
+        for request_id, vec, count in result.pooled:
+            req = self._requests[request_id]
+            req.pooled.append(vec)
+            req.num_pooled += count
         now = time.perf_counter()
         outputs = self._take_pending()
         hidden = result.hidden or [None] * len(result.token_ids)
@@ -317,8 +321,11 @@ class EngineCore:
         for s in sched.scheduled:
             if not s.samples:
                 continue
-            tokens, logprobs, h = next(sampled)
             req = s.request
+            if req.sampling_params.pooling is not None:  # its prompt is done: the embedding
+                outputs.append(self._embedded(req, now))
+                continue
+            tokens, logprobs, h = next(sampled)
             if s.num_drafts:
                 assert self.speculation is not None
                 self.speculation.verified(req, s.num_drafts, len(tokens) - 1)
@@ -386,6 +393,17 @@ class EngineCore:
                 return out
         return CoreOutput(req.request_id, list(tokens), list(logprobs) if want_lp else None,
                           RequestTimes.of(req), prompt_logprobs=prompt_lps)
+
+    def _embedded(self, req: Request, now: float) -> CoreOutput:
+        """An embedding request whose prompt is computed: its pooled, L2-normalised final
+        hidden state, and it finishes."""
+        states = torch.cat(req.pooled)
+        vec = states.mean(0) if req.sampling_params.pooling == "mean" else states[-1]
+        req.timeline.first_token = now
+        self._finish(req, RequestStatus.FINISHED_STOPPED, now)
+        out = self._final(req, [], None, RequestStatus.FINISHED_STOPPED)
+        out.embedding = torch.nn.functional.normalize(vec, dim=0).tolist()
+        return out
 
     def _final(self, req: Request, tokens: list[int], logprobs: list | None,
                status: RequestStatus, stop_token: int | None = None,

@@ -55,6 +55,13 @@ class LLM:
             output_kind=OutputKind.FINAL_ONLY)
         return self._run(ids)
 
+    def embed(self, prompts: str | Sequence[str] | Sequence[list[int]],
+              pooling: str = "mean") -> list[list[float]]:
+        """Each prompt's final hidden states pooled ("mean" over its tokens, or the "last"
+        token's) and L2-normalised, in the order of `prompts`."""
+        outs = self.generate(prompts, SamplingParams(max_tokens=1, pooling=pooling))
+        return [o.embedding for o in outs]  # type: ignore[misc]
+
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:

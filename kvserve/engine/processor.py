@@ -70,6 +70,7 @@ class _Group:
     output_kind: OutputKind
     samples: list[_Sample] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -240,6 +241,8 @@ class OutputProcessor:
                 continue
             if co.prompt_logprobs is not None and group.prompt_logprobs is None:
                 group.prompt_logprobs = co.prompt_logprobs  # every sample's are the same
+            if co.embedding is not None:
+                group.embedding = co.embedding
             try:
                 self._append(sample, co)
             except Exception as e:
@@ -328,6 +331,7 @@ class OutputProcessor:
             metrics=self._metrics(group),
             num_cached_tokens=group.samples[0].times.num_cached_tokens or 0,
             prompt_logprobs=group.prompt_logprobs,
+            embedding=group.embedding,
         )
 
     @staticmethod

@@ -203,10 +203,11 @@ class KVCacheManager:
         """The longest cached run at the start of the request's tokens that every KV group
         can serve, from the pool or (loaded before the step) from a lower tier. Reads no
         tier: it asks only their indexes. Call only for a request with nothing computed.
-        A request that wants prompt logprobs gets no hit: they need every prompt position
-        computed (its blocks are still cached for others)."""
+        A request that wants prompt logprobs or a mean-pooled embedding gets no hit: they
+        need every prompt position computed (its blocks are still cached for others)."""
+        sp = req.sampling_params
         if (not self.enable_prefix_caching or req.num_computed_tokens
-                or req.sampling_params.prompt_logprobs is not None):
+                or sp.prompt_logprobs is not None or sp.pooling == "mean"):
             return PrefixHit([[] for _ in self.windows])
         pool_block: dict[tuple[int, int], KVBlock | None] = {}
         found: dict[tuple[int, int], bool] = {}

@@ -8,7 +8,9 @@ client that goes away (streaming or not) aborts its request and frees its KV blo
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
+import struct
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -31,12 +33,14 @@ from kvserve.engine.processor import OutputProcessor
 from kvserve.metrics import EngineMetrics
 from kvserve.models.loader import DEFAULT_MODEL, resolve_model
 from kvserve.outputs import OutputKind, RequestOutput
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.chat_tools import ChatPlan, ChoiceStream, finish_reason, plan_chat
 from kvserve.server.errors import APIError, GuardMiddleware, error_body, install_error_handlers
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 from kvserve.server.responses import Formatter, sse, usage
@@ -59,6 +63,7 @@ class ServerArgs:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # the model's tool-call format, for tool_choice auto
     reasoning_parser: str | None = None
+    pooling: str = "mean"  # /v1/embeddings: mean over the prompt's tokens, or the last one's
 
 
 def default_served_name(model: str | None) -> str:
@@ -209,11 +214,11 @@ def _raise_failed(outs: list[RequestOutput]) -> None:
             raise APIError(500, f"request failed: {o.error}")
 
 
-def _prompt_lists(prompt) -> list[str | list[int]]:
+def _prompt_lists(prompt, name: str = "prompt") -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise APIError(400, "prompt must not be empty", "prompt")
+        raise APIError(400, f"{name} must not be empty", name)
     if isinstance(prompt[0], int):
         return [list(prompt)]
     return list(prompt)
@@ -368,6 +373,40 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
             return Response(status_code=499)
         _raise_failed(outs)
         return JSONResponse(fmt.completion(outs, echo))
+
+    # -------------------------------------------------------------------- embeddings
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
+        state.check_model(body.model)
+        engine = state.ready()
+        hidden = state.llm_engine.model_config.hidden_size
+        if body.dimensions is not None and body.dimensions != hidden:
+            raise APIError(400, f"dimensions {body.dimensions} is not supported: this model's "
+                           f"embeddings have {hidden}", "dimensions")
+        inputs = _prompt_lists(body.input, "input")
+        try:
+            params = SamplingParams(max_tokens=1, pooling=args.pooling,
+                                    truncate_prompt_tokens=body.truncate_prompt_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        rid = f"embd-{uuid.uuid4().hex}"
+        streams = await _add(engine, rid, inputs, params, None, False)
+        try:
+            outs = await _collect(streams, raw)
+        except ClientGone:
+            return Response(status_code=499)
+        _raise_failed(outs)
+        data = []
+        for i, out in enumerate(outs):
+            vec = out.embedding or []
+            emb: list[float] | str = vec
+            if body.encoding_format == "base64":
+                emb = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        n = sum(len(o.prompt_token_ids) for o in outs)
+        return JSONResponse({"object": "list", "data": data, "model": state.model_name,
+                             "usage": {"prompt_tokens": n, "total_tokens": n}})
 
     # -------------------------------------------------------------------------- chat
 

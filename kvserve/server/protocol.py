@@ -267,6 +267,15 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
 
 
+class EmbeddingRequest(_Strict):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # only the model's own size: kvserve does not truncate
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None

@@ -149,6 +149,9 @@ class ModelRunnerOutput:
     # Prompt logprobs computed this step: (request id, the TokenLogprobs of its next prompt
     # tokens, in order).
     prompt_logprobs: list[tuple[str, list[TokenLogprobs]]] = field(default_factory=list)
+    # Embedding requests: (request id, this step's final hidden states [k, H] in float32 of
+    # the positions to pool (mean), or the last position's (last), k).
+    pooled: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
     # Seconds spent in "prepare" (inputs, metadata), "forward", "grammar" (structured outputs'
     # masks) and "sample"; under tensor parallelism also "all_reduce", the part of forward and
     # sample spent in collectives.
@@ -218,34 +221,47 @@ class ModelRunner:
         # Requests wanting prompt logprobs get a row per position of the chunk whose next
         # token is a prompt token: (request, its first row, first and end position).
         prompt_rows: list[tuple[Request, int, int, int]] = []
+        pool_rows: list[tuple[Request, int, int, str]] = []  # (request, first row, rows, how)
         offset = 0
         for s in sched.scheduled:
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
             tokens = [req.token_at(i) for i in range(start, start + n)]
             num_outputs = s.num_drafts + 1 if s.samples else 0
-            first = max(start, len(req.prompt_logprobs))  # earlier ones survive preemption
-            end = min(start + n, req.num_prompt_tokens - 1)
-            if req.sampling_params.prompt_logprobs is not None and first < end:
-                num_outputs = start + n - first  # the prompt rows, then any sampled row
-                prompt_rows.append((req, offset, first, end))
+            pooling = req.sampling_params.pooling
+            if pooling is not None:  # an embedding: pooled hidden states, no sampling
+                first = max(start, req.num_pooled) if pooling == "mean" else start + n - 1
+                num_outputs = start + n - first if pooling == "mean" or s.samples else 0
+                if num_outputs:
+                    pool_rows.append((req, offset, num_outputs, pooling))
+            else:
+                first = max(start, len(req.prompt_logprobs))  # survives preemption
+                end = min(start + n, req.num_prompt_tokens - 1)
+                if req.sampling_params.prompt_logprobs is not None and first < end:
+                    num_outputs = start + n - first  # the prompt rows, then any sampled row
+                    prompt_rows.append((req, offset, first, end))
+                if s.samples:
+                    rows.append(s)
             items.append(ForwardItem(tokens, start, req.block_ids, num_outputs,
                                      req.group_tables))
             offset += num_outputs
-            if s.samples:
-                rows.append(s)
         timings: dict[str, float] = {}
         if self.workers is not None:
             self.workers.send(items)
         hidden = run_forward(self.model, self.kv_caches, self.block_size, items, self.device,
                              timings, self.layout)
-        if not rows and not prompt_rows:
-            return ModelRunnerOutput([], [], timings=timings)
+        pooled = [(req.request_id, hidden[o:o + k].float() if how == "mean"
+                   else hidden[o + k - 1:o + k].float(), k) for req, o, k, how in pool_rows]
+        if not rows and not prompt_rows and (self.workers is None or not hidden.shape[0]):
+            return ModelRunnerOutput([], [], pooled=pooled, timings=timings)
         t0 = time.perf_counter()
+        # Under tensor parallelism every rank computes logits for every output row.
         logits = self.model.compute_logits(hidden)
         prompt_lps = []
-        if prompt_rows:
+        if prompt_rows or pool_rows:
             keep = torch.ones(logits.shape[0], dtype=torch.bool)
+            for _, o, k, _ in pool_rows:
+                keep[o:o + k] = False
             for req, o, first, end in prompt_rows:
                 targets = req.prompt_token_ids[first + 1:end + 1]
                 prompt_lps.append((req.request_id, token_logprobs(
@@ -255,7 +271,8 @@ class ModelRunner:
             logits, hidden = logits[keep], hidden[keep]
             if not rows:
                 timings["sample"] = time.perf_counter() - t0
-                return ModelRunnerOutput([], [], prompt_logprobs=prompt_lps, timings=timings)
+                return ModelRunnerOutput([], [], prompt_logprobs=prompt_lps, pooled=pooled,
+                                         timings=timings)
         allowed, constrained, offset = None, [], 0
         for s in rows:
             if s.request.grammar is not None:
@@ -272,7 +289,7 @@ class ModelRunner:
             timings["sample"] = time.perf_counter() - t0 - timings.get("grammar", 0.0)
             return ModelRunnerOutput([[t] for t in out.token_ids], [[lp] for lp in out.logprobs],
                                      list(hidden) if self.keep_hidden else None, prompt_lps,
-                                     timings)
+                                     pooled, timings)
         verified = verify(self.sampler, logits, [s.request for s in rows], self.device,
                           allowed)
         kept = None
@@ -283,7 +300,7 @@ class ModelRunner:
                 offset += s.num_drafts + 1
         timings["sample"] = time.perf_counter() - t0 - timings.get("grammar", 0.0)
         return ModelRunnerOutput(verified.token_ids, verified.logprobs, kept, prompt_lps,
-                                 timings)
+                                 pooled, timings)
 
 
 def release_freed_memory() -> None:
