@@ -21,8 +21,8 @@ from kvserve.structured import (
 )
 from tests.conftest import byte_level_tokenizer_json, make_llm
 
-# Compact JSON (no free whitespace), so a random model's outputs stay short.
-COMPACT = {"whitespace_flexible": False}
+# Compact JSON (no space at all), so a random model's outputs stay short.
+COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -73,6 +73,8 @@ def test_compiled_grammars_are_cached(compiler):
     (StructuredOutputs(json="{not json"), "not valid JSON"),
     (StructuredOutputs(regex="(unclosed"), "regex"),
     (StructuredOutputs(grammar="start: missing_rule"), "grammar"),
+    (StructuredOutputs(regex="[^\\x00-\\U0010FFFF]"), "allows no output"),
+    (StructuredOutputs(json='{"not": {"type": "string"}}'), "JSON schema"),
 ])
 def test_bad_constraints_are_refused_by_name(compiler, spec, match):
     with pytest.raises(StructuredOutputError, match=match):
