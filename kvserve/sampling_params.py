@@ -75,6 +75,9 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # A reasoning model's end of thinking (e.g. "</think>"): the text up to and including it
+    # is free, the constraint applies to what follows.
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar")
@@ -87,6 +90,9 @@ class StructuredOutputs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured outputs: {name} must be a non-empty string")
+        if self.reasoning_end is not None and self.grammar is not None:
+            raise ValueError("structured outputs: a grammar cannot follow reasoning (its start "
+                             "rule is its own); use json, regex or choice")
         if self.choice is not None and (
                 not isinstance(self.choice, tuple) or not self.choice
                 or not all(isinstance(c, str) and c for c in self.choice)):

@@ -51,19 +51,47 @@ class StructuredOutputError(ValueError):
     """The constraint cannot be enforced: invalid, unsupported, or over the limits."""
 
 
+def _schema(spec: StructuredOutputs) -> dict | bool:
+    if spec.json_object:
+        return {"type": "object"}
+    assert spec.json is not None
+    try:
+        schema = json.loads(spec.json)
+    except json.JSONDecodeError as e:
+        raise StructuredOutputError(f"the JSON schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict | bool):
+        raise StructuredOutputError("a JSON schema must be an object or a boolean")
+    return schema
+
+
+def _after_reasoning(spec: StructuredOutputs) -> str:
+    """A Lark grammar: anything up to the end of thinking, optional whitespace, then the
+    constraint."""
+    if spec.json is not None or spec.json_object:
+        schema = _schema(spec)
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
+        answer = "%json " + json.dumps(schema)
+    elif spec.regex is not None:
+        answer = "/" + spec.regex.replace("/", "\\/") + "/"
+    else:
+        assert spec.choice is not None
+        answer = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+    return (f"start: thinking SPACE answer\n"
+            f"thinking[stop={json.dumps(spec.reasoning_end)}]: /(?s:.*)/\n"
+            f"SPACE: /[ \\t\\r\\n]*/\nanswer: {answer}\n")
+
+
 def grammar_text(spec: StructuredOutputs) -> str:
     """The constraint as an llguidance grammar. Raises StructuredOutputError when the JSON
     schema is not JSON."""
+    if spec.reasoning_end is not None:
+        return llguidance.LLMatcher.grammar_from_lark(_after_reasoning(spec))
     if spec.json_object:
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
                                                              defaults=JSON_OPTIONS)
     if spec.json is not None:
-        try:
-            schema = json.loads(spec.json)
-        except json.JSONDecodeError as e:
-            raise StructuredOutputError(f"the JSON schema is not valid JSON: {e}") from None
-        if not isinstance(schema, dict | bool):
-            raise StructuredOutputError("a JSON schema must be an object or a boolean")
+        schema = _schema(spec)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except ValueError as e:
@@ -188,18 +216,26 @@ def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+# Byte b of a bitmask -> an additive bias for its 8 tokens (0 allowed, -inf forbidden).
+# Expanding a mask by lookup and adding it took 0.7 ms for 32 x 49152 logits here, against
+# 6.5 ms for shifting every 32-bit word 32 times and a boolean masked_fill.
+_BIAS = torch.zeros(256, 8).masked_fill_(
+    ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1) == 0, float("-inf"))
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set to -inf, in rows `rows` of `logits` [B, V], every token whose bit in `bitmask`
-    [len(rows), ceil(V / 32)] is 0."""
+    """Set to -inf, in rows `rows` of `logits` [B, V] (float32), every token whose bit in
+    `bitmask` [len(rows), ceil(V / 32)] is 0 (bit i of word w is token 32 w + i)."""
     vocab = logits.shape[-1]
-    bits = (bitmask.to(logits.device).unsqueeze(-1) >> _SHIFTS.to(logits.device)) & 1
-    allowed = bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
-    sub = logits[rows]
-    sub.masked_fill_(~allowed, float("-inf"))
-    logits[rows] = sub
+    # Little-endian bytes: byte j of a row holds the bits of tokens 8 j .. 8 j + 7.
+    codes = bitmask.contiguous().view(torch.uint8).view(-1).to(logits.device, torch.int32)
+    bias = _BIAS.to(logits.device).index_select(0, codes).view(bitmask.shape[0], -1)
+    bias = bias[:, :vocab]
+    if rows.numel() == logits.shape[0] and bool((rows == torch.arange(
+            rows.numel(), device=rows.device)).all()):
+        logits.add_(bias)
+    else:
+        logits[rows] += bias
 
 
 _executor: llguidance.LLExecutor | None = None

@@ -187,3 +187,24 @@ def test_grammar_time_is_its_own_step_phase(tiny_llama_dir):
     assert any(r.grammar > 0 for r in llm.engine.steps)
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8))
     assert llm.engine.steps[-1].grammar == 0
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredOutputs(json=json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                                       "required": ["a"]}), reasoning_end="</think>"),
+    StructuredOutputs(regex="[0-9]{2}/[0-9]{2}", reasoning_end="</think>"),
+    StructuredOutputs(choice=("yes", "no"), reasoning_end="</think>"),
+])
+def test_a_constraint_can_start_after_the_thinking(compiler, spec):
+    answer = {"json": '{"a": 5}', "regex": "12/31", "choice": "no"}[spec.kind]
+    g = compiler.compile(spec)
+    for t in ids("Let me see: {not json} 1/2 </think>\n"):
+        a = g.matcher.validate_tokens([t])
+        assert a == 1
+        g.accept(t)
+    assert g.matcher.validate_tokens(ids("x")) == 0  # thinking is over: the constraint rules
+    for t in ids(answer):
+        g.accept(t)
+    assert g.terminated
+    with pytest.raises(ValueError, match="grammar cannot follow"):
+        StructuredOutputs(grammar='start: "a"', reasoning_end="</think>")

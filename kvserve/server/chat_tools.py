@@ -10,12 +10,13 @@ ask of the engine, and how a choice's generated text becomes the message sent ba
   format (hermes, llama3_json); its output is parsed, not constrained.
 
 With a `--reasoning-parser`, the text up to the end of the thinking goes to
-`reasoning_content` first and only the rest is read for content and tool calls. A constraint
-(tools or response_format) covers the whole generation, thinking included.
+`reasoning_content` first and only the rest is read for content and tool calls; a constraint
+(tools or response_format) applies only after the thinking's end tag.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -23,7 +24,7 @@ from typing import Any, ClassVar
 from kvserve.sampling_params import StructuredOutputs
 from kvserve.server.errors import APIError
 from kvserve.server.protocol import ChatCompletionRequest, NamedToolChoice
-from kvserve.server.reasoning import ReasoningParser, get_reasoning_parser
+from kvserve.server.reasoning import THINK_END, ReasoningParser, get_reasoning_parser
 from kvserve.server.tool_parsers import (
     ParsedMessage,
     StreamDelta,
@@ -173,6 +174,12 @@ def plan_chat(body: ChatCompletionRequest, constraint: StructuredOutputs | None,
             if body.parallel_tool_calls is False:
                 schema["maxItems"] = 1
         constraint, constraint_field = StructuredOutputs(json=json.dumps(schema)), "tools"
+    if constraint is not None and reasoning_parser is not None:
+        # A reasoning model thinks first: the constraint starts after its thinking.
+        try:
+            constraint = dataclasses.replace(constraint, reasoning_end=THINK_END)
+        except ValueError as e:
+            raise APIError(400, f"{constraint_field}: {e}", constraint_field) from e
     template_tools = None
     if mode != "none":
         template_tools = [{"type": "function", "function": t.function.model_dump(
