@@ -14,11 +14,12 @@ import pytest
 from kvserve.engine.core import EngineDeadError
 from kvserve.engine.llm_engine import EngineArgs
 from kvserve.outputs import OutputKind
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputs
+from kvserve.structured import StructuredOutputError
 from tests.conftest import make_llm
 from tests.server_utils import run_server
 
-PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13] * 6, [40, 41] * 20, [7] * 3]
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13] * 6, [40, 41] * 20, [7] * 3, [8, 9] * 5]
 
 
 def _generate(llm) -> list:
@@ -26,10 +27,15 @@ def _generate(llm) -> list:
               SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=10, logprobs=2,
                              ignore_eos=True),
               SamplingParams(temperature=0.7, seed=1, max_tokens=9, stop=["a"]),
-              SamplingParams(temperature=0, max_tokens=5, stop_token_ids=[3, 4, 5, 6])]
+              SamplingParams(temperature=0, max_tokens=5, stop_token_ids=[3, 4, 5, 6]),
+              SamplingParams(temperature=0.9, seed=2, max_tokens=20, prompt_logprobs=2,
+                             structured_outputs=StructuredOutputs(regex="[a-c]{3}-[0-9]"))]
+    outs = llm.generate(PROMPTS, params)
     return [(c.text, c.token_ids, c.finish_reason, c.stop_reason,
              [(lp.token_id, lp.logprob) for lp in c.logprobs or []])
-            for o in llm.generate(PROMPTS, params) for c in o.outputs]
+            for o in outs for c in o.outputs] + [
+        [(lp.token_id, lp.logprob) for lp in outs[-1].prompt_logprobs[1:]],
+        llm.embed(PROMPTS[:2])]
 
 
 def test_same_outputs_as_on_the_engine_thread(tiny_llama_dir):
@@ -43,6 +49,9 @@ def test_same_outputs_as_on_the_engine_thread(tiny_llama_dir):
         # Errors cross the pipe as the engine thread raises them.
         with pytest.raises(ValueError, match="max_model_len"):
             engine.add_request("big", [5] * 10, SamplingParams(max_tokens=10**6))
+        with pytest.raises(StructuredOutputError, match="regex"):
+            engine.add_request("re", [5], SamplingParams(
+                structured_outputs=StructuredOutputs(regex="(")))
         # A stream of deltas and an abort.
         engine.add_request("s", [5, 6, 7], SamplingParams(temperature=0, max_tokens=30,
                                                           ignore_eos=True),
