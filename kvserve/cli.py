@@ -281,6 +281,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from kvserve.config import parse_size
     from kvserve.server.app import ServerArgs, build_app
+    from kvserve.server.limits import RequestLimits
 
     engine_args = engine_args_from(args)
     parse_size(engine_args.kv_cache_memory)  # fail before listening, not after
@@ -291,7 +292,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-        pooling=args.pooling)
+        pooling=args.pooling, metrics_api_key=args.metrics_api_key,
+        limits=RequestLimits(args.max_n, args.max_logprobs, args.max_stop_strings,
+                             args.max_stop_length, args.max_logit_bias, args.max_prompts,
+                             args.max_prompt_tokens))
     if server_args.enable_auto_tool_choice and server_args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     failed: list[BaseException] = []
@@ -563,6 +567,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "llama3_json (Llama 3.1/3.2)")
     s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="split <think>...</think> into reasoning_content")
+    lim = s.add_argument_group("request limits (each a 400 naming the field)")
+    for flag, default, what in (
+            ("--max-n", 64, "samples per prompt"),
+            ("--max-logprobs", 20, "logprobs, top_logprobs and prompt_logprobs"),
+            ("--max-stop-strings", 16, "stop strings"),
+            ("--max-stop-length", 256, "characters in one stop string"),
+            ("--max-logit-bias", 1024, "logit_bias entries"),
+            ("--max-prompts", 256, "prompts (or embedding inputs) in one request"),
+            ("--max-prompt-tokens", None, "tokens in one prompt (default: max_model_len)")):
+        lim.add_argument(flag, type=int, default=default, help=what)
+    s.add_argument("--metrics-api-key", default=None,
+                   help="require this key for /metrics (default: public, aggregates only)")
     s.add_argument("--pooling", default="mean", choices=["mean", "last"],
                    help="/v1/embeddings: the mean of the final hidden states over the "
                    "input's tokens, or the last token's; L2-normalised")

@@ -14,7 +14,7 @@ import struct
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -36,6 +36,7 @@ from kvserve.outputs import OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.chat_tools import ChatPlan, ChoiceStream, finish_reason, plan_chat
 from kvserve.server.errors import APIError, GuardMiddleware, error_body, install_error_handlers
+from kvserve.server.limits import RequestLimits
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -64,6 +65,8 @@ class ServerArgs:
     tool_call_parser: str | None = None  # the model's tool-call format, for tool_choice auto
     reasoning_parser: str | None = None
     pooling: str = "mean"  # /v1/embeddings: mean over the prompt's tokens, or the last one's
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    metrics_api_key: str | None = None  # /metrics is public unless this is set
 
 
 def default_served_name(model: str | None) -> str:
@@ -214,6 +217,15 @@ def _raise_failed(outs: list[RequestOutput]) -> None:
             raise APIError(500, f"request failed: {o.error}")
 
 
+def _check_prompt_tokens(state: ServerState, prompts: list, name: str) -> None:
+    """--max-prompt-tokens on each prompt (text is tokenized here only for the count)."""
+    if state.args.limits.max_prompt_tokens is None:
+        return
+    for p in prompts:
+        n = len(p) if isinstance(p, list) else len(state.tokenizer.encode(p))
+        state.args.limits.check_prompt_tokens(n, name)
+
+
 def _prompt_lists(prompt, name: str = "prompt") -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
@@ -254,7 +266,8 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
     app.state.kvserve = state
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=args.api_key,
-                       max_body_bytes=args.max_request_bytes)
+                       max_body_bytes=args.max_request_bytes,
+                       metrics_api_key=args.metrics_api_key)
 
     # ------------------------------------------------------------------ plain endpoints
 
@@ -302,6 +315,22 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         steps = stats.steps[-limit:] if stats is not None else ()
         return {"object": "list", "data": [s.as_json() for s in steps]}
 
+    @app.get("/v1/engine/integrity")
+    async def engine_integrity() -> dict:
+        """The KV cache's integrity check, run on the engine thread between two steps."""
+        def check(engine: LLMEngine) -> dict:
+            stats = engine.stats()
+            report = {"ok": True, "error": None, "running": stats.running,
+                      "waiting": stats.waiting, "kv_blocks": stats.kv_blocks,
+                      "kv_free_blocks": stats.kv_free_blocks}
+            try:
+                engine.check_integrity()
+            except AssertionError as e:
+                report.update(ok=False, error=str(e) or "integrity check failed")
+            return report
+
+        return await _engine_call(state, check)
+
     @app.get("/v1/models")
     async def models() -> dict:
         state.ready()
@@ -348,6 +377,9 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         if echo_logprobs:  # the prompt's logprobs head the choice's logprobs
             prompt_lps = max(prompt_lps or 0, body.logprobs or 0)
         prompts = _prompt_lists(body.prompt)
+        args.limits.check(body)
+        args.limits.check_prompts(len(prompts), "prompt")
+        _check_prompt_tokens(state, prompts, "prompt")
         spec, spec_field = body.structured()
         # max_tokens 0 runs the prompt with one sampled token that is never shown.
         params = _params(body, body.max_tokens or (1 if body.max_tokens == 0 else None),
@@ -385,6 +417,8 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
             raise APIError(400, f"dimensions {body.dimensions} is not supported: this model's "
                            f"embeddings have {hidden}", "dimensions")
         inputs = _prompt_lists(body.input, "input")
+        args.limits.check_prompts(len(inputs), "input")
+        _check_prompt_tokens(state, inputs, "input")
         try:
             params = SamplingParams(max_tokens=1, pooling=args.pooling,
                                     truncate_prompt_tokens=body.truncate_prompt_tokens)
@@ -418,11 +452,13 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", "top_logprobs")
         tok = state.tokenizer
+        args.limits.check(body)
         spec, spec_field = body.structured()
         auto = args.tool_call_parser if args.enable_auto_tool_choice else None
         plan = plan_chat(body, spec, spec_field, auto, args.reasoning_parser)
         ids = _encode_chat(state.processor, body.messages, body.add_generation_prompt,
                            plan.tools, body.chat_template_kwargs, body.continue_final_message)
+        args.limits.check_prompt_tokens(len(ids), "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
         params = _params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,

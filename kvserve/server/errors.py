@@ -87,14 +87,17 @@ async def _send_error(send: Send, status: int, message: str,
 
 class GuardMiddleware:
     """Rejects, before any parsing: a missing or wrong API key on protected paths (401,
-    compared in constant time), and bodies over `max_body_bytes` (413), whether announced by
-    Content-Length or discovered while streaming in."""
+    compared in constant time; /metrics only with its own key, aggregates being public as in
+    vLLM), and bodies over `max_body_bytes` (413), whether announced by Content-Length or
+    discovered while streaming in."""
 
     PROTECTED = ("/v1", "/tokenize", "/detokenize")
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
+                 metrics_api_key: str | None = None) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
+        self.metrics_api_key = metrics_api_key.encode() if metrics_api_key else None
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -102,10 +105,13 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"].startswith(self.PROTECTED):
+        path = scope["path"]
+        key = self.api_key if path.startswith(self.PROTECTED) else \
+            self.metrics_api_key if path == "/metrics" else None
+        if key is not None:
             auth = headers.get(b"authorization", b"")
             token = auth[7:] if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.api_key):
+            if not hmac.compare_digest(token, key):
                 await _send_error(send, 401, "missing or invalid API key",
                                   {"www-authenticate": "Bearer"})
                 return

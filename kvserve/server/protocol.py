@@ -11,8 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvserve.sampling_params import SamplingParams, StructuredOutputs
 from kvserve.server.errors import APIError
 
-MAX_N = 64  # samples per prompt; more is almost surely a mistake and costs memory
-
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -51,7 +49,7 @@ class SamplingFields(_Strict):
     """Fields shared by completions and chat: OpenAI's, plus vLLM's sampling extras."""
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    n: Annotated[int, Field(ge=1)] = 1  # at most --max-n (limits.py)
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
