@@ -16,7 +16,9 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Sequence
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -24,7 +26,7 @@ from typing import Any, Literal
 import gguf
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -354,6 +356,7 @@ class Tokenizer:
             if token_id is not None:
                 variables[name] = self._backend.id_to_token(token_id)
         variables.update(kwargs)
+        _render_budget.deadline = time.monotonic() + RENDER_SECONDS
         try:
             return template.render(
                 messages=[_template_message(m) for m in messages],
@@ -361,8 +364,13 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError, ValueError, OverflowError,
+                RecursionError) as exc:
+            # Sandbox refusals, the render budget, and templates that misuse values or ask
+            # for files (no loader): the template's fault, never the server's.
             raise ChatTemplateError(f"chat template failed to render: {exc}") from exc
+        finally:
+            _render_budget.deadline = None
 
 
 # ---------------------------------------------------------------------- GGUF helpers
@@ -593,13 +601,60 @@ class _GenerationBlock(jinja2.ext.Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+# A chat template comes with the model file: it renders in jinja2's immutable sandbox (no
+# attributes of Python internals, no file access: there is no loader), within a time budget
+# and with bounded string and list products, so a hostile one fails its request clearly.
+RENDER_SECONDS = 1.0
+MAX_PRODUCT = 1 << 20  # elements of a repeated string or list
+_render_budget = threading.local()
+
+
+def _check_budget() -> None:
+    deadline = getattr(_render_budget, "deadline", None)
+    if deadline is not None and time.monotonic() > deadline:
+        raise ChatTemplateError(f"chat template took over {RENDER_SECONDS:g} s to render")
+
+
+def _bounded_range(*args: int) -> Iterator[int]:
+    """range() for templates: the sandbox's size cap, and the render budget checked as the
+    loop runs (nested loops cannot run for ever)."""
+    r = range(*args)
+    if len(r) > MAX_RANGE:
+        raise ChatTemplateError(f"chat template asked for a range over {MAX_RANGE} items")
+    for i, x in enumerate(r):
+        if i % 1024 == 0:
+            _check_budget()
+        yield x
+
+
+class _TemplateEnvironment(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _check_budget()
+        if operator == "**" and isinstance(right, int) and abs(right) > 64:
+            raise ChatTemplateError("chat template raised a number to a power over 64")
+        if operator == "*":
+            seq, times = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(seq, str | list | tuple) and isinstance(times, int) and \
+                    len(seq) * times > MAX_PRODUCT:
+                raise ChatTemplateError(f"chat template built a sequence over {MAX_PRODUCT} "
+                                        "items")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        _check_budget()
+        return super().call(__context, __obj, *args, **kwargs)
+
+
 @functools.cache
 def _template_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _TemplateEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
     )
+    env.globals["range"] = _bounded_range
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

@@ -700,3 +700,36 @@ def test_unknown_pre_tokenizer_falls_back_to_gpt2(
         odd = Tokenizer.from_gguf(path)
     assert "made-up" in caplog.text
     assert odd.convert_ids_to_tokens(odd.encode("ab ab")) == ["ab", "Ġab"]
+
+
+HOSTILE_TEMPLATES = {
+    "python internals": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "a file": "{% include '/etc/passwd' %}",
+    "an import": "{% import 'os' as os %}{{ os }}",
+    "nested loops for ever": "{% for i in range(100000) %}{% for j in range(100000) %}"
+                             "{% endfor %}{% endfor %}",
+    "a huge range": "{% for i in range(10**9) %}{% endfor %}",
+    "a huge string": "{{ 'a' * 10**9 }}",
+    "a huge power": "{{ 10 ** 100000000 }}",
+    "recursion": "{% macro f(x) %}{{ f(x) }}{% endmacro %}{{ f(1) }}",
+    "growing numbers": "{% set x = namespace(v=3) %}{% for i in range(100000) %}"
+                       "{% set x.v = x.v * x.v %}{% endfor %}{{ x.v }}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
+def test_hostile_chat_templates_fail_clearly_and_quickly(name: str) -> None:
+    import time
+
+    from tokenizers import Tokenizer as HF
+
+    from tests.conftest import byte_level_tokenizer_json
+
+    t = Tokenizer(HF.from_str(byte_level_tokenizer_json()), decode_kind="byte_level",
+                  bos_token_id=0, eos_token_id=1, chat_template=HOSTILE_TEMPLATES[name])
+    t0 = time.monotonic()
+    with pytest.raises(ChatTemplateError):
+        t.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert time.monotonic() - t0 < 5
+    t.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert t.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
