@@ -110,6 +110,28 @@ class ReasoningParser(ABC):
     def _emit(self, reasoning: str, content: str) -> tuple[str, str]:
         return self._reasoning.push(reasoning), self._content.push(content)
 
+    def _opening(self, final: bool) -> bool | None:
+        """At the start: True when the text opens with `<think>` (after whitespace; both are
+        dropped), False when it cannot, None while it still could."""
+        s = self._buffer.lstrip()
+        if s.startswith(THINK_START):
+            self._buffer = s[len(THINK_START):]
+            return True
+        if (not s or THINK_START.startswith(s)) and not final:
+            return None
+        return False
+
+    def _reason(self, final: bool) -> tuple[str, bool]:
+        """In the reasoning phase: the reasoning released so far, and whether the end tag
+        came (then the phase is content and the buffer holds what follows the tag)."""
+        reasoning, after = self._split_at_tag(THINK_END, final)
+        if after is None:
+            return reasoning, False
+        self._phase = "content"
+        self._done = True
+        self._buffer = after
+        return reasoning, True
+
     def _split_at_tag(self, tag: str, final: bool) -> tuple[str, str | None]:
         """Take the buffer up to `tag`: (text before it, None) while the tag has not appeared,
         holding back a partial tag unless `final`; (text before, text after) once it has."""
@@ -147,19 +169,13 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     def _route(self, final: bool) -> tuple[str, str]:
         reasoning = content = ""
         if self._phase == "start":
-            s = self._buffer.lstrip()
-            if s.startswith(THINK_START):
-                self._buffer = s[len(THINK_START):]
-            elif (not s or THINK_START.startswith(s)) and not final:
-                return "", ""  # could still become a leading <think>
+            if self._opening(final) is None:
+                return "", ""
             self._phase = "reasoning"
         if self._phase == "reasoning":
-            reasoning, after = self._split_at_tag(THINK_END, final)
-            if after is None:
+            reasoning, ended = self._reason(final)
+            if not ended:
                 return reasoning, ""
-            self._phase = "content"
-            self._done = True
-            self._buffer = after
         content, self._buffer = self._buffer, ""
         return reasoning, content
 
@@ -199,21 +215,14 @@ class Qwen3ReasoningParser(ReasoningParser):
     def _route(self, final: bool) -> tuple[str, str]:
         reasoning = content = ""
         if self._phase == "start":
-            s = self._buffer.lstrip()
-            if s.startswith(THINK_START):
-                self._buffer = s[len(THINK_START):]
-                self._phase = "reasoning"
-            elif (not s or THINK_START.startswith(s)) and not final:
-                return "", ""  # could still become a leading <think>
-            else:
-                self._phase = "pre"
+            opened = self._opening(final)
+            if opened is None:
+                return "", ""
+            self._phase = "reasoning" if opened else "pre"
         if self._phase == "reasoning":
-            reasoning, after = self._split_at_tag(THINK_END, final)
-            if after is None:
+            reasoning, ended = self._reason(final)
+            if not ended:
                 return reasoning, ""
-            self._phase = "content"
-            self._done = True
-            self._buffer = after
         elif self._phase == "pre":
             content, after = self._split_at_tag(THINK_START, final)
             if after is None:
