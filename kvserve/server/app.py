@@ -382,8 +382,8 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         _check_prompt_tokens(state, prompts, "prompt")
         spec, spec_field = body.structured()
         # max_tokens 0 runs the prompt with one sampled token that is never shown.
-        params = _params(body, body.max_tokens or (1 if body.max_tokens == 0 else None),
-                         body.logprobs, spec, prompt_lps)
+        params = _params(body, 1 if body.max_tokens == 0 else body.max_tokens, body.logprobs,
+                         spec, prompt_lps)
         rid = body.request_id or f"cmpl-{uuid.uuid4().hex}"
         log.debug("request %s user %s", rid, body.user)
         fmt = Formatter(state.tokenizer, rid, state.model_name, body.n,
