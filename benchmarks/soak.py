@@ -25,10 +25,8 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,7 +34,9 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_split import ROOT, serve, stop  # noqa: E402
+
 MODEL = None  # filled from /v1/models
 
 GOOD = ["stream_completion", "completion", "stream_chat", "chat", "cut_stream", "slow_reader",
@@ -296,24 +296,6 @@ async def soak(args: argparse.Namespace, base: str, pid: int | None) -> dict:
     }
 
 
-def spawn(flags: str, port: int, log: Path) -> subprocess.Popen:
-    cmd = [str(ROOT / ".venv" / "bin" / "python"), "-m", "kvserve.cli", "serve", "--port",
-           str(port), *shlex.split(flags)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server not healthy after 600 s; see {log}")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default=None)
@@ -331,7 +313,8 @@ def main() -> int:
     args = p.parse_args()
     proc = None
     if args.spawn is not None:
-        proc = spawn(args.spawn, args.port, Path(f"/tmp/kvserve-soak-{args.port}.log"))
+        proc = serve(ROOT, shlex.split(args.spawn), args.port,
+                     Path(f"/tmp/kvserve-soak-{args.port}.log"))
         base = f"http://127.0.0.1:{args.port}"
     else:
         base = args.base_url or "http://127.0.0.1:8000"
@@ -339,8 +322,7 @@ def main() -> int:
         report = asyncio.run(soak(args, base, proc.pid if proc else None))
     finally:
         if proc is not None:
-            os.killpg(proc.pid, 2)
-            proc.wait(60)
+            stop(proc)
     text = json.dumps(report, indent=1)
     if args.out is not None:
         args.out.write_text(text)
