@@ -347,11 +347,7 @@ class Sampler:
         results = [tokens]
         if meta.logprob_rows:
             rows = torch.tensor(meta.logprob_rows, dtype=torch.int64, device=logits.device)
-            logprobs = torch.log_softmax(logits[rows].float(), dim=-1)  # raw: model logits
-            chosen = logprobs.gather(1, tokens[rows].unsqueeze(1))
-            ranks = (logprobs > chosen).sum(dim=-1) + 1
-            top_vals, top_ids = logprobs.topk(max(meta.num_logprobs), dim=-1)
-            results += [chosen.squeeze(1), ranks, top_vals, top_ids]
+            results += _raw_logprobs(logits[rows], tokens[rows], max(meta.num_logprobs))
 
         host = _to_host(results)
         token_ids: list[int] = host[0]
@@ -373,6 +369,19 @@ class Sampler:
 PROMPT_LOGPROB_ROWS = 128
 
 
+def _raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int
+                  ) -> list[torch.Tensor]:
+    """Per row of `logits`: the raw logprob of `tokens[row]`, its 1-based rank, and (k > 0)
+    the k largest logprobs and their ids: [chosen, ranks(, top values, top ids)]."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # raw: the model's logits
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    if not k:
+        return [chosen.squeeze(1), ranks]
+    top_vals, top_ids = logprobs.topk(k, dim=-1)
+    return [chosen.squeeze(1), ranks, top_vals, top_ids]
+
+
 def token_logprobs(logits: torch.Tensor, targets: list[int], num_top: int
                    ) -> list[TokenLogprobs]:
     """Raw logprobs (as `Sampler.to_output` gives) of `targets[i]` under row i of `logits`,
@@ -380,18 +389,11 @@ def token_logprobs(logits: torch.Tensor, targets: list[int], num_top: int
     out: list[TokenLogprobs] = []
     k = min(num_top, logits.shape[-1])
     for lo in range(0, len(targets), PROMPT_LOGPROB_ROWS):
-        rows = logits[lo:lo + PROMPT_LOGPROB_ROWS].float()
-        lp = torch.log_softmax(rows, dim=-1)
-        tgt = torch.tensor(targets[lo:lo + PROMPT_LOGPROB_ROWS], dtype=torch.int64,
-                           device=lp.device).unsqueeze(1)
-        chosen = lp.gather(1, tgt)
-        ranks = (lp > chosen).sum(dim=-1) + 1
-        results = [chosen.squeeze(1), ranks]
-        if k:
-            vals, ids = lp.topk(k, dim=-1)
-            results += [vals, ids]
-        host = _to_host(results)
-        for j, t in enumerate(tgt.squeeze(1).tolist()):
+        tgt = targets[lo:lo + PROMPT_LOGPROB_ROWS]
+        host = _to_host(_raw_logprobs(
+            logits[lo:lo + PROMPT_LOGPROB_ROWS],
+            torch.tensor(tgt, dtype=torch.int64, device=logits.device), k))
+        for j, t in enumerate(tgt):
             top = list(zip(host[3][j], host[2][j], strict=True)) if k else []
             out.append(TokenLogprobs(t, host[0][j], host[1][j], top))
     return out

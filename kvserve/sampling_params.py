@@ -97,7 +97,7 @@ class StructuredOutputs:
                 not isinstance(self.choice, tuple) or not self.choice
                 or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("structured outputs: choice must be a non-empty list of "
-                                 "non-empty strings")
+                             "non-empty strings")
 
     @property
     def kind(self) -> str:

@@ -64,6 +64,11 @@ def _schema(spec: StructuredOutputs) -> dict | bool:
     return schema
 
 
+def _choice_lark(choices: tuple[str, ...]) -> str:
+    # Lark string literals read JSON escapes, so any choice text is written exactly.
+    return " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
 def _after_reasoning(spec: StructuredOutputs) -> str:
     """A Lark grammar: anything up to the end of thinking, optional whitespace, then the
     constraint."""
@@ -76,7 +81,7 @@ def _after_reasoning(spec: StructuredOutputs) -> str:
         answer = "/" + spec.regex.replace("/", "\\/") + "/"
     else:
         assert spec.choice is not None
-        answer = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+        answer = _choice_lark(spec.choice)
     return (f"start: thinking SPACE answer\n"
             f"thinking[stop={json.dumps(spec.reasoning_end)}]: /(?s:.*)/\n"
             f"SPACE: /[ \\t\\r\\n]*/\nanswer: {answer}\n")
@@ -99,9 +104,7 @@ def grammar_text(spec: StructuredOutputs) -> str:
     if spec.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     if spec.choice is not None:
-        # Lark string literals read JSON escapes, so any choice text is written exactly.
-        lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
-        return llguidance.LLMatcher.grammar_from_lark(lark)
+        return llguidance.LLMatcher.grammar_from_lark("start: " + _choice_lark(spec.choice))
     assert spec.grammar is not None
     return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
 
@@ -181,10 +184,19 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputs) -> Grammar:
         """A fresh matcher for `spec`; raises StructuredOutputError naming the problem."""
+        return Grammar(self._compiled(spec).deep_copy())
+
+    def check(self, spec: StructuredOutputs) -> None:
+        """Raise StructuredOutputError if `spec` cannot be enforced (compiling it into the
+        cache, for the request's compile that follows)."""
+        self._compiled(spec)
+
+    def _compiled(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
+        """The cached matcher of `spec`, compiled on first use (never handed out: copy)."""
         matcher = self._cache.get(spec)
         if matcher is not None:
             self._cache.move_to_end(spec)
-            return Grammar(matcher.deep_copy())
+            return matcher
         t0 = time.perf_counter()
         matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(spec), log_level=0,
                                        limits=_LIMITS)
@@ -203,7 +215,7 @@ class GrammarCompiler:
         self._cache[spec] = matcher
         while len(self._cache) > COMPILE_CACHE_SIZE:
             self._cache.popitem(last=False)
-        return Grammar(matcher.deep_copy())
+        return matcher
 
 
 def _what(spec: StructuredOutputs) -> str:
@@ -252,23 +264,25 @@ def fill_bitmasks(items: Sequence[tuple[int, Grammar, Sequence[int]]], vocab_siz
     for offset, _, drafts in items:
         rows.extend(range(offset, offset + len(drafts) + 1))
     bitmask = new_bitmask(len(rows), vocab_size)
-    plain: list[tuple[llguidance.LLMatcher, int]] = []
+    plain: list[tuple[Grammar, int]] = []
     i = 0
     for _, grammar, drafts in items:
         if drafts:
             grammar.fill_drafts(bitmask[i:i + len(drafts) + 1], drafts)
         else:
-            plain.append((grammar.matcher, i))
+            plain.append((grammar, i))
         i += len(drafts) + 1
     if len(plain) == 1:
-        grammar = next(g for _, g, d in items if not d)
-        grammar.fill(bitmask[plain[0][1]])
+        grammar, i = plain[0]
+        grammar.fill(bitmask[i])
     elif plain:
         if _executor is None:
             _executor = llguidance.LLExecutor(min(4, os.cpu_count() or 1))
-        _executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), bitmask.shape[1] * 4,
+        _executor.unsafe_compute_mask_ptr([(g.matcher, i) for g, i in plain],
+                                          bitmask.data_ptr(), bitmask.shape[1] * 4,
                                           bitmask.shape[0])
-        for matcher, _ in plain:
+        for grammar, _ in plain:
+            matcher = grammar.matcher
             if matcher.is_error():
                 raise RuntimeError(f"the grammar failed: {matcher.get_error()}")
     return rows, bitmask

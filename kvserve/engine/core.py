@@ -222,7 +222,7 @@ class EngineCore:
         self.scheduler.check_request(req)
         spec = req.sampling_params.structured_outputs
         if spec is not None:
-            self.grammars.compile(spec)  # raises StructuredOutputError; cached for the add
+            self.grammars.check(spec)  # raises StructuredOutputError; cached for the add
 
     def add_request(self, req: Request) -> None:
         """Queue `req` (checked by check_request first); the core owns it from now on."""

@@ -69,23 +69,22 @@ class Formatter:
         """OpenAI's completion logprobs of `lps`; with `prompt` (echo), the prompt's tokens
         first, from offset 0 (the first has no logprob: nothing precedes it)."""
         tokens, token_lps, tops, offsets = [], [], [], []
-        start = 0
-        if prompt is not None and prompt.prompt_logprobs is not None:
-            for tid, lp in zip(prompt.prompt_token_ids, prompt.prompt_logprobs, strict=True):
-                text = self.token_text(tid)
-                tokens.append(text)
-                token_lps.append(None if lp is None else self._lp(lp.logprob))
-                tops.append(None if lp is None else
-                            {self.token_text(t): self._lp(v) for t, v in lp.top})
-                offsets.append(start)
-                start += len(text)
-        for lp in lps:
-            text = self.token_text(lp.token_id)
+
+        def add(token_id: int, lp: TokenLogprobs | None, at: int) -> int:
+            text = self.token_text(token_id)
             tokens.append(text)
-            token_lps.append(self._lp(lp.logprob))
-            tops.append({self.token_text(t): self._lp(v) for t, v in lp.top})
-            offsets.append(offset)
-            offset += len(text)
+            token_lps.append(None if lp is None else self._lp(lp.logprob))
+            tops.append(None if lp is None else
+                        {self.token_text(t): self._lp(v) for t, v in lp.top})
+            offsets.append(at)
+            return at + len(text)
+
+        if prompt is not None and prompt.prompt_logprobs is not None:
+            at = 0
+            for tid, lp in zip(prompt.prompt_token_ids, prompt.prompt_logprobs, strict=True):
+                at = add(tid, lp, at)
+        for lp in lps:
+            offset = add(lp.token_id, lp, offset)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}
 
