@@ -281,6 +281,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from kvserve.config import parse_size
     from kvserve.server.app import ServerArgs, build_app
+    from kvserve.server.connections import ConnectionLimits, server_config
     from kvserve.server.limits import RequestLimits
 
     engine_args = engine_args_from(args)
@@ -295,7 +296,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pooling=args.pooling, metrics_api_key=args.metrics_api_key,
         limits=RequestLimits(args.max_n, args.max_logprobs, args.max_stop_strings,
                              args.max_stop_length, args.max_logit_bias, args.max_prompts,
-                             args.max_prompt_tokens))
+                             args.max_prompt_tokens),
+        connections=ConnectionLimits(args.header_timeout, args.read_timeout,
+                                     args.write_timeout, args.keep_alive_timeout,
+                                     args.max_connections))
     if server_args.enable_auto_tool_choice and server_args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     failed: list[BaseException] = []
@@ -305,9 +309,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     app = build_app(engine_args, server_args, on_fatal)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=int(args.shutdown_timeout),
-                            access_log=args.access_log)
+    config = server_config(app, args.host, args.port, server_args.connections,
+                           log_level="info", timeout_graceful_shutdown=int(args.shutdown_timeout),
+                           access_log=args.access_log)
     server = uvicorn.Server(config)
     log.info("listening on http://%s:%d (OpenAI API under /v1; /health is 503 until the "
              "model has loaded)", args.host, args.port)
@@ -556,6 +560,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 429 when this many requests wait (default: unbounded)")
     s.add_argument("--max-request-size", default="4MiB", help="largest request body (413)")
+    s.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a client has to send a whole request head (else 408)")
+    s.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a request body may go without a byte (else 408)")
+    s.add_argument("--write-timeout", type=float, default=60.0,
+                   help="seconds a client may stop reading its response before it is "
+                        "disconnected (its requests aborted)")
+    s.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection is kept open")
+    s.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections; a new one beyond this gets a 429")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)

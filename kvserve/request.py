@@ -157,6 +157,10 @@ class Request:
     # only at the end, in one order, so the embedding does not depend on the chunking.
     pooled: list[torch.Tensor] = field(default_factory=list)
     num_pooled: int = 0
+    # Failed model steps this request was in. After one, it runs in a step of its own
+    # (`suspect`) until one succeeds: a failure alone, or a second one, is its own.
+    num_failed_steps: int = 0
+    suspect: bool = False
     timeline: RequestTimeline = field(init=False)
 
     def __post_init__(self) -> None:

@@ -58,6 +58,7 @@ class _Step:
     budget: int
     now: float
     granted: set[str] = field(default_factory=set)  # requests scheduled in this step
+    isolating: bool = False  # a step for one suspect request (see Scheduler.quarantine)
 
 
 @dataclass
@@ -109,6 +110,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         step = _Step(SchedulerOutput(), self.config.max_num_batched_tokens, time.perf_counter())
+        if self._isolate(step):
+            return self._finish(step)
         out, run = step.out, self.short_run
         short = self.config.max_num_batched_tokens // 4
         is_short = lambda r: r.num_tokens - self.kv.num_pool_hit_tokens(r) <= short  # noqa: E731
@@ -170,6 +173,42 @@ class Scheduler:
         self._admit(step)
         return self._finish(step)
 
+    def _isolate(self, step: _Step) -> bool:
+        """A step holding only the first suspect request, when it can run (a waiting one
+        needs its blocks free; until then it waits and the others run without it)."""
+        for req in self.running:
+            if req.suspect:
+                self._run(req, step)
+                return bool(step.out.scheduled)
+        first = next((r for r in self.waiting if r.suspect), None)
+        if first is None:
+            return False
+        step.isolating = True
+        self._admit(step, lambda r: r is first)
+        step.isolating = False
+        return bool(step.out.scheduled)
+
+    def quarantine(self, out: SchedulerOutput) -> list[Request]:
+        """After the model step of `out` raised: which of its requests failed it. A request
+        alone in the step, or failing a second step, is given back to be failed. The others
+        lose their K/V (as in a preemption) and each runs next in a step of its own, so one
+        request whose step raises cannot take the requests batched with it down too."""
+        if len(out.scheduled) == 1:
+            return [out.scheduled[0].request]
+        guilty = []
+        now = time.perf_counter()
+        for s in reversed(out.scheduled):  # appendleft: keeps their arrival order
+            req = s.request
+            req.num_failed_steps += 1
+            if req.num_failed_steps > 1:
+                guilty.append(req)
+                continue
+            req.suspect = True
+            self.running.remove(req)
+            self._preempt(req, now)
+            req.timeline.add(now, "step_failed")
+        return guilty[::-1]
+
     def _short_prompts(self, prompts: list[Request], is_short: Callable[[Request], bool],
                        short: int, step: _Step, stop_at: int | None = None) -> None:
         """Schedule the prompt work that ends in a first token within `short` tokens: running
@@ -222,7 +261,7 @@ class Scheduler:
             if (step.budget <= 0 or step.out.preempted
                     or len(self.running) >= self.config.max_num_seqs):
                 return
-            if wanted is not None and not wanted(req):
+            if wanted is not None and not wanted(req) or req.suspect and not step.isolating:
                 continue
             hit = self.kv.get_computed_blocks(req)
             num_hit = hit.num_blocks * self.kv.block_size
@@ -293,6 +332,8 @@ class Scheduler:
         count as computed here; `rollback` takes the rejected ones back out."""
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+        if len(out.scheduled) == 1:
+            out.scheduled[0].request.suspect = False  # it ran alone and did not fail
 
     def rollback(self, req: Request) -> None:
         """After verification appended the accepted tokens: K/V is valid only up to the

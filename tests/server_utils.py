@@ -14,6 +14,7 @@ import uvicorn
 
 from kvserve.engine.llm_engine import EngineArgs
 from kvserve.server.app import ServerArgs, build_app
+from kvserve.server.connections import ConnectionLimits, server_config
 
 
 def free_port() -> int:
@@ -26,8 +27,9 @@ def start_in_thread(app, port: int, timeout: float = 120) -> tuple[uvicorn.Serve
                                                                   threading.Thread]:
     """Serve `app` on 127.0.0.1:`port` in a daemon thread; returns once /health answers 200
     (stop with `server.should_exit = True` and join the thread)."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    state = getattr(app.state, "kvserve", None)
+    limits = state.args.connections if state is not None else ConnectionLimits()
+    server = uvicorn.Server(server_config(app, "127.0.0.1", port, limits, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + timeout

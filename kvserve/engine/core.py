@@ -19,6 +19,7 @@ from collections import deque
 
 import torch
 
+from kvserve import faults
 from kvserve.config import (
     CacheConfig,
     EngineConfig,
@@ -271,8 +272,9 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         """Run one batch. A failure is confined to the requests it touches: if the model step
-        raises, every request in that batch fails (the others keep going); if handling one
-        request's new token raises, only that request fails. Failed requests come out
+        raises, its requests are retried one per step and those that fail alone fail (see
+        Scheduler.quarantine); if handling one request's new token raises, only that request
+        fails. Failed requests come out
         finished (aborted) with `error` set. Call `record_step` once the outputs are
         handled, so the step profiler's output phase includes that."""
         t0 = time.perf_counter()
@@ -294,17 +296,21 @@ class EngineCore:
         self._step_start = None
         if sched.is_empty:
             return self._take_pending()
+        injected = faults.active()  # None outside tests
         try:
+            if injected is not None:
+                injected.on_step([s.request.request_id for s in sched.scheduled])
             result = self.runner.execute(sched)
         except TensorParallelError as e:
             self._die(str(e))
             return self._take_pending()
         except Exception as e:
-            log.exception("model step failed; failing the %d requests in it",
-                          len(sched.scheduled))
             self.kv.discard_step()  # blocks registered for this step hold no valid K/V
-            for s in sched.scheduled:
-                self._fail(s.request.request_id, f"{type(e).__name__}: {e}")
+            guilty = self.scheduler.quarantine(sched)
+            log.exception("model step of %d requests failed; failing %d, retrying the others "
+                          "one per step", len(sched.scheduled), len(guilty))
+            for req in guilty:
+                self._fail(req.request_id, f"{type(e).__name__}: {e}")
             return self._take_pending()
         self.scheduler.update_after_step(sched)
         self.kv.after_step()
@@ -332,6 +338,8 @@ class EngineCore:
             if req.request_id not in self._requests:
                 continue  # it failed earlier in this loop
             try:
+                if injected is not None:
+                    injected.on_request(req.request_id)
                 out = self._append(req, tokens, logprobs, now)
                 if out.finish is None:
                     if self.speculation is not None:

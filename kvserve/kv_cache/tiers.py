@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import struct
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -30,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvserve import faults
 from kvserve.kv_cache.hashing import BlockKey
 
 log = logging.getLogger(__name__)
@@ -112,6 +114,19 @@ class HostTier(KVTier):
 
 
 _MAGIC = b"KVBLK1\n"
+# Block files are opened without following a link at their name, and created fresh: a link
+# planted in the cache directory can neither be read as a block nor written through.
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _open(path: Path):
+    return os.fdopen(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb")
+
+
+def _create(path: Path):
+    path.unlink(missing_ok=True)
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644),
+                     "wb")
 
 
 @dataclass
@@ -165,20 +180,26 @@ class DiskTier(KVTier):
         return self.dir / f"{block_hash:032x}.kvb"
 
     def _scan(self) -> None:
-        files = sorted(self.dir.glob("*.kvb"), key=lambda p: p.stat().st_mtime)
-        for path in files:
+        found = []
+        for path in self.dir.glob("*.kvb"):
+            st = path.lstat()
+            if stat.S_ISREG(st.st_mode):
+                found.append((st.st_mtime, path, st.st_size))
+            else:  # a link or anything else is not ours: never read or written through
+                self._drop_file(path)
+        for _, path, size in sorted(found):
             header = self._read_header(path)
-            if header is None:
+            try:
+                key = BlockKey(int(header["hash"], 16), int(header["parent"], 16),
+                               tuple(int(t) for t in header["tokens"]))
+            except (TypeError, KeyError, ValueError):  # no header, or not one of ours
+                key = None
+            if key is None or path.name != self._path(key.block_hash).name:
                 self._drop_file(path)
                 continue
-            key = BlockKey(int(header["hash"], 16), int(header["parent"], 16),
-                           tuple(header["tokens"]))
-            if path.name != self._path(key.block_hash).name:
-                self._drop_file(path)
-                continue
-            self._add_index(key, path, path.stat().st_size)
+            self._add_index(key, path, size)
         for tmp in self.dir.glob("*.tmp*"):  # left by a crash mid-write
-            tmp.unlink(missing_ok=True)
+            self._drop_file(tmp)
         self._evict_to(self.max_bytes)
         if self._index:
             log.info("disk KV tier %s: %d blocks, %.1f MiB", self.dir, len(self._index),
@@ -193,7 +214,7 @@ class DiskTier(KVTier):
 
     def _read_header(self, path: Path) -> dict | None:
         try:
-            with open(path, "rb") as f:
+            with _open(path) as f:
                 if f.read(len(_MAGIC)) != _MAGIC:
                     return None
                 (length,) = struct.unpack("<I", f.read(4))
@@ -224,12 +245,14 @@ class DiskTier(KVTier):
 
     def _read(self, entry: _DiskEntry) -> torch.Tensor | None:
         try:
-            with open(entry.path, "rb") as f:
+            with _open(entry.path) as f:
                 if f.read(len(_MAGIC)) != _MAGIC:
                     return None
                 (length,) = struct.unpack("<I", f.read(4))
                 header = json.loads(f.read(length))
                 raw = f.read()
+            if (injected := faults.active()) is not None:
+                raw = injected.on_disk_read(raw)
         except (OSError, ValueError, struct.error):
             return None
         key = entry.key
@@ -263,7 +286,9 @@ class DiskTier(KVTier):
         path = self._path(key.block_hash)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         try:
-            with open(tmp, "wb") as f:
+            with _create(tmp) as f:
+                if (injected := faults.active()) is not None:
+                    injected.on_disk_write()
                 f.write(_MAGIC + struct.pack("<I", len(header)) + header + raw)
             os.replace(tmp, path)  # atomic: readers see the old state or the whole block
         except OSError as e:  # disk full, permissions: the cache is an optimisation, go on

@@ -35,6 +35,7 @@ from kvserve.models.loader import DEFAULT_MODEL, resolve_model
 from kvserve.outputs import OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.chat_tools import ChatPlan, ChoiceStream, finish_reason, plan_chat
+from kvserve.server.connections import ConnectionLimits
 from kvserve.server.errors import APIError, GuardMiddleware, error_body, install_error_handlers
 from kvserve.server.limits import RequestLimits
 from kvserve.server.protocol import (
@@ -67,6 +68,7 @@ class ServerArgs:
     pooling: str = "mean"  # /v1/embeddings: mean over the prompt's tokens, or the last one's
     limits: RequestLimits = field(default_factory=RequestLimits)
     metrics_api_key: str | None = None  # /metrics is public unless this is set
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
 
 def default_served_name(model: str | None) -> str:
