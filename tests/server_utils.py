@@ -52,6 +52,7 @@ def run_server(engine_args: EngineArgs, **server_kw) -> Iterator[tuple[str, obje
     args = ServerArgs(host="127.0.0.1", port=port, **server_kw)
     app = build_app(engine_args, args)
     server, thread = start_in_thread(app, port)
+    app.state.uvicorn_server = server  # for tests that reach the connections
     try:
         yield f"http://127.0.0.1:{port}", app
     finally:

@@ -13,7 +13,8 @@ holds its request's KV blocks, for as long as it likes. `GuardedH11` adds, per c
 - write timeout: a client that reads nothing for `write_timeout` while the server has data
   for it is disconnected, which aborts its requests and frees their blocks;
 - a connection cap: beyond `max_connections` open connections, each new one gets a 429
-  naming the flag and is closed (the idle ones drop out by the timeouts above).
+  naming the flag and is closed (the idle ones drop out by the timeouts above); /health
+  is still answered on it.
 
 `server_config` builds the uvicorn config with them; `kvserve serve` and the tests use it.
 """
@@ -61,12 +62,16 @@ def _raw_error(status: int, reason: str, message: str, param: str) -> bytes:
     return head.encode() + body
 
 
-def _over_cap_app(limit: int):
+def _over_cap_app(limit: int, real_app: Any):
+    """429 for everything but /health, which a load balancer's probe must always reach."""
     body = json.dumps(error_body(429, f"this server holds at most {limit} connections "
                                       "(--max-connections); retry later",
                                  "--max-connections")).encode()
 
     async def app(scope, receive, send) -> None:
+        if scope.get("path") == "/health":
+            await real_app(scope, receive, send)
+            return
         await send({"type": "http.response.start", "status": 429, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"retry-after", b"1"), (b"connection", b"close")]})
@@ -89,7 +94,7 @@ class GuardedH11(H11Protocol):
         self._last_read = now
         self._write_stalled_since: float | None = None
         if len(self.connections) > self.limits.max_connections:
-            self.app = _over_cap_app(self.limits.max_connections)
+            self.app = _over_cap_app(self.limits.max_connections, self.app)
         self._watch: asyncio.TimerHandle | None = self.loop.call_later(
             self.limits.tick, self._check)
 
