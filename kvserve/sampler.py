@@ -353,13 +353,13 @@ class Sampler:
         token_ids: list[int] = host[0]
         out_logprobs: list[TokenLogprobs | None] = [None] * meta.batch_size
         if meta.logprob_rows:
-            chosen_h, ranks_h, vals_h, ids_h = host[1:]
+            chosen_h, ranks_h, *top_h = host[1:]  # no top lists when every row asked for 0
             for j, (row, k) in enumerate(zip(meta.logprob_rows, meta.num_logprobs, strict=True)):
                 out_logprobs[row] = TokenLogprobs(
                     token_id=token_ids[row],
                     logprob=chosen_h[j],
                     rank=ranks_h[j],
-                    top=list(zip(ids_h[j][:k], vals_h[j][:k], strict=True)),
+                    top=list(zip(top_h[1][j][:k], top_h[0][j][:k], strict=True)) if k else [],
                 )
         return SamplerOutput(token_ids=token_ids, logprobs=out_logprobs)
 

@@ -453,6 +453,18 @@ def test_logprobs_are_raw_with_rank_and_top() -> None:
     assert out.logprobs[2] is None
 
 
+def test_logprobs_with_no_top_lists_in_the_whole_batch() -> None:
+    """Every row asks for the chosen token's logprob only (the API's `logprobs: true`
+    without top_logprobs): no top lists are computed at all."""
+    logits = randn(2, 12, seed=3)
+    out = sample(logits, [row(logprobs=0, temperature=0.0), row(logprobs=0, temperature=0.9)])
+    raw = torch.log_softmax(logits.double(), -1)
+    for i, lp in enumerate(out.logprobs):
+        assert lp is not None and lp.top == [] and lp.token_id == out.token_ids[i]
+        assert lp.logprob == pytest.approx(raw[i, lp.token_id].item(), abs=1e-5)
+        assert lp.rank == 1 + int((raw[i] > raw[i, lp.token_id]).sum())
+
+
 def test_greedy_logprob_rank_is_one() -> None:
     logits = randn(4, 10)
     out = sample(logits, [row(temperature=0.0, logprobs=1) for _ in range(4)])
