@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
+from kvserve.bench.spawn import spawn_server, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"
@@ -41,29 +39,11 @@ WORKLOADS = {
 
 
 def serve(tree: Path, flags: list[str], port: int, log: Path) -> subprocess.Popen:
-    cmd = [str(PYTHON), "-m", "kvserve.cli", "serve", "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, cwd=tree, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server not healthy after 600 s; see {log}")
+    return spawn_server(flags, port, log, cwd=tree, python=PYTHON)
 
 
 def stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    stop_server(proc)
 
 
 def bench(port: int, workload: str, out: Path, seed: int) -> dict:

@@ -812,6 +812,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="write config, summary and per-request records as JSON")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_bench_serve)
+    from kvserve.bench.soak import add_parser as add_soak_parser
+
+    add_soak_parser(sub)
     return bench
 
 
