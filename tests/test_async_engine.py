@@ -69,6 +69,9 @@ def test_bad_request_and_full_queue(tiny_llama_dir):
         await engine.start()
         with pytest.raises(QueueFullError):
             await engine.add_request("q", [1, 2], PARAMS)
+        # a request that could never run is told so, full queue or not
+        with pytest.raises(ValueError, match="max_model_len"):
+            await engine.add_request("big", [5] * 600, PARAMS)
         engine.max_waiting_requests = None
         with pytest.raises(ValueError, match="max_model_len"):
             await engine.add_request("big", [5] * 600, PARAMS)

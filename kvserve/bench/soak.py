@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import random
 import shlex
@@ -448,7 +449,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def cmd_soak(args: argparse.Namespace) -> int:
     if args.faults_env and json.loads(args.faults_env).get("request_error") == FAULT_MARKER:
         args.faults = True
-    report = run_soak(args)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    try:
+        report = run_soak(args)
+    except (RuntimeError, httpx.HTTPError) as e:
+        print(f"kvserve bench soak: error: {e}", file=sys.stderr)
+        return 2
     text = json.dumps(report, indent=1)
     if args.out is not None:
         args.out.write_text(text)

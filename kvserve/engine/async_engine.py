@@ -104,7 +104,7 @@ class AsyncEngine:
         # Published by the engine thread after every step and read anywhere: an immutable
         # snapshot replaced whole, never changed in place.
         self.stats: EngineStats | None = None
-        self._pending_adds = 0
+        self._queued_since_stats = 0  # engine requests queued since `stats` was taken
 
     # ------------------------------------------------------------------ event-loop side
 
@@ -197,10 +197,6 @@ class AsyncEngine:
         reason = self.health_error()
         if reason is not None:
             raise EngineDeadError(reason)
-        if self.max_waiting_requests is not None and (
-                self.num_waiting + self._pending_adds + len(requests)
-                > self.max_waiting_requests):
-            raise QueueFullError(f"{self.max_waiting_requests} requests already waiting")
         ids = [rid for rid, _, _ in requests]
         if len(set(ids)) != len(ids):
             raise ValueError("request ids must be distinct")
@@ -212,7 +208,6 @@ class AsyncEngine:
         streams = [RequestStream(self, rid, output_kind) for rid in ids]
         for stream in streams:
             self._streams[stream.request_id] = stream
-        self._pending_adds += len(requests)
         self._send(_Add(list(requests), time.perf_counter(), cache_salt, output_kind, done))
         try:
             await done
@@ -220,8 +215,6 @@ class AsyncEngine:
             for stream in streams:
                 stream.close()
             raise
-        finally:
-            self._pending_adds -= len(requests)
         return streams
 
     async def generate(self, request_id: str, prompt: str | list[int],
@@ -275,6 +268,14 @@ class AsyncEngine:
             self._fail_commands(EngineDeadError(f"engine loop died: {e}"))
 
     def _apply_commands(self) -> None:
+        def admit(n: int) -> None:
+            """--max-waiting-requests, checked after the requests themselves: the waiting
+            count of the last snapshot plus what was queued since."""
+            limit = self.max_waiting_requests
+            if limit is not None and self.num_waiting + self._queued_since_stats + n > limit:
+                raise QueueFullError(f"{limit} requests already waiting")
+            self._queued_since_stats += n
+
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -283,7 +284,7 @@ class AsyncEngine:
             if isinstance(cmd, _Add):
                 try:
                     self.engine.add_requests(cmd.requests, cmd.arrival, cmd.cache_salt,
-                                             cmd.output_kind)
+                                             cmd.output_kind, admit)
                 except Exception as e:  # ValueError: the client's fault; else ours
                     self._resolve(cmd.done, e)
                 else:
@@ -349,5 +350,6 @@ class AsyncEngine:
     def _publish_state(self) -> None:
         assert self.engine is not None
         self.stats = stats = self.engine.stats()
+        self._queued_since_stats = 0
         if self.metrics is not None:
             self.metrics.observe_stats(stats)

@@ -61,9 +61,11 @@ class LLMEngine:
 
     def add_requests(self, requests, arrival_time: float | None = None,
                      cache_salt: str | None = None,
-                     output_kind: OutputKind = OutputKind.CUMULATIVE) -> list[str]:
+                     output_kind: OutputKind = OutputKind.CUMULATIVE,
+                     admit=None) -> list[str]:
         """See OutputProcessor.add_requests: all of them or none."""
-        return self.processor.add_requests(requests, arrival_time, cache_salt, output_kind)
+        return self.processor.add_requests(requests, arrival_time, cache_salt, output_kind,
+                                           admit)
 
     def abort_request(self, request_id: str, error: str | None = None) -> bool:
         """See OutputProcessor.abort_request."""

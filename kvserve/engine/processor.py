@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvserve.engine.core import EngineCore, EngineDeadError
@@ -124,10 +124,13 @@ class OutputProcessor:
     def add_requests(self, requests: Sequence[tuple[str | None, str | list[int],
                                                     SamplingParams | None]],
                      arrival_time: float | None = None, cache_salt: str | None = None,
-                     output_kind: OutputKind = OutputKind.CUMULATIVE) -> list[str]:
+                     output_kind: OutputKind = OutputKind.CUMULATIVE,
+                     admit: Callable[[int], None] | None = None) -> list[str]:
         """Queue several requests (id, prompt, params) at once, as add_request does each, or
         none of them: every one is checked before any is queued, so a caller's batch of
         prompts (the API's list of prompts, the offline API's) is accepted or refused whole.
+        `admit(number of engine requests)`, called once all are checked, may refuse them by
+        raising (a full queue: so a bad request learns it is bad, not that it should retry).
         Returns their ids (None ids get fresh ones)."""
         core = self.core
         if core.dead is not None:
@@ -143,6 +146,8 @@ class OutputProcessor:
                 raise ValueError(f"request id {min(new & ids)!r} is given twice")
             ids |= new
             prepared.append((group, reqs))
+        if admit is not None:
+            admit(sum(len(reqs) for _, reqs in prepared))
         for group, reqs in prepared:
             for req, s in zip(reqs, group.samples, strict=True):
                 core.add_request(req)
