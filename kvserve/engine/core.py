@@ -272,11 +272,11 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         """Run one batch. A failure is confined to the requests it touches: if the model step
-        raises, its requests are retried one per step and those that fail alone fail (see
-        Scheduler.quarantine); if handling one request's new token raises, only that request
-        fails. Failed requests come out
-        finished (aborted) with `error` set. Call `record_step` once the outputs are
-        handled, so the step profiler's output phase includes that."""
+        raises, its requests are retried one per step and only those that fail alone fail
+        (Scheduler.quarantine); if handling one request's new token raises, only that request
+        fails. Failed requests come out finished (aborted) with `error` set. Call
+        `record_step` once the outputs are handled, so the step profiler's output phase
+        includes that."""
         t0 = time.perf_counter()
         if self.speculation is not None:
             self.speculation.propose(self.scheduler.running)

@@ -149,7 +149,7 @@ class GuardedH11(H11Protocol):
 
     def _refuse(self, message: str, param: str) -> None:
         """Answer 408 and close (nothing of a response has been sent in these states)."""
-        self.logger.info("closing a slow connection: %s", message)
+        self.logger.debug("closing a slow connection: %s", message)
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True
             self.cycle.message_event.set()  # the app's pending receive() sees a disconnect
