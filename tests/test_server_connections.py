@@ -84,6 +84,18 @@ def test_a_body_that_stops_gets_408(server):
     assert completion(url).status_code == 200
 
 
+def test_a_body_refused_early_is_not_answered_twice(server):
+    """A body announced over --max-request-size is refused (413) before it is read; the
+    client that then sends nothing more is closed, with no 408 after the 413."""
+    url, port, _ = server
+    s = connect(port)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+              b"\r\nContent-Length: 900000000\r\n\r\n{")
+    raw = read_all(s)
+    assert raw.startswith(b"HTTP/1.1 413") and raw.count(b"HTTP/1.1") == 1, raw
+    assert completion(url).status_code == 200
+
+
 def test_a_keep_alive_connection_idle_after_its_response_is_closed(server):
     url, port, _ = server
     s = connect(port)

@@ -136,8 +136,11 @@ class GuardedH11(H11Protocol):
             return
         if (state is h11.SEND_BODY and not self.flow.read_paused
                 and now - self._last_read > lim.read_timeout):
-            self._refuse(f"no byte of the request body for {lim.read_timeout:g} s "
-                         "(--read-timeout)", "--read-timeout")
+            if self.cycle is not None and self.cycle.response_started:
+                self.transport.close()  # answered already (say a 413): the rest is not read
+            else:
+                self._refuse(f"no byte of the request body for {lim.read_timeout:g} s "
+                             "(--read-timeout)", "--read-timeout")
             return
         stalled = self._write_stalled_since
         if stalled is not None and now - stalled > lim.write_timeout:
@@ -148,7 +151,7 @@ class GuardedH11(H11Protocol):
         self._watch = self.loop.call_later(lim.tick, self._check)
 
     def _refuse(self, message: str, param: str) -> None:
-        """Answer 408 and close (nothing of a response has been sent in these states)."""
+        """Answer 408 and close (no response has started in the states this is called in)."""
         self.logger.debug("closing a slow connection: %s", message)
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True
