@@ -1,4 +1,4 @@
-"""A CI-sized soak (`kvserve bench soak`, about 2 minutes) of a real server on the default
+"""A CI-sized soak (`kvserve bench soak`, a minute of arrivals) of a real server on the default
 model, with faults injected: a request marker that fails its requests, a slow step now and
 then, a disk tier that fails every third write, n-gram speculation, and bursts far beyond
 the seats and the queue. Zero 5xx but the injected ones, zero leaked blocks, back to idle,
@@ -32,8 +32,8 @@ def test_a_short_soak_with_faults_keeps_everything(real_model_path, tmp_path):
     args = parser.parse_args([
         "soak", "--spawn", flags, "--port", str(free_port()), "--faults",
         "--faults-env", json.dumps(FAULTS), "--server-log", str(tmp_path / "server.log"),
-        "--duration", "75", "--window", "25", "--rate", "8", "--concurrency", "24",
-        "--arrivals", "mixed", "--phase", "25", "--burst-size", "64", "--burst-every", "8",
+        "--duration", "60", "--window", "20", "--rate", "8", "--concurrency", "24",
+        "--arrivals", "mixed", "--phase", "20", "--burst-size", "64", "--burst-every", "8",
         "--slow-client-wait", "15", "--timeout", "120", "--seed", "3"])
     report = run_soak(args)
     summary = {k: v for k, v in report.items() if k not in ("windows", "integrity")}
@@ -43,4 +43,4 @@ def test_a_short_soak_with_faults_keeps_everything(real_model_path, tmp_path):
     assert report["shed_429"] > 0, "the bursts never filled the queue"
     assert {"half_head", "silent", "stalled_body", "oversized", "cut_stream"} <= set(kinds)
     assert report["health_worst_s"] < 1.0, report["windows"]
-    assert report["requests"] > 300
+    assert report["requests"] > 250
