@@ -1,4 +1,5 @@
-"""kvserve command line: generate | chat | serve | plan | bench serve."""
+"""kvserve command line: generate | chat | serve | router | plan | roofline | trace |
+bench serve | bench soak | train-mtp."""
 
 from __future__ import annotations
 
