@@ -38,6 +38,8 @@ from pathlib import Path
 
 import httpx
 
+from kvserve.faults import Faults
+
 GOOD = ["stream_completion", "completion", "stream_chat", "chat", "cut_stream", "slow_reader",
         "n2_logprobs", "shared_prefix", "salted", "json_schema"]
 SLOW = {"half_head": {408}, "silent": {None}, "stalled_body": {408}}  # None: closed, no word
@@ -447,7 +449,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
-    if args.faults_env and json.loads(args.faults_env).get("request_error") == FAULT_MARKER:
+    # checked here, not by a server that then fails to start
+    if args.faults_env and Faults.parse(args.faults_env).request_error == FAULT_MARKER:
         args.faults = True
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     try:
