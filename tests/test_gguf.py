@@ -252,6 +252,30 @@ def _assert_within_half_rounding(groups, got, ref) -> None:
     assert (np.abs(got - ref) <= bound).all()
 
 
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0,
+                                   gguf.GGMLQuantizationType.Q4_1,
+                                   gguf.GGMLQuantizationType.Q5_0,
+                                   gguf.GGMLQuantizationType.Q8_0])
+def test_floats_from_the_groups_equal_gguf_dequantization(qtype, tiny_llama_dir, tmp_path,
+                                                         monkeypatch):
+    """The loader reads these types' projection floats from the kernel groups: every tensor
+    it yields is bit for bit what gguf's own dequantization gives."""
+    from kvserve.models import loader
+
+    path = tmp_path / "tiny-q.gguf"
+    write_gguf(tiny_llama_dir, path, qtype=qtype)
+    cfg = loader.read_model_config(path)
+
+    def tensors():
+        return [(n, w) for n, w, _ in loader.iter_gguf_tensors(gguf.GGUFReader(str(path)), cfg)]
+
+    fast = tensors()
+    monkeypatch.setattr(loader, "_EXACT_FROM_GROUPS", set())
+    slow = tensors()
+    assert [n for n, _ in fast] == [n for n, _ in slow]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fast, slow, strict=True))
+
+
 def test_gemma3_tensors_keep_their_codes(gemma3_path):
     """On the real Gemma 3 270M file: every projection decodes to gguf's dequantization (Q6_K
     with its scales per 16 inputs)."""

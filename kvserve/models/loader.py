@@ -215,8 +215,8 @@ GgufSource = tuple[str, object]  # (GGUF type name, its QuantGroups or None)
 
 def iter_gguf_tensors(reader, cfg: ModelConfig
                       ) -> Iterator[tuple[str, torch.Tensor, GgufSource | None]]:
-    """(canonical name, float32 tensor, its GGUF source) for every weight, dequantized with
-    `gguf`; a projection's source is its type and, where the type has an exact form, its
+    """(canonical name, float32 tensor, its GGUF source) for every weight, dequantized as
+    `gguf` does; a projection's source is its type and, where the type has an exact form, its
     blocks as the VNNI kernel's groups (models/gguf_quants.py)."""
     from gguf import quants
 
@@ -224,13 +224,21 @@ def iter_gguf_tensors(reader, cfg: ModelConfig
         if t.name in ("rope_freqs.weight", "rope_factors_long.weight",
                       "rope_factors_short.weight"):
             continue
-        try:
-            arr = quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise ValueError(f"tensor {t.name}: unsupported GGUF tensor type "
-                             f"{t.tensor_type.name}") from e
-        w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
         parts = t.name.split(".")
+        kind = t.tensor_type.name
+        groups = None
+        if kind in _EXACT_FROM_GROUPS and len(t.shape) == 2:
+            cols, rows = (int(x) for x in t.shape)  # GGUF lists the inner dimension first
+            groups = decode_groups(t.data, kind, rows, cols)
+        if groups is not None:  # the same floats as gguf's, from blocks decoded anyway
+            w = groups.dequantized()
+        else:
+            try:
+                arr = quants.dequantize(t.data, t.tensor_type)
+            except NotImplementedError as e:
+                raise ValueError(f"tensor {t.name}: unsupported GGUF tensor type "
+                                 f"{kind}") from e
+            w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
         if t.name == "token_embd.weight":
             yield "embed_tokens.weight", w, None
         elif t.name == "output_norm.weight":
@@ -241,8 +249,8 @@ def iter_gguf_tensors(reader, cfg: ModelConfig
             name = _GGUF_LAYER[parts[2]]
             source = None
             if w.dim() == 2 and name in _PROJECTIONS:
-                kind = t.tensor_type.name
-                groups = decode_groups(t.data, kind, *w.shape)
+                if groups is None:
+                    groups = decode_groups(t.data, kind, *w.shape)
                 if groups is not None and cfg.architecture == "llama" and name in ("q", "k"):
                     heads = cfg.num_heads if name == "q" else cfg.num_kv_heads
                     groups.q, groups.d, groups.m = (_unpermute(x, heads)
@@ -260,6 +268,11 @@ def iter_gguf_tensors(reader, cfg: ModelConfig
 
 
 _PROJECTIONS = {"q", "k", "v", "qkv", "o_proj", "gate", "up", "down_proj"}
+# Types whose kernel groups give back gguf's dequantized floats bit for bit (q * d + m in
+# float32, as gguf computes them: tests/test_gguf.py). Their 2-D tensors' floats come from
+# the groups (decoded anyway for projections) instead of from gguf's slower numpy pass: 1.1
+# of the default model's 3.4 s load, measured.
+_EXACT_FROM_GROUPS = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
 
 
 # ------------------------------------------------------------------ Hugging Face directory
