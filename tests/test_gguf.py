@@ -324,3 +324,31 @@ def test_quantized_gguf_serves_its_own_codes(qtype, tiny_llama_dir, tmp_path):
     # block by block above)
     assert (a - b).abs().max() / a.abs().max() < 0.1
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.85
+
+
+def _assert_same_reading(path) -> None:
+    """kvserve's reader and gguf's own give the same fields (offsets, types, data indices,
+    parts as the same bytes in the same dtypes) and the same tensors."""
+    from kvserve.gguf_reader import GGUFReader
+
+    ours, theirs = GGUFReader(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, a in ours.fields.items():
+        b = theirs.fields[name]
+        assert (a.offset, a.types, a.data, len(a.parts)) == \
+            (b.offset, b.types, b.data, len(b.parts)), name
+        for x, y in zip(a.parts, b.parts, strict=True):
+            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), name
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in theirs.tensors]
+
+
+def test_reader_fields_equal_gguf_readers_on_a_written_file(tiny_llama_dir, tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(tiny_llama_dir, path, qtype=gguf.GGMLQuantizationType.Q8_0)
+    _assert_same_reading(path)
+
+
+@pytest.mark.real_model
+def test_reader_fields_equal_gguf_readers_on_the_default_model(real_model_path):
+    _assert_same_reading(real_model_path)
