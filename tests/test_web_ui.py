@@ -6,6 +6,7 @@ test-artifacts/ (or $KVSERVE_TEST_ARTIFACTS)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 import time
@@ -155,7 +156,13 @@ def test_dashboard_updates_while_requests_run(server, browser):
     wait_for(lambda: _card(browser, "running") == "0", what="the batch to empty")
     assert int(seen_running) >= 1
     assert _card(browser, "output tokens/s (10 s)") not in ("", "0.0")
-    assert "/" in _card(browser, "TTFT ms p50/p90/p99")
+    for label in ("TTFT ms p50/p90/p99", "ITL ms p50/p90/p99"):  # rounded, 3 of them
+        assert re.fullmatch(r"(\d+(\.\d)? / ){2}\d+(\.\d)?", _card(browser, label)), label
+    overflowing = browser.execute_script(
+        "return [...document.querySelectorAll('#cards .card')]"
+        "  .filter(c => c.scrollWidth > c.clientWidth || c.scrollHeight > c.clientHeight)"
+        "  .map(c => c.textContent)")
+    assert not overflowing, overflowing
     shot(browser, "dashboard")
 
 
