@@ -171,7 +171,7 @@ class GrammarCompiler:
             try:
                 self._tokenizer = llguidance.LLTokenizer(
                     self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos)
-            except BaseException as e:
+            except Exception as e:
                 raise StructuredOutputError(f"structured outputs are unavailable for this "
                                             f"tokenizer: {e}") from e
             self._tokenizer_json = ""  # the text is not needed again
