@@ -85,6 +85,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.short_run = ShortStepRun()
+        self.num_suspects = 0  # requests with `suspect` set; at 0 a step skips their search
 
     def check_request(self, req: Request) -> None:
         """Raise ValueError if `req` could never be served within the configured limits."""
@@ -176,6 +177,8 @@ class Scheduler:
     def _isolate(self, step: _Step) -> bool:
         """A step holding only the first suspect request, when it can run (a waiting one
         needs its blocks free; until then it waits and the others run without it)."""
+        if not self.num_suspects:
+            return False
         for req in self.running:
             if req.suspect:
                 self._run(req, step)
@@ -204,6 +207,7 @@ class Scheduler:
                 guilty.append(req)
                 continue
             req.suspect = True
+            self.num_suspects += 1
             self.running.remove(req)
             self._preempt(req, now)
             req.timeline.add(now, "step_failed")
@@ -332,8 +336,9 @@ class Scheduler:
         count as computed here; `rollback` takes the rejected ones back out."""
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
-        if len(out.scheduled) == 1:
+        if len(out.scheduled) == 1 and out.scheduled[0].request.suspect:
             out.scheduled[0].request.suspect = False  # it ran alone and did not fail
+            self.num_suspects -= 1
 
     def rollback(self, req: Request) -> None:
         """After verification appended the accepted tokens: K/V is valid only up to the
@@ -352,5 +357,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
+        if req.suspect:  # aborted (or failed) before it ran alone
+            req.suspect = False
+            self.num_suspects -= 1
         self.kv.free(req)
         self.kv.forget(req)

@@ -70,6 +70,7 @@ def assert_idle(engine: LLM) -> None:
     eng = engine.engine
     eng.check_integrity()
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    assert eng.scheduler.num_suspects == 0
 
 
 def test_the_switch_parses_and_refuses_what_it_does_not_know():
