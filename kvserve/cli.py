@@ -561,17 +561,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 429 when this many requests wait (default: unbounded)")
     s.add_argument("--max-request-size", default="4MiB", help="largest request body (413)")
-    s.add_argument("--header-timeout", type=float, default=10.0,
-                   help="seconds a client has to send a whole request head (else 408)")
-    s.add_argument("--read-timeout", type=float, default=30.0,
-                   help="seconds a request body may go without a byte (else 408)")
-    s.add_argument("--write-timeout", type=float, default=60.0,
-                   help="seconds a client may stop reading its response before it is "
-                        "disconnected (its requests aborted)")
-    s.add_argument("--keep-alive-timeout", type=float, default=5.0,
-                   help="seconds an idle keep-alive connection is kept open")
-    s.add_argument("--max-connections", type=int, default=1024,
-                   help="open connections; a new one beyond this gets a 429")
+    conn = s.add_argument_group("connections (slow and greedy clients)")
+    for flag, kind, default, what in (
+            ("--header-timeout", float, 10.0, "seconds a client has to send a whole request "
+                                              "head (else 408)"),
+            ("--read-timeout", float, 30.0, "seconds a request body may go without a byte "
+                                            "(else 408)"),
+            ("--write-timeout", float, 60.0, "seconds a client may stop reading its response "
+                                             "before it is disconnected (its requests "
+                                             "aborted)"),
+            ("--keep-alive-timeout", float, 5.0, "seconds an idle keep-alive connection is "
+                                                 "kept open"),
+            ("--max-connections", int, 1024, "open connections; a new one beyond this gets "
+                                             "a 429")):
+        conn.add_argument(flag, type=kind, default=default, help=what)
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)

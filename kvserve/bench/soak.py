@@ -50,6 +50,8 @@ HOSTILE = {  # kind -> the statuses it may get
     "deep_nesting": {400},
 }
 INJECTED = {"injected_error": {500}}  # with --faults only
+# 429 for a good request: shed by a full queue in a burst
+EXPECTED = {**dict.fromkeys(GOOD, {200, 429}), **HOSTILE, **INJECTED, **SLOW}
 MIX = {**dict.fromkeys(GOOD, 8), **dict.fromkeys(SLOW, 1), **dict.fromkeys(HOSTILE, 1),
        **dict.fromkeys(INJECTED, 1)}
 FAULT_MARKER = "fault-"
@@ -157,7 +159,7 @@ class Soak:
             else:
                 r = await client.post(path, **kw)
                 out.status = r.status_code
-                out.ok = r.status_code in self._expected(kind)
+                out.ok = r.status_code in EXPECTED[kind]
                 if out.ok and r.status_code == 200:
                     out.ttft = time.perf_counter() - out.start
                 elif not out.ok:
@@ -170,12 +172,6 @@ class Soak:
         if not streaming:
             out.longest_silence = out.end - out.start  # a whole response: silent until it comes
         return out
-
-    @staticmethod
-    def _expected(kind: str) -> set[int | None]:
-        if kind in GOOD:
-            return {200, 429}  # 429: shed by a full queue in a burst
-        return {**HOSTILE, **INJECTED, **SLOW}[kind]
 
     @staticmethod
     def _check_error_body(r: httpx.Response, out: Outcome) -> None:
@@ -193,7 +189,7 @@ class Soak:
             out.status = r.status_code
             if r.status_code != 200:
                 await r.aread()
-                out.ok = r.status_code in self._expected(kind)
+                out.ok = r.status_code in EXPECTED[kind]
                 out.error = None if out.ok else r.text[:200]
                 self._check_error_body(r, out)
                 return
@@ -244,7 +240,7 @@ class Soak:
             await writer.drain()
             data = await asyncio.wait_for(reader.read(), self.args.slow_client_wait)
             out.status = int(data.split()[1]) if data.startswith(b"HTTP/1.1 ") else None
-            out.ok = out.status in SLOW[kind]
+            out.ok = out.status in EXPECTED[kind]
             if not out.ok:
                 out.error = data[:200].decode(errors="replace")
         except (TimeoutError, OSError) as e:
