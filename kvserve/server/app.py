@@ -37,6 +37,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.server.chat_tools import ChatPlan, ChoiceStream, finish_reason, plan_chat
 from kvserve.server.connections import ConnectionLimits
 from kvserve.server.errors import APIError, GuardMiddleware, error_body, install_error_handlers
+from kvserve.server.history import Sampler
 from kvserve.server.limits import RequestLimits
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -241,6 +242,7 @@ def _prompt_lists(prompt, name: str = "prompt") -> list[str | list[int]]:
 def build_app(engine_args: EngineArgs, args: ServerArgs,
               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
     state = ServerState(engine_args, args)
+    sampler = Sampler(state.metrics, lambda: state.engine)  # the dashboard's time series
 
     async def load() -> None:
         engine = AsyncEngine(lambda: build_engine(engine_args), state.metrics,
@@ -259,7 +261,9 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         loader = asyncio.create_task(load())
+        sampler.start()
         yield
+        await sampler.stop()
         loader.cancel()
         if state.engine is not None:
             state.engine.stop()
@@ -304,6 +308,11 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         out.update(state.metrics.dashboard())
         out["model"] = state.model_name
         return out
+
+    @app.get("/v1/engine/history")
+    async def engine_history(seconds: float | None = None) -> dict:
+        """The dashboard's samples of the last `seconds` (up to 10 minutes), oldest first."""
+        return sampler.history.as_json(seconds)
 
     @app.get("/", include_in_schema=False)
     async def web_ui() -> Response:
