@@ -1,6 +1,7 @@
 """The web UI in a real headless browser (Debian's chromium driven by Selenium), against the
 server on the default model with an API key: a streamed chat answer, the stop button
-aborting a generation, and the dashboard updating while requests run. Screenshots go to
+aborting a generation, and the dashboard updating while requests run; and, on a tiny model,
+the dashboard's time series with and without latency targets. Screenshots go to
 test-artifacts/ (or $KVSERVE_TEST_ARTIFACTS)."""
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def shot(driver, name: str) -> None:
     driver.save_screenshot(str(ARTIFACTS / f"{name}.png"))
 
 
-def open_ui(driver, url: str) -> None:
+def open_ui(driver, url: str, model: str = "SmolLM2-135M-Instruct") -> None:
     from selenium.webdriver.common.by import By
 
     driver.get(url + "/")
@@ -78,7 +79,7 @@ def open_ui(driver, url: str) -> None:
     key.clear()
     key.send_keys(KEY)
     driver.execute_script("arguments[0].dispatchEvent(new Event('change'))", key)
-    wait_for(lambda: driver.find_element(By.ID, "model").text == "SmolLM2-135M-Instruct",
+    wait_for(lambda: driver.find_element(By.ID, "model").text == model,
              what="the model name (needs the key)")
 
 
@@ -164,6 +165,121 @@ def test_dashboard_updates_while_requests_run(server, browser):
         "  .map(c => c.textContent)")
     assert not overflowing, overflowing
     shot(browser, "dashboard")
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_llama_dir):
+    args = EngineArgs(model=str(tiny_llama_dir), dtype="float32", block_size=4,
+                      num_kv_blocks=256)
+    with run_server(args, api_key=KEY) as (url, app):
+        yield url, app
+
+
+SLO = {"target_ttft_ms": 400.0, "target_itl_ms": 60.0, "good": 5, "missed_ttft": 1,
+       "missed_itl": 0, "missed_both": 0, "goodput_per_s": 1.25}
+CHARTS = ("tokens", "requests", "kv", "ttft", "itl")
+
+
+def test_dashboard_draws_the_time_series(tiny_server, browser, monkeypatch):
+    from selenium.webdriver.common.by import By
+
+    url, app = tiny_server
+    model = httpx.get(f"{url}/v1/models", headers=_auth()).json()["data"][0]["id"]
+    with httpx.Client(headers=_auth(), timeout=60) as c:
+        for i in range(4):  # spread over a few samples, so TTFT and ITL have points
+            c.post(f"{url}/v1/completions", json={"prompt": f"count {i}", "max_tokens": 24,
+                                                  "ignore_eos": True})
+            time.sleep(0.6)
+    open_ui(browser, url, model)
+    browser.find_element(By.ID, "tab-dash").click()
+    wait_for(lambda: all(c["points"] >= 3 for c in _charts(browser).values()
+                         if c["id"] in ("tokens", "requests", "kv")),
+             what="3 samples in the batch and KV charts")
+    charts = wait_for(lambda: (c := _charts(browser)) and all(
+        c[i]["points"] >= 1 for i in ("ttft", "itl")) and c, what="latency points")
+    for name in CHARTS:
+        chart = charts[name]
+        assert chart["visible"] and chart["drawn"], chart
+        assert chart["paths"] == [p for p in chart["paths"] if p], chart
+        assert not chart["targets"], chart  # no slo yet: no target lines
+    assert not charts["goodput"]["visible"]
+    assert _fits(browser) == []
+    _check_rounded(charts)
+
+    metrics = app.state.kvserve.metrics
+    plain = metrics.dashboard
+    monkeypatch.setattr(metrics, "dashboard", lambda **kw: {**plain(**kw), "slo": SLO})
+    charts = wait_for(lambda: (c := _charts(browser)) and c["goodput"]["visible"]
+                      and c["goodput"]["points"] and c, what="the goodput chart")
+    for name in ("ttft", "itl"):
+        assert len(charts[name]["targets"]) == 1, charts[name]
+        assert "target" in charts[name]["caption"]
+    assert not charts["tokens"]["targets"]
+    # the ITL target (60 ms) sits above the tiny model's gaps: inside the plot, not clipped
+    y = float(charts["itl"]["targets"][0])
+    assert 0 < y < browser.execute_script(
+        "return document.querySelector('#chart-itl svg').clientHeight")
+    wait_for(lambda: _card(browser, "goodput requests/s") == "1.3", what="the goodput card")
+    _check_rounded(charts)
+    assert _fits(browser) == []
+    shot(browser, "dashboard-history")
+    browser.set_window_size(560, 900)  # one chart a row: still inside the page
+    try:
+        wait_for(lambda: (c := _charts(browser))["tokens"]["width"] < 560
+                 and all(c[name]["drawn"] for name in CHARTS), timeout=10,
+                 what="charts redrawn at a narrow width")
+        assert _fits(browser) == []
+        shot(browser, "dashboard-history-narrow")
+    finally:
+        browser.set_window_size(1280, 900)
+
+    without = {**SLO, "target_ttft_ms": None}
+    monkeypatch.setattr(metrics, "dashboard", lambda **kw: {**plain(**kw), "slo": without})
+    wait_for(lambda: not (c := _charts(browser))["ttft"]["targets"] and c["itl"]["targets"],
+             what="only the ITL target line")
+    monkeypatch.setattr(metrics, "dashboard", lambda **kw: {**plain(**kw), "slo": None})
+    wait_for(lambda: not (c := _charts(browser))["goodput"]["visible"]
+             and not c["itl"]["targets"], what="targets and goodput hidden again")
+
+
+def _charts(driver) -> dict[str, dict]:
+    """Each chart's state, read in one script (the page redraws them every second)."""
+    return {c["id"]: c for c in driver.execute_script("""
+        return [...document.querySelectorAll('#charts .chart')].map(f => {
+          const paths = [...f.querySelectorAll('path.series')].map(p => p.getAttribute('d'));
+          return {id: f.id.replace('chart-', ''), visible: f.offsetParent !== null,
+                  paths, points: Math.min(...paths.map(d => (d.match(/[ML]/g) || []).length)),
+                  targets: [...f.querySelectorAll('line.target')].map(l => l.getAttribute('y1')),
+                  caption: f.querySelector('figcaption').textContent,
+                  values: [...f.querySelectorAll('figcaption b, text.ylabel')]
+                    .map(e => e.textContent),
+                  width: f.getBoundingClientRect().width,
+                  // drawn for the width it has (the "now" label ends at its right edge)
+                  drawn: paths.length > 0 && Math.abs(+f.querySelector('svg text:last-of-type')
+                    .getAttribute('x') + 2 - f.querySelector('svg').clientWidth) < 1};
+        })""")}
+
+
+def _check_rounded(charts: dict[str, dict]) -> None:
+    """Legend values and axis tops as the cards round them: whole from 100, one decimal
+    below (an axis top is a round 1, 2, 2.5 or 5 times a power of ten)."""
+    for chart in charts.values():
+        if not chart["visible"]:
+            continue
+        for value in chart["values"]:
+            assert re.fullmatch(r"–|\d+(\.\d)?|0\.0*(1|2|25|5)", value), (chart["id"], value)
+
+
+def _fits(driver) -> list[str]:
+    """Cards and charts whose content is wider than they are, and the page if it scrolls
+    sideways."""
+    return driver.execute_script(
+        "const bad = [...document.querySelectorAll('#cards .card, #charts .chart')]"
+        "  .filter(e => e.offsetParent !== null && e.scrollWidth > e.clientWidth)"
+        "  .map(e => e.id || e.textContent);"
+        "const page = document.documentElement;"
+        "if (page.scrollWidth > page.clientWidth) bad.push('page');"
+        "return bad;")
 
 
 def _card(driver, label: str) -> str:
