@@ -41,6 +41,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "cached prefix, a prompt's last chunk) runs in steps of its own, "
                         "between normal steps: earlier first tokens at a small cost in time "
                         "per output token")
+    g.add_argument("--target-ttft-ms", type=float, default=None, metavar="MS",
+                   help="time-to-first-token target: goodput counts requests within it (and "
+                        "--target-itl-ms); with --shed-late-requests the server refuses (429) "
+                        "requests predicted to miss it")
+    g.add_argument("--target-itl-ms", type=float, default=None, metavar="MS",
+                   help="inter-token latency target (checked as time per output token): each "
+                        "step's prompt work and the admission of new requests are sized by a "
+                        "step cost model fitted online so that decode steps stay within it")
+    g.add_argument("--shed-late-requests", action="store_true",
+                   help="serve: answer 429 (with Retry-After) at once to a request predicted "
+                        "to miss --target-ttft-ms, instead of queueing it")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
@@ -134,7 +145,9 @@ def engine_args_from(args: argparse.Namespace):
         model=args.model, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        short_prompt_steps=args.short_prompt_steps, block_size=args.block_size,
+        short_prompt_steps=args.short_prompt_steps, target_ttft_ms=args.target_ttft_ms,
+        target_itl_ms=args.target_itl_ms, shed_late_requests=args.shed_late_requests,
+        block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
         disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,

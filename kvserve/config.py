@@ -136,11 +136,24 @@ class SchedulerConfig:
     # Short prompt work (at most a quarter of the budget: a question after a cached prefix,
     # a prompt's last chunk) gets steps of its own before decodes and long chunks.
     short_prompt_steps: bool = True
+    # Latency targets (seconds; None: not targeted). With an ITL target, each step's prompt
+    # work and the admission of new requests are sized by the step cost model (kvserve.slo)
+    # so that running decodes' steps stay within it; the TTFT target defines goodput and,
+    # with `shed_late_requests`, refuses requests predicted to miss it (the server's 429).
+    target_ttft_s: float | None = None
+    target_itl_s: float | None = None
+    shed_late_requests: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("target_ttft_s", "target_itl_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.shed_late_requests and self.target_ttft_s is None:
+            raise ValueError("shedding late requests needs a TTFT target (--target-ttft-ms)")
 
 
 SPEC_METHODS = ("ngram", "draft_model", "mtp")

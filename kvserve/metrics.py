@@ -3,6 +3,11 @@
 Latencies are split the way they are felt: queue (arrival to first step), prefill (first step
 to first token), time to first token, inter-token latency (gap between successive streamed
 tokens), time per output token (decode time / (tokens - 1)) and end to end.
+
+With latency targets (--target-ttft-ms, --target-itl-ms), every request that finishes
+(stopped or at its length; not aborted or failed) counts in `kvserve:goodput_requests` under
+the target it missed: `none` (a good request: goodput), `ttft`, `itl` or `both`. As in vLLM's
+benchmark goodput, the ITL target is checked against the request's time per output token.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvserve.outputs import RequestOutput
+from kvserve.slo import LatencyTargets
 from kvserve.stats import EngineStats, SpecState
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
@@ -28,10 +34,12 @@ STEP_PHASES = ("draft", "schedule", "prepare", "forward", "sample", "output", "t
 TP_PHASE = "all_reduce"
 KV_IO_PHASE = "kv_io"  # only with prefix-cache tiers
 GRAMMAR_PHASE = "grammar"  # only in steps with structured outputs
+MISSED = ("none", "ttft", "itl", "both")  # goodput_requests' labels: which target was missed
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 targets: LatencyTargets | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -106,6 +114,15 @@ class EngineMetrics:
         self._step_phases = {p: self._step_phase.labels(model_name, p) for p in STEP_PHASES}
         self.step_tokens = hist("engine_step_tokens", "Tokens computed per engine step",
                                 _LENGTHS)
+        self.targets = targets or LatencyTargets()
+        self._goodput = None
+        if self.targets:
+            counter = Counter("kvserve:goodput_requests", "Finished requests by the latency "
+                              "target they missed (none: good)", ["model_name", "missed"],
+                              registry=r)
+            self._goodput = {m: counter.labels(model_name, m) for m in MISSED}
+        self.goodput_counts = dict.fromkeys(MISSED, 0)
+        self.recent_finished: deque[tuple[float, bool]] = deque(maxlen=4000)  # (time, good)
         self.last_step = 0  # newest StepRecord.step observed
         # Recent samples for the dashboard's percentiles and throughput (bounded windows).
         self.recent_ttft: deque[float] = deque(maxlen=500)
@@ -148,6 +165,11 @@ class EngineMetrics:
         reason = "error" if out.error else ("abort" if "abort" in reasons else
                                             "length" if reasons == {"length"} else "stop")
         self._finish_labels[reason].inc()
+        if self._goodput is not None and reason in ("stop", "length"):
+            missed = self.targets.missed(m.ttft, m.tpot)
+            self._goodput[missed].inc()
+            self.goodput_counts[missed] += 1
+            self.recent_finished.append((now, missed == "none"))
 
     def observe_stats(self, stats: EngineStats) -> None:
         """The engine's snapshot: gauges take its state, counters advance to its running
@@ -184,7 +206,22 @@ class EngineMetrics:
                     for q in (50, 90, 99)}
 
         return {"output_tokens_per_s": round(tokens / window, 2),
-                "ttft_ms": pct(list(self.recent_ttft)), "itl_ms": pct(list(self.recent_itl))}
+                "ttft_ms": pct(list(self.recent_ttft)), "itl_ms": pct(list(self.recent_itl)),
+                "slo": self._slo(now, window)}
+
+    def _slo(self, now: float, window: float) -> dict | None:
+        """The targets (ms) and goodput: totals since start by missed target, and good
+        requests per second over the last `window` seconds. None with no targets."""
+        if self._goodput is None:
+            return None
+        t = self.targets
+        count = self.goodput_counts
+        good = sum(g for when, g in list(self.recent_finished) if when >= now - window)
+        ms = lambda v: None if v is None else 1e3 * v  # noqa: E731
+        return {"target_ttft_ms": ms(t.ttft_s), "target_itl_ms": ms(t.itl_s),
+                "good": count["none"], "missed_ttft": count["ttft"],
+                "missed_itl": count["itl"], "missed_both": count["both"],
+                "goodput_per_s": round(good / window, 3)}
 
     def observe_steps(self, steps) -> None:
         """The engine's StepRecords (a bounded deque, oldest first) not seen yet; walks back

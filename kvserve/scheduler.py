@@ -10,6 +10,15 @@ arrival order: running prompts' chunks, then new requests, a long prompt in chun
 KV pool runs dry the most recently arrived running request is preempted by recompute: its
 blocks are freed and it restarts from the waiting queue later, keeping the tokens it already
 generated.
+
+With a latency target for inter-token latency (`SchedulerConfig.target_itl_s`), once the step
+cost model (kvserve.slo) has seen enough steps (and while it predicts that the target can be
+met at all), a step that carries decodes gets only as much
+prompt work as keeps its predicted time within the target (but at least MIN_PROMPT_TOKENS, so
+prompts always progress), short prompt steps pause while requests decode (they would add a
+whole step to a decode's gap), and a new request is admitted only while a step with it
+decoding too is predicted to fit. With no target, or before the model is fitted, nothing
+changes.
 """
 
 from __future__ import annotations
@@ -23,11 +32,19 @@ from dataclasses import dataclass, field
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager, KVTransfers
 from kvserve.request import Request, RequestStatus
+from kvserve.slo import StepCostModel, StepShape, prompt_attended
 
 # Short prompt steps stop adding prompts at this many tokens: from about 32 rows the matmuls
 # here are compute-bound, their time linear in rows, so a bigger step would only make its
 # first prompts wait for its last.
 SHORT_STEP_TOKENS = 32
+# Under an ITL target, the prompt work a step with decodes always gets, however late it runs:
+# prompts are never starved, at the price of steps over the target when the decodes alone
+# nearly fill it (admission keeps that rare: see Scheduler._fits_target).
+MIN_PROMPT_TOKENS = 16
+# Requests leaving the batch per second are measured over this many seconds, for the
+# predicted wait for a seat.
+LEAVE_RATE_WINDOW = 30.0
 
 
 @dataclass
@@ -59,6 +76,7 @@ class _Step:
     now: float
     granted: set[str] = field(default_factory=set)  # requests scheduled in this step
     isolating: bool = False  # a step for one suspect request (see Scheduler.quarantine)
+    targeted: bool = False  # sized by the cost model under the ITL target
 
 
 @dataclass
@@ -67,6 +85,12 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # prefix-cache tier copies the step needs before its forward (done by the engine core)
     kv_transfers: KVTransfers = field(default_factory=KVTransfers)
+    attended: int = 0  # (query, key) pairs its queries attend to, for the step cost model
+
+    @property
+    def shape(self) -> StepShape:
+        prefill = sum(s.num_new_tokens for s in self.scheduled if s.prefill)
+        return StepShape(prefill, self.num_tokens - prefill, self.attended)
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +110,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.short_run = ShortStepRun()
         self.num_suspects = 0  # requests with `suspect` set; at 0 a step skips their search
+        self.cost = StepCostModel()  # fed by the engine core after every step
+        self.prompt_allowance: int | None = None  # last targeted step's prompt tokens
+        self._left: deque[float] = deque(maxlen=512)  # times requests left the batch
 
     def check_request(self, req: Request) -> None:
         """Raise ValueError if `req` could never be served within the configured limits."""
@@ -117,6 +144,8 @@ class Scheduler:
         short = self.config.max_num_batched_tokens // 4
         is_short = lambda r: r.num_tokens - self.kv.num_pool_hit_tokens(r) <= short  # noqa: E731
         prompts = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decoding = len(prompts) < len(self.running)
+        step.targeted = self._target_feasible()
 
         # 0. Short prompt work (a question after a cached system prompt, the last chunk of a
         # prompt) runs in steps of its own: on a CPU a step's parts run one after another, so
@@ -125,7 +154,7 @@ class Scheduler:
         # The short work present when such a run starts is served in steps of about
         # SHORT_STEP_TOKENS, so the first prompts need not wait for the last; then comes a
         # normal step, so decodes are never starved by short work arriving all the time.
-        if self.config.short_prompt_steps:
+        if self.config.short_prompt_steps and not (step.targeted and decoding):
             if not run.backlog and not run.last_step_short:
                 run.backlog = {r.request_id for r in prompts
                                if r.num_tokens - r.num_computed_tokens <= short}
@@ -157,6 +186,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or prompt work
             if step.budget > 0:
                 self._run(req, step)
+        if step.targeted and decoding:
+            self._limit_prompt_work(step, prompts)
 
         # 2. Short prompt work goes next, in arrival order, using at most half of what is
         # left: one long cold prompt then no longer holds up every short one's first token,
@@ -173,6 +204,91 @@ class Scheduler:
                 self._run(req, step)
         self._admit(step)
         return self._finish(step)
+
+    def _target_feasible(self) -> bool:
+        """Whether the ITL target is set, the cost model fitted, and a step of one decode
+        and MIN_PROMPT_TOKENS of prompt work predicted within it. A target no step can meet
+        would only serialize the requests (and cost throughput) for no request's good, so
+        then the steps are sized as with no target."""
+        target = self.config.target_itl_s
+        if target is None:
+            return False
+        shape = StepShape(MIN_PROMPT_TOKENS, 1, prompt_attended(0, MIN_PROMPT_TOKENS) + 1)
+        predicted = self.cost.predict(shape)
+        return predicted is not None and predicted <= target
+
+    def _limit_prompt_work(self, step: _Step, prompts: list[Request]) -> None:
+        """Cut the step's remaining budget to the prompt tokens that keep it within the ITL
+        target with the decodes already in it (MIN_PROMPT_TOKENS at least)."""
+        assert self.config.target_itl_s is not None
+        out = step.out
+        base = StepShape(0, out.num_tokens, sum(
+            prompt_attended(s.request.num_computed_tokens, s.num_new_tokens)
+            for s in out.scheduled))
+        first = next((r for r in prompts if r.status == RequestStatus.RUNNING), None)
+        context = first.num_computed_tokens if first is not None else 0
+        allowed = self.cost.max_prefill(base, self.config.target_itl_s, step.budget, context)
+        step.budget = min(step.budget, max(allowed, MIN_PROMPT_TOKENS))
+        self.prompt_allowance = step.budget
+
+    def _fits_target(self, num_tokens: int, extra_rows: int = 0) -> bool:
+        """Under the ITL target: whether a step with every running request decoding, and
+        `extra_rows` + 1 more of `num_tokens` tokens each (with MIN_PROMPT_TOKENS of prompt
+        work), is predicted to fit. With nothing running a request is always admitted, so the engine
+        never stalls on a pessimistic model."""
+        if not self.running and not extra_rows:
+            return True
+        assert self.config.target_itl_s is not None
+        rows = len(self.running) + extra_rows + 1
+        context = sum(r.num_tokens for r in self.running) + (extra_rows + 1) * num_tokens
+        shape = StepShape(MIN_PROMPT_TOKENS, rows,
+                          context + prompt_attended(0, MIN_PROMPT_TOKENS))
+        predicted = self.cost.predict(shape)
+        return predicted is None or predicted <= self.config.target_itl_s
+
+    def predicted_ttft(self, num_tokens: int, now: float | None = None) -> float | None:
+        """Seconds from now to the first token of a request of `num_tokens` prompt tokens if
+        it were queued now. Whichever bound binds:
+        - seats: the requests ahead of it beyond the seats free now (under the ITL target,
+          the seats the target allows) wait for running requests to leave, at the rate they
+          left over the last LEAVE_RATE_WINDOW seconds;
+          then its own prompt;
+        - prompt throughput: the prompt tokens ahead of it (waiting, and running prompts'
+          rest) and its own, at the rate the step sizing gives prompts.
+        None while nothing is known (no fitted model, or seats to wait for but no rate)."""
+        if self.cost.coef is None:
+            return None
+        now = time.perf_counter() if now is None else now
+        while self._left and self._left[0] < now - LEAVE_RATE_WINDOW:
+            self._left.popleft()
+        free = self._seats()
+        if self._target_feasible():
+            free = next((n for n in range(free) if not self._fits_target(num_tokens, n)), free)
+        ahead = len(self.waiting) + 1 - free
+        seat_wait = 0.0
+        if ahead > 0:
+            if len(self._left) < 2:
+                return None
+            span = max(now - self._left[0], 1e-3)
+            seat_wait = ahead * span / (len(self._left) - 1)
+        gaps = (r.num_tokens - r.num_computed_tokens
+                for r in itertools.chain(self.waiting, self.running))
+        ahead_tokens = sum(g for g in gaps if g > 1)
+        return max(seat_wait + self._prompt_seconds(num_tokens),
+                   self._prompt_seconds(ahead_tokens + num_tokens))
+
+    def _prompt_seconds(self, tokens: int) -> float:
+        """Predicted seconds to compute `tokens` prompt tokens: in steps of the last targeted
+        allowance at the ITL target while requests decode, else in whole-budget steps."""
+        target = self.config.target_itl_s
+        if target is not None and self.running and self.prompt_allowance:
+            return -(-tokens // self.prompt_allowance) * target
+        budget = self.config.max_num_batched_tokens
+        steps, rest = divmod(tokens, budget)
+        full = self.cost.predict(StepShape(budget, 0, prompt_attended(0, budget)))
+        last = self.cost.predict(StepShape(rest, 0, prompt_attended(0, rest))) if rest else 0.0
+        assert full is not None and last is not None
+        return steps * full + last
 
     def _isolate(self, step: _Step) -> bool:
         """A step holding only the first suspect request, when it can run (a waiting one
@@ -233,6 +349,7 @@ class Scheduler:
             req = s.request
             s.prefill = (req.num_computed_tokens < req.num_prompt_tokens
                          or req.num_tokens - req.num_computed_tokens > 1)
+            out.attended += prompt_attended(req.num_computed_tokens, s.num_new_tokens)
             req.timeline.add_step(step.now, s.prefill, s.num_new_tokens, batch)
         return out
 
@@ -267,6 +384,8 @@ class Scheduler:
                 return
             if wanted is not None and not wanted(req) or req.suspect and not step.isolating:
                 continue
+            if step.targeted and not self._fits_target(req.num_tokens):
+                return  # arrival order: no later request jumps ahead of this one
             hit = self.kv.get_computed_blocks(req)
             num_hit = hit.num_blocks * self.kv.block_size
             n = min(req.num_tokens - req.num_computed_tokens - num_hit, step.budget)
@@ -354,6 +473,7 @@ class Scheduler:
         assert status.finished
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            self._left.append(time.perf_counter())
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status

@@ -16,6 +16,10 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     short_prompt_steps: bool = True
+    # latency targets (SchedulerConfig): step sizing under the ITL target, goodput, shedding
+    target_ttft_ms: float | None = None
+    target_itl_ms: float | None = None
+    shed_late_requests: bool = False  # serving: 429 for requests predicted to miss TTFT
     block_size: int = 16
     kv_cache_memory: int | str = "1GiB"
     num_kv_blocks: int | None = None  # exact block count, overriding the memory budget

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from kvserve.engine.llm_engine import EngineDeadError, LLMEngine
 from kvserve.metrics import EngineMetrics
 from kvserve.outputs import OutputKind, RequestOutput
+from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.stats import EngineStats
 
@@ -27,7 +29,13 @@ log = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at --max-waiting-requests."""
+    """The waiting queue is at --max-waiting-requests, or (with --shed-late-requests) a new
+    request is predicted to miss its TTFT target: the client should retry after
+    `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 __all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestStream"]
@@ -268,12 +276,24 @@ class AsyncEngine:
             self._fail_commands(EngineDeadError(f"engine loop died: {e}"))
 
     def _apply_commands(self) -> None:
-        def admit(n: int) -> None:
+        def admit(reqs: list[Request]) -> None:
             """--max-waiting-requests, checked after the requests themselves: the waiting
-            count of the last snapshot plus what was queued since."""
+            count of the last snapshot plus what was queued since; then --shed-late-requests:
+            a request whose predicted time to first token is over the target is refused now
+            rather than served late (its first token would not count as goodput anyway)."""
             limit = self.max_waiting_requests
+            n = len(reqs)
             if limit is not None and self.num_waiting + self._queued_since_stats + n > limit:
                 raise QueueFullError(f"{limit} requests already waiting")
+            sched = self.engine.config.scheduler
+            if sched.shed_late_requests and sched.target_ttft_s is not None:
+                longest = max(r.num_prompt_tokens for r in reqs)
+                predicted = self.engine.core.predicted_ttft(longest)
+                if predicted is not None and predicted > sched.target_ttft_s:
+                    raise QueueFullError(
+                        f"predicted time to first token {predicted:.1f} s exceeds the target "
+                        f"{sched.target_ttft_s:.1f} s (--target-ttft-ms)",
+                        max(1, math.ceil(predicted - sched.target_ttft_s)))
             self._queued_since_stats += n
 
         while True:

@@ -127,8 +127,10 @@ class EngineCore:
                              f"{cfg.max_position}")
         cache = CacheConfig(args.block_size, parse_size(args.kv_cache_memory),
                             args.num_kv_blocks, args.kv_cache_dtype)
+        ms = lambda v: None if v is None else v / 1e3  # noqa: E731
         sched = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len,
-                                args.short_prompt_steps)
+                                args.short_prompt_steps, ms(args.target_ttft_ms),
+                                ms(args.target_itl_ms), args.shed_late_requests)
         self.config = EngineConfig(str(path), dtype, device, cache, sched, args.seed)
         spec = SpecConfig.parse(args.speculative_config)
         drafter = (build_drafter(spec, loaded.model, path, dtype, device, sched)
@@ -268,6 +270,11 @@ class EngineCore:
         req = self._requests.get(request_id)
         return None if req is None else (req.status.value, req.timeline.as_json())
 
+    def predicted_ttft(self, num_prompt_tokens: int) -> float | None:
+        """Seconds to the first token of a request of this many prompt tokens queued now
+        (Scheduler.predicted_ttft); None while the step cost model knows too little."""
+        return self.scheduler.predicted_ttft(num_prompt_tokens)
+
     # ------------------------------------------------------------------------------ a step
 
     def step(self) -> list[CoreOutput]:
@@ -362,9 +369,11 @@ class EngineCore:
         sched, timings, t0, t1, t2, kv_io = self._step_start
         self._step_start = None
         self._num_steps += 1
+        t_end = time.perf_counter()
+        # The whole step, output handling included, is the gap a decoding request sees.
+        self.scheduler.cost.observe(sched.shape, t_end - t0)
         if not self._keep_steps:
             return
-        t_end = time.perf_counter()
         t3 = t2 + kv_io + sum(timings.get(k, 0.0)
                               for k in ("prepare", "forward", "grammar", "sample"))
         prefill = sum(s.num_new_tokens for s in sched.scheduled if s.prefill)

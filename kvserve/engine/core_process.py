@@ -57,7 +57,7 @@ class _Facts:
 
 # What the parent may ask for; anything else is a bug on its side.
 _CALLS = frozenset({"check_request", "add_request", "finish_request", "has_unfinished_requests",
-                    "request_status", "stats", "check_health", "check_integrity",
+                    "request_status", "predicted_ttft", "stats", "check_health", "check_integrity",
                     "num_unfinished"})
 
 
@@ -188,6 +188,9 @@ class CoreProcess:
 
     def request_status(self, request_id: str) -> tuple[str, list[dict]] | None:
         return self._call("request_status", request_id)  # type: ignore[return-value]
+
+    def predicted_ttft(self, num_prompt_tokens: int) -> float | None:
+        return self._call("predicted_ttft", num_prompt_tokens)  # type: ignore[return-value]
 
     def step(self) -> list[CoreOutput]:
         outputs, self._stats = self._call("step")  # type: ignore[misc]

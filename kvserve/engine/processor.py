@@ -125,11 +125,11 @@ class OutputProcessor:
                                                     SamplingParams | None]],
                      arrival_time: float | None = None, cache_salt: str | None = None,
                      output_kind: OutputKind = OutputKind.CUMULATIVE,
-                     admit: Callable[[int], None] | None = None) -> list[str]:
+                     admit: Callable[[list[Request]], None] | None = None) -> list[str]:
         """Queue several requests (id, prompt, params) at once, as add_request does each, or
         none of them: every one is checked before any is queued, so a caller's batch of
         prompts (the API's list of prompts, the offline API's) is accepted or refused whole.
-        `admit(number of engine requests)`, called once all are checked, may refuse them by
+        `admit(the engine requests)`, called once all are checked, may refuse them by
         raising (a full queue: so a bad request learns it is bad, not that it should retry).
         Returns their ids (None ids get fresh ones)."""
         core = self.core
@@ -147,7 +147,7 @@ class OutputProcessor:
             ids |= new
             prepared.append((group, reqs))
         if admit is not None:
-            admit(sum(len(reqs) for _, reqs in prepared))
+            admit([req for _, reqs in prepared for req in reqs])
         for group, reqs in prepared:
             for req, s in zip(reqs, group.samples, strict=True):
                 core.add_request(req)

@@ -47,6 +47,7 @@ from kvserve.server.protocol import (
     TokenizeRequest,
 )
 from kvserve.server.responses import Formatter, sse, usage
+from kvserve.slo import LatencyTargets
 from kvserve.structured import StructuredOutputError
 from kvserve.tokenizer import Tokenizer
 
@@ -84,7 +85,9 @@ class ServerState:
         self.engine_args, self.args = engine_args, args
         self.model_name = args.served_model_name or default_served_name(engine_args.model)
         self.registry = CollectorRegistry()
-        self.metrics = EngineMetrics(self.model_name, self.registry)
+        ms = lambda v: None if v is None else v / 1e3  # noqa: E731
+        self.metrics = EngineMetrics(self.model_name, self.registry, LatencyTargets(
+            ms(engine_args.target_ttft_ms), ms(engine_args.target_itl_ms)))
         self.engine: AsyncEngine | None = None
         self.load_error: str | None = None
 
@@ -137,8 +140,8 @@ async def _add(engine: AsyncEngine, request_id: str, prompts: list, params,
     except ValueError as e:
         raise APIError(400, str(e)) from e
     except QueueFullError as e:
-        raise APIError(429, f"server busy: {e}; retry later", headers={"Retry-After": "1"}) \
-            from e
+        raise APIError(429, f"server busy: {e}; retry later",
+                       headers={"Retry-After": str(e.retry_after)}) from e
     except EngineDeadError as e:
         raise APIError(503, str(e)) from e
 

@@ -1,0 +1,272 @@
+"""Latency targets: the step cost model's fit, step sizing under an ITL target with a fake
+(fixed) cost model, admission by the target, predicted TTFT, and goodput accounting."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.config import SchedulerConfig
+from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.metrics import EngineMetrics
+from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
+from kvserve.scheduler import MIN_PROMPT_TOKENS, Scheduler
+from kvserve.slo import (
+    LatencyTargets,
+    StepCostModel,
+    StepShape,
+    nonnegative_lstsq,
+    prompt_attended,
+)
+
+_ids = itertools.count()
+
+
+def make_req(prompt_len: int, max_tokens: int = 8) -> Request:
+    return Request(f"s{next(_ids)}", list(range(prompt_len)),
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), frozenset(),
+                   max_tokens)
+
+
+def make_sched(budget=256, max_seqs=32, itl_ms=None, ttft_ms=None, short_steps=True,
+               num_blocks=2048) -> Scheduler:
+    kv = KVCacheManager(num_blocks, 4, enable_prefix_caching=False)
+    ms = lambda v: None if v is None else v / 1e3  # noqa: E731
+    return Scheduler(SchedulerConfig(max_seqs, budget, 4096, short_steps, ms(ttft_ms),
+                                     ms(itl_ms)), kv)
+
+
+def step(sched: Scheduler):
+    out = sched.schedule()
+    sched.update_after_step(out)
+    for s in out.scheduled:
+        if s.samples:
+            s.request.append_token(7)
+            status = s.request.check_stop_token()
+            if status is not None:
+                sched.finish(s.request, status)
+    sched.kv.check_integrity()
+    return out
+
+
+def plan(out) -> list[tuple[str, int, bool]]:
+    return [(s.request.request_id, s.num_new_tokens, s.samples) for s in out.scheduled]
+
+
+# A CPU-like model: 20 ms fixed, 1 ms per prompt token, 2 ms per decode row, 0.01 ms per 1k
+# attended pairs.
+COEF = (0.020, 0.001, 0.002, 0.00001)
+
+
+def test_fit_recovers_the_coefficients_of_noisy_steps():
+    rng = random.Random(0)
+    model = StepCostModel()
+    for _ in range(300):
+        shape = StepShape(rng.choice([0, 0, 16, 64, 200]), rng.randint(0, 32),
+                          rng.randint(0, 200_000))
+        true = float(np.dot(COEF, shape.features()))
+        model.observe(shape, true * rng.uniform(0.97, 1.03))
+    assert model.coef is not None
+    np.testing.assert_allclose(model.coef[:3], COEF[:3], rtol=0.1)
+    big = StepShape(128, 16, 50_000)
+    assert model.predict(big) == pytest.approx(np.dot(COEF, big.features()), rel=0.05)
+
+
+def test_fit_is_unknown_until_enough_steps_and_never_negative():
+    model = StepCostModel(min_samples=16)
+    for i in range(15):
+        model.observe(StepShape(0, i + 1, 0), 0.01)
+        assert model.predict(StepShape(0, 1, 0)) is None
+    # time falling with decode rows: unconstrained least squares would cost a row < 0
+    for i in range(40):
+        model.observe(StepShape(0, i + 1, 0), 0.05 - 0.0005 * i)
+    assert model.coef is not None and (model.coef >= 0).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(x=st.lists(st.tuples(*[st.floats(0, 100)] * 3), min_size=4, max_size=30),
+       y=st.lists(st.floats(-10, 10), min_size=30, max_size=30))
+def test_nonnegative_lstsq_is_feasible_and_no_worse_than_any_single_column(x, y):
+    a = np.array(x)
+    b = np.array(y[:len(x)])
+    c = nonnegative_lstsq(a, b)
+    assert (c >= 0).all()
+    err = np.sum((a @ c - b) ** 2)
+    assert err <= np.sum(b * b) + 1e-6
+    for j in range(a.shape[1]):
+        col = a[:, j]
+        if col @ col > 1e-9:
+            t = max(col @ b / (col @ col), 0.0)
+            assert err <= np.sum((col * t - b) ** 2) * (1 + 1e-6) + 1e-6
+
+
+@settings(max_examples=100, deadline=None)
+@given(decodes=st.integers(0, 64), context=st.integers(0, 3000),
+       target_ms=st.floats(1, 400), limit=st.integers(0, 600))
+def test_max_prefill_is_the_largest_prompt_that_fits(decodes, context, target_ms, limit):
+    model = StepCostModel()
+    model.set(*COEF)
+    base = StepShape(0, decodes, decodes * 500)
+    got = model.max_prefill(base, target_ms / 1e3, limit, context)
+
+    def t(p):
+        return model.predict(StepShape(p, decodes, base.attended + prompt_attended(context, p)))
+
+    if t(0) > target_ms / 1e3:
+        assert got == 0
+    else:
+        assert 0 <= got <= limit and t(got) <= target_ms / 1e3
+        assert got == limit or t(got + 1) > target_ms / 1e3
+
+
+def _workload(sched: Scheduler, n: int, prompt: int, out_len: int) -> list[Request]:
+    reqs = [make_req(prompt, out_len) for _ in range(n)]
+    for r in reqs:
+        sched.add_request(r)
+    return reqs
+
+
+def test_no_targets_schedule_as_before_even_with_a_fitted_model():
+    """The cost model alone changes nothing: the same workload gives the same steps."""
+    plans = []
+    for fitted in (False, True):
+        global _ids
+        _ids = itertools.count()
+        sched = make_sched(budget=64, max_seqs=8)
+        if fitted:
+            sched.cost.set(*COEF)
+        _workload(sched, 12, 40, 6)
+        steps = []
+        while sched.has_unfinished:
+            steps.append(plan(step(sched)))
+        plans.append(steps)
+    assert plans[0] == plans[1]
+
+
+def test_steps_with_decodes_meet_the_itl_target_where_feasible():
+    target_ms = 100.0
+    sched = make_sched(budget=512, max_seqs=64, itl_ms=target_ms)
+    sched.cost.set(*COEF)
+    _workload(sched, 40, 200, 20)
+    decoding_steps = 0
+    while sched.has_unfinished:
+        out = step(sched)
+        if any(not s.prefill for s in out.scheduled):
+            decoding_steps += 1
+            predicted = sched.cost.predict(out.shape)
+            assert predicted is not None and predicted <= target_ms / 1e3 + 1e-9, plan(out)
+        # admission keeps the batch where a step of all its decodes fits
+        rows = len(sched.running)
+        assert sched.cost.predict(StepShape(MIN_PROMPT_TOKENS, rows, 0)) <= target_ms / 1e3
+    assert decoding_steps > 20
+
+
+def test_prompts_progress_when_decodes_alone_exceed_the_target():
+    """Requests admitted before the model was fitted decode in steps over the target: a
+    running prompt still gets MIN_PROMPT_TOKENS of every step, so it is never starved."""
+    sched = make_sched(budget=512, max_seqs=32, itl_ms=60.0, short_steps=False)
+    _workload(sched, 19, 4, 200)
+    long = make_req(1000, 4)
+    sched.add_request(long)
+    step(sched)  # all 20 admitted, untargeted; now fitted: 20 + 19 x 2 ms > 60 ms
+    sched.cost.set(*COEF)
+    while long.num_output_tokens == 0:
+        before = long.num_computed_tokens
+        out = step(sched)
+        assert sum(1 for s in out.scheduled if not s.prefill) == 19
+        assert long.num_computed_tokens - before == min(MIN_PROMPT_TOKENS, 1000 - before)
+
+
+def test_a_target_no_step_can_meet_leaves_scheduling_as_without_one():
+    plans = []
+    for itl_ms in (None, 5.0):  # the fixed cost alone is 20 ms
+        global _ids
+        _ids = itertools.count()
+        sched = make_sched(budget=64, max_seqs=8, itl_ms=itl_ms)
+        sched.cost.set(*COEF)
+        _workload(sched, 12, 40, 6)
+        steps = []
+        while sched.has_unfinished:
+            steps.append(plan(step(sched)))
+        plans.append(steps)
+    assert plans[0] == plans[1]
+
+
+def test_prompt_allowance_gives_prompts_what_the_target_leaves():
+    target_ms = 100.0
+    sched = make_sched(budget=512, max_seqs=64, itl_ms=target_ms, short_steps=False)
+    sched.cost.set(0.020, 0.001, 0.002, 0.0)
+    _workload(sched, 10, 4, 50)
+    while any(r.num_output_tokens == 0 for r in sched.running) or sched.waiting:
+        step(sched)  # the ten short prompts are in and decoding
+    long = make_req(1000, 4)
+    sched.add_request(long)
+    out = step(sched)
+    prompt = [s.num_new_tokens for s in out.scheduled if s.request is long]
+    # 20 ms + 10 decodes x 2 ms leaves 60 ms: 60 prompt tokens at 1 ms
+    assert prompt == [60]
+
+
+def test_untargeted_long_prompt_takes_the_whole_budget():
+    sched = make_sched(budget=512, max_seqs=64, short_steps=False)
+    sched.cost.set(0.020, 0.001, 0.002, 0.0)
+    _workload(sched, 10, 4, 50)
+    while any(r.num_output_tokens == 0 for r in sched.running) or sched.waiting:
+        step(sched)
+    long = make_req(1000, 4)
+    sched.add_request(long)
+    out = step(sched)
+    assert [s.num_new_tokens for s in out.scheduled if s.request is long] == [502]
+
+
+def test_predicted_ttft_counts_the_prompt_work_ahead_and_the_wait_for_seats():
+    sched = make_sched(budget=100, max_seqs=3, short_steps=False)
+    assert sched.predicted_ttft(50) is None  # no model yet
+    sched.cost.set(0.0, 0.001, 0.0, 0.0)  # 1 ms per prompt token, nothing else
+    assert sched.predicted_ttft(50) == pytest.approx(0.050)
+    assert sched.predicted_ttft(250) == pytest.approx(0.250)  # three steps' worth
+    _workload(sched, 2, 300, 4)  # a seat is left for it, behind 600 prompt tokens
+    assert sched.predicted_ttft(50) == pytest.approx(0.650)
+    # two more waiting: it would wait for seats, and no request has left yet: unknown
+    _workload(sched, 2, 10, 4)
+    assert sched.predicted_ttft(50) is None
+    now = 1000.0
+    sched._left.extend([now - 10, now - 5, now])  # 2 left in 10 s: a seat per 5 s
+    # 2 ahead beyond the 3 seats (4 waiting + it - 3) x 5 s, then its 50 ms
+    assert sched.predicted_ttft(50, now) == pytest.approx(2 * 5 + 0.05)
+    sched._left.clear()
+    sched._left.extend([now - 0.1, now - 0.05, now])  # a seat per 50 ms: tokens bind
+    assert sched.predicted_ttft(50, now) == pytest.approx(0.670)
+
+
+def _output(rid: str, ttft: float, tpot: float | None, reason: str = "stop") -> RequestOutput:
+    n = 1 if tpot is None else 5
+    m = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.0, first_token_time=ttft,
+                       finished_time=ttft + (tpot or 0.0) * (n - 1), num_preemptions=0,
+                       num_prompt_tokens=4, num_generation_tokens=n)
+    c = CompletionOutput(0, "", list(range(n)), reason, num_output_tokens=n)
+    return RequestOutput(rid, None, [1, 2, 3, 4], [c], True, m)
+
+
+def test_goodput_counts_finished_requests_by_the_target_missed():
+    metrics = EngineMetrics("m", targets=LatencyTargets(ttft_s=1.0, itl_s=0.1))
+    for i, (ttft, tpot) in enumerate([(0.5, 0.05), (0.9, None), (2.0, 0.05), (0.5, 0.2),
+                                      (3.0, 0.3)]):
+        metrics.observe_output(_output(f"g{i}", ttft, tpot), now=100.0)
+    metrics.observe_output(_output("aborted", 0.1, 0.01, "abort"), now=100.0)
+    slo = metrics.dashboard(now=101.0)["slo"]
+    assert slo == {"target_ttft_ms": 1000.0, "target_itl_ms": 100.0, "good": 2,
+                   "missed_ttft": 1, "missed_itl": 1, "missed_both": 1,
+                   "goodput_per_s": 0.2}
+    text = metrics.registry.get_sample_value(
+        "kvserve:goodput_requests_total", {"model_name": "m", "missed": "none"})
+    assert text == 2
+    assert EngineMetrics("m").dashboard()["slo"] is None
+    assert LatencyTargets(ttft_s=1.0).missed(0.5, 99.0) == "none"  # ITL not targeted
