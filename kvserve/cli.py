@@ -422,9 +422,8 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def cmd_roofline(args: argparse.Namespace) -> int:
-    """Measure the machine's ceilings and where the model's steps sit against them."""
-    import torch
-
+    """Measure the machine's ceilings and where the model's steps sit against them (each
+    against the roof of its own arithmetic; a step above its roof is flagged)."""
     from kvserve import roofline
     from kvserve.engine.llm_engine import EngineArgs, build_engine
     from kvserve.kv_cache.planner import dtype_name
@@ -445,14 +444,11 @@ def cmd_roofline(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory, step_buffer_size=0))
     machine, points, ridge = roofline.run(engine, batches, args.prefill, args.steps,
                                           args.repeats)
-    print(f"machine ({args.repeats} runs, median): {dtype_name(machine.dtype)} matmul "
-          f"{machine.peak_gflops:.0f} GFLOP/s, read bandwidth {machine.read_gbs:.1f} GB/s; "
-          f"threads {torch.get_num_threads()}; quantization: {engine.quantization} "
-          f"({engine.runner.model.weight_kernel()})")
-    print(roofline.HEADER)
-    for p in points:
-        print(p.row())
-    ctx = roofline.PROMPT_LEN + args.steps // 2
+    print(f"activations {dtype_name(machine.dtype)}; quantization: {engine.quantization} "
+          f"({engine.runner.model.weight_kernel()}); {args.repeats} runs a figure")
+    for line in [*roofline.machine_lines(machine), *roofline.table(points)]:
+        print(line)
+    ctx = roofline.decode_context(args.steps)
     print(f"decode at ~{ctx} tokens of context turns compute-bound at batch "
           f"{ridge if ridge is not None else '> 4096'} by this cost model")
     if args.plot:

@@ -1,25 +1,37 @@
-"""`kvserve roofline`: the cost model's counting on a tiny model, and the command end to end."""
+"""`kvserve roofline`: the cost model's counting on tiny models, each step's roof chosen by its
+arithmetic, points above their roof flagged, and the command end to end."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
+from kvserve import kernels, roofline
 from kvserve.cli import main
 from kvserve.engine.llm import LLM
-from kvserve.kv_cache.planner import kv_bytes_per_token
-from kvserve.roofline import CostModel, Machine, Point, StepCost
+from kvserve.layers.linear import LinearBase
+from kvserve.layers.quant import QuantizedWeight
+from kvserve.roofline import CostModel, Machine, Point, StepCost, cost_model
+
+# Round synthetic figures: no timing is measured by these tests (apart from the command's).
+MACHINE = Machine(torch.float32, threads=2, bandwidth={"sum": 8.0, "int8 GEMV": 10.0},
+                  compute={"int8": {"quant_linear": 400.0}, "bf16": {"matmul": 200.0},
+                           "fp32": {"matmul": 100.0, "dense_linear": 80.0}})
+
+needs_kernels = pytest.mark.skipif(kernels.quant_kernels(torch.float32, "cpu", 64, 64) is None,
+                                   reason="kvserve's int8 kernel is not built here")
 
 
-def cost_model(path, quantization: str) -> tuple[CostModel, LLM]:
-    llm = LLM(str(path), dtype="float32", quantization=quantization, num_kv_blocks=64)
-    eng = llm.engine
-    return CostModel(eng.runner.model, kv_bytes_per_token(eng.model_config, "auto",
-                                                          eng.config.dtype)), llm
+def loaded(path, quantization: str, dtype: str = "float32") -> tuple[CostModel, LLM]:
+    llm = LLM(str(path), dtype=dtype, quantization=quantization, num_kv_blocks=64)
+    return cost_model(llm.engine), llm
 
 
+@needs_kernels
 def test_cost_model_counts(tiny_llama_dir):
-    model, llm = cost_model(tiny_llama_dir, "int8")
+    model, llm = loaded(tiny_llama_dir, "int8")
     cfg = llm.engine.model_config
     per_layer = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * cfg.hidden_size \
         + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size \
@@ -29,29 +41,130 @@ def test_cost_model_counts(tiny_llama_dir):
     attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
     assert one.flops == 2 * model.params + 2 * model.head_params + attn * 10
     assert two.flops == 2 * one.flops
-    # every step reads the int8 copies (1 byte a weight, and a scale per group of 32)
+    # every step reads the int8 tiles: per 16 outputs x 32 inputs, 512 bytes of codes and
+    # a float16 scale and minimum per output (quant_pack's layout), whatever the batch
     assert model.step(1, 1, 0).weight_bytes == model.step(64, 1, 0).weight_bytes
-    assert model.weight_bytes < model.params * 4 / 3
+    assert model.weight_bytes == model.params // 512 * (512 + 64)
+    assert model.head_bytes == model.head_params // 512 * (512 + 64)
     # a prefill chunk attends to a triangle
     assert model.prefill(4).flops == 2 * model.params * 4 + 2 * model.head_params + attn * 10
 
 
-def test_points_against_the_ceilings():
-    machine = Machine(torch.float32, peak_gflops=100.0, read_gbs=10.0)
-    mem = Point("decode", 0.004, StepCost(1e6, 2e7, 0, 0), machine)  # floor 2 ms
-    assert mem.bound == "memory" and "50.0% of the bandwidth floor" in mem.row()
-    comp = Point("prefill", 0.004, StepCost(2e8, 1e6, 0, 0), machine)  # ceiling 2 ms
-    assert comp.bound == "compute" and "50.0% of the compute ceiling" in comp.row()
+def test_dense_bytes_are_what_the_kernel_reads(tiny_llama_bf16_dir):
+    """A bf16 checkpoint served in float32 is read as 16-bit tiles where the dense kernel
+    takes them: half the bytes of its float32 weights."""
+    model, llm = loaded(tiny_llama_bf16_dir, "none")
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
+    assert model.weight_bytes + model.head_bytes == sum(roofline.layer_bytes(m) for m in layers)
+    if kernels.dense_half_kernels("cpu", 64, 64) is not None:
+        assert model.weight_bytes == 2 * model.params
 
 
-def test_roofline_command(tiny_llama_dir, capsys, tmp_path):
+@pytest.mark.parametrize(("quantization", "dtype", "expected"), [
+    pytest.param("int8", "float32", "int8", marks=needs_kernels),
+    pytest.param("int4", "bfloat16", "int8", marks=needs_kernels),
+    ("none", "float32", "fp32"),
+    ("none", "bfloat16", "bf16")])
+def test_roof_chosen_by_arithmetic(tiny_llama_dir, quantization, dtype, expected):
+    model, _ = loaded(tiny_llama_dir, quantization, dtype)
+    weights_only = model.step(4, 1, 0)  # no attention: the projections and the head alone
+    assert set(weights_only.flops_by) == {expected}
+    p = Point("prefill", 1.0, weights_only, MACHINE)
+    assert p.ceiling_gflops == pytest.approx(MACHINE.ceiling(expected))
+    assert p.arithmetic == expected
+
+
+@needs_kernels
+def test_mixed_model_gets_the_flop_weighted_ceiling(tiny_llama_dir):
+    """Quantized projections with a bf16 LM head (and bf16 attention): the compute time is
+    each part's FLOPs over its own ceiling."""
+    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", quantization="int8", num_kv_blocks=64)
+    net = llm.engine.runner.model
+    net.lm_head.packed = None  # torch's F.linear on the bf16 weight
+    assert roofline.arithmetic_of(net.lm_head, torch.bfloat16) == "bf16"
+    assert isinstance(net.layers[0].mlp.down_proj.packed, QuantizedWeight)
+    cost = cost_model(llm.engine).prefill(8)
+    int8, bf16 = cost.flops_by["int8"], cost.flops_by["bf16"]
+    assert int8 > 0 and bf16 > 0 and set(cost.flops_by) == {"int8", "bf16"}
+    p = Point("prefill 8", 1.0, cost, MACHINE)
+    assert p.ceiling_time == pytest.approx(int8 / 400e9 + bf16 / 200e9)
+    assert 200.0 < p.ceiling_gflops < 400.0
+    assert p.arithmetic.startswith("int8 ") and "+bf16 " in p.arithmetic
+
+
+def test_points_against_their_roofs():
+    machine = Machine(torch.float32, 1, {"fp32": {"matmul": 100.0}}, {"sum": 10.0})
+    mem = Point("decode", 0.004, StepCost({"fp32": 1e6}, 2e7, 0, 0), machine)  # floor 2 ms
+    assert mem.bound == "memory" and "50.0% of its bandwidth floor" in mem.row()
+    comp = Point("prefill", 0.004, StepCost({"fp32": 2e8}, 1e6, 0, 0), machine)  # 2 ms
+    assert comp.bound == "compute" and "50.0% of its compute ceiling" in comp.row()
+    assert mem.warning() is None and comp.warning() is None
+
+
+@needs_kernels
+def test_synthetic_timings_sit_at_or_below_their_roofs(tiny_llama_dir):
+    model, _ = loaded(tiny_llama_dir, "int4")
+    costs = [model.decode(b, 24) for b in (1, 8, 64, 512)] + [model.prefill(256)]
+    for i, cost in enumerate(costs):
+        roof = Point("x", 1.0, cost, MACHINE).roof_time
+        for slack in (1.0, 1.5, 4.0):
+            p = Point(f"step {i}", roof * slack, cost, MACHINE)
+            gflops, gbs = cost.flops / p.seconds / 1e9, cost.bytes / p.seconds / 1e9
+            assert p.achieved <= 1 + 1e-12 and p.warning() is None
+            assert gflops <= p.ceiling_gflops * (1 + 1e-9) and gbs <= 10.0 * (1 + 1e-9)
+    # on a machine of 4 FLOP a byte, decode of this tiny model (~12 FLOP a byte from batch
+    # 1, KV and activations included) turns compute-bound as the batch grows
+    slow = Machine(torch.float32, 1, {"int8": {"k": 40.0}, "fp32": {"k": 40.0}}, {"s": 10.0})
+    ridge = model.ridge_batch(slow, 24)
+    assert ridge is not None and Point("r", 1, model.decode(ridge, 24), slow).bound == "compute"
+    assert ridge == 1 or Point("r", 1, model.decode(ridge - 1, 24), slow).bound == "memory"
+
+
+def test_a_point_above_its_roof_is_flagged():
+    cost = StepCost({"fp32": 1e6}, 2e7, 0, 0)  # floor 2 ms at 10 GB/s
+    fast = Point("decode b=1", 0.0015, cost, MACHINE)
+    assert fast.achieved > 1
+    lines = roofline.table([Point("decode b=2", 0.004, cost, MACHINE), fast])
+    warnings = [ln for ln in lines if ln.startswith("WARNING")]
+    assert len(warnings) == 1 and "decode b=1" in warnings[0]
+    assert "133.3% of its bandwidth floor" in warnings[0] and "under-measured" in warnings[0]
+    assert "ABOVE ITS ROOF" in fast.row()
+
+
+def test_ceilings_json():
+    d = json.loads(json.dumps(roofline.ceilings_json(MACHINE)))
+    assert d["compute_gflops"]["fp32"] == {"ceiling": 100.0,
+                                           "methods": {"matmul": 100.0, "dense_linear": 80.0}}
+    assert d["bandwidth_gbs"]["best"] == 10.0 and d["threads"] == 2
+    assert d["activations"] == "float32"
+
+
+def small_machine(dtype: torch.dtype, repeats: int, measure=roofline.measure_machine
+                  ) -> Machine:
+    """Every figure over tensors of a few MiB: quick, and meaningless as a measurement."""
+    return measure(dtype, repeats, matmul_n=64, rows=16, read_bytes=1 << 22)
+
+
+def test_measure_machine_reports_every_method():
+    m = small_machine(torch.bfloat16, 1)
+    assert {"bf16", "fp32"} <= set(m.compute) and m.threads == torch.get_num_threads()
+    if kernels.quant_kernels(torch.bfloat16, "cpu", 64, 64) is not None:
+        assert len(m.compute["int8"]) == 2  # 8- and 4-bit weights
+        assert any("quant_linear 4-bit GEMV" in k for k in m.bandwidth)
+    assert any(k.startswith("sum") for k in m.bandwidth) and len(m.bandwidth) >= 3
+    assert all(v > 0 for methods in m.compute.values() for v in methods.values())
+    assert m.read_gbs == max(m.bandwidth.values())
+
+
+def test_roofline_command(tiny_llama_dir, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(roofline, "measure_machine", small_machine)
     png = tmp_path / "roofline.png"
     rc = main(["roofline", "--model", str(tiny_llama_dir), "--dtype", "float32",
                "--batches", "1,2", "--prefill", "16", "--steps", "2", "--repeats", "1",
                "--plot", str(png)])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "matmul" in out and "GB/s" in out
+    assert "matmul" in out and "GB/s" in out and "fp32  ceiling" in out
     for name in ("decode b=1", "decode b=2", "prefill 16"):
         assert name in out
     assert "turns compute-bound at batch" in out
