@@ -146,6 +146,8 @@ class Scheduler:
         prompts = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         decoding = len(prompts) < len(self.running)
         step.targeted = self._target_feasible()
+        if not step.targeted:
+            self.prompt_allowance = None
 
         # 0. Short prompt work (a question after a cached system prompt, the last chunk of a
         # prompt) runs in steps of its own: on a CPU a step's parts run one after another, so

@@ -101,14 +101,6 @@ class StepCostModel:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         return lo
 
-    def as_json(self) -> dict | None:
-        if self.coef is None:
-            return None
-        c = self.coef
-        return {"fixed_ms": 1e3 * c[0], "per_prefill_token_ms": 1e3 * c[1],
-                "per_decode_row_ms": 1e3 * c[2], "per_1k_attended_ms": 1e3 * c[3],
-                "samples": len(self._y)}
-
 
 def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """argmin |x c - y| subject to c >= 0, for a handful of columns: least squares over every

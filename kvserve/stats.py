@@ -121,6 +121,11 @@ class EngineStats:
     prefix_hit_tokens: tuple[tuple[str, int], ...] = ()
     spec: SpecState | None = None
     steps: tuple[StepRecord, ...] = ()  # the step profiler's recent records, oldest first
+    # the step cost model's coefficients (seconds: fixed, per prefill token, per decode row,
+    # per 1024 attended pairs; kvserve.slo), None until fitted; and the prompt tokens the
+    # last step sized under the ITL target allowed
+    step_cost: tuple[float, float, float, float] | None = None
+    prompt_allowance: int | None = None
 
     def as_json(self) -> dict:
         """The dashboard's engine figures (JSON-ready)."""
@@ -142,4 +147,10 @@ class EngineStats:
                              "hit_rate": round(sum(hits.values()) / queried, 4) if queried
                              else None},
             "spec_decode": spec,
+            "step_cost": None if self.step_cost is None else {
+                "fixed_ms": round(1e3 * self.step_cost[0], 3),
+                "per_prefill_token_ms": round(1e3 * self.step_cost[1], 4),
+                "per_decode_row_ms": round(1e3 * self.step_cost[2], 4),
+                "per_1k_attended_ms": round(1e3 * self.step_cost[3], 5),
+                "prompt_allowance": self.prompt_allowance},
         }

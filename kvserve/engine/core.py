@@ -487,7 +487,9 @@ class EngineCore:
             kv_blocks=kv.num_blocks, kv_free_blocks=kv.num_free_blocks,
             block_size=kv.block_size, tiers=tiers, prefix_queried_tokens=kv.stats.queries,
             prefix_hit_tokens=tuple(kv.stats.hits.items()), spec=spec,
-            steps=tuple(self.steps) if self._keep_steps else ())
+            steps=tuple(self.steps) if self._keep_steps else (),
+            step_cost=None if (c := sched.cost.coef) is None else tuple(map(float, c)),
+            prompt_allowance=sched.prompt_allowance)
 
     def close(self) -> None:
         """Persist the prefix cache to the disk tier, when there is one (a clean shutdown),

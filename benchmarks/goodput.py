@@ -1,0 +1,150 @@
+"""Goodput under latency targets: kvserve with --target-ttft-ms / --target-itl-ms against
+kvserve without them and against llama.cpp's llama-server, side by side in one run, every
+server driven by `kvserve bench serve --goodput` with the same Poisson arrivals.
+
+    python benchmarks/goodput.py --model M.gguf --rate 1.5 --num-prompts 120 \\
+        [--ttft-ms 10000] [--itl-ms 150] [--slots 4,8,16,32] [--repeats 1]
+
+Servers, one at a time, each on a free port with one warm-up request:
+
+  kvserve            `kvserve serve` with its defaults
+  kvserve-targets    the same with --target-ttft-ms, --target-itl-ms and --shed-late-requests
+  llama-server -np N for each N of --slots (its best is what it would be deployed with),
+                     `-t 2 -c` N x 512-token slots
+
+A request meets the targets when its TTFT is within --ttft-ms and its time per output token
+(TPOT, vLLM's goodput term) within --itl-ms; goodput is such requests per second of the run.
+A request refused with a 429 is a request not served: it counts in `failed`, never as good.
+Prompts are random (--random-input-len tokens, default 256) with --random-output-len outputs
+(128) held to length; the same seed for every server, so each serves the same prompts at the
+same arrival times. The table prints each server's medians over --repeats runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vs_llamacpp as harness  # noqa: E402
+
+
+def bench(server: harness.Server, args: argparse.Namespace, seed: int, out: Path) -> dict:
+    cmd = [*harness.KVSERVE, "bench", "serve", "--base-url", server.url, "--dataset", "random",
+           "--random-input-len", str(args.input_len), "--random-output-len",
+           str(args.output_len), "--num-prompts", str(args.num_prompts), "--request-rate",
+           str(args.rate), "--seed", str(seed), "--warmup", "0", "--no-progress",
+           "--timeout", str(args.timeout), "--goodput", f"ttft:{args.ttft_ms:g}",
+           f"tpot:{args.itl_ms:g}", "--save-result", str(out)]
+    foreign = harness.ForeignCpu(server.proc.pid)
+    with open(out.with_suffix(".txt"), "w") as report:
+        rc = harness.subprocess.run(cmd, stdout=report, stderr=harness.subprocess.STDOUT
+                                    ).returncode
+    if rc != 0 or not out.is_file():
+        raise RuntimeError(f"bench serve exited with {rc}; see {out.with_suffix('.txt')}")
+    summary = json.loads(out.read_text())["summary"]
+    summary["other_cores"] = foreign.cores()
+    summary["command"] = harness.shown_command(
+        [a if a != str(out) else "RESULT.json" for a in cmd], server.port)
+    return summary
+
+
+def row(name: str, runs: list[dict]) -> str:
+    def med(get) -> float:
+        values = [v for r in runs if (v := get(r)) is not None]
+        return statistics.median(values) if values else float("nan")
+
+    def stat(key: str, q: str):
+        return lambda r: (r.get(key) or {}).get(q)
+
+    return (f"| {name} | {med(lambda r: r['goodput']):.3f} | "
+            f"{med(lambda r: r['good_requests']):.0f} / {med(lambda r: r['completed']):.0f} / "
+            f"{med(lambda r: r['failed']):.0f} | {med(lambda r: r['output_throughput']):.1f} | "
+            f"{med(stat('ttft_ms', 'median')) / 1e3:.2f} / {med(stat('ttft_ms', 'p99')) / 1e3:.2f}"
+            f" | {med(stat('itl_ms', 'median')):.0f} / {med(stat('itl_ms', 'p99')):.0f} | "
+            f"{med(stat('tpot_ms', 'median')):.0f} / {med(stat('tpot_ms', 'p99')):.0f} | "
+            f"{med(lambda r: r['other_cores']):.2f} |")
+
+
+HEADER = ("| server | goodput req/s | good / served / refused+failed | output tok/s | "
+          "TTFT p50 / p99 s | ITL p50 / p99 ms | TPOT p50 / p99 ms | other cores |\n"
+          "|---|---|---|---|---|---|---|---|")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, required=True, help="a GGUF every server loads")
+    p.add_argument("--rate", type=float, required=True, help="Poisson arrivals, requests/s")
+    p.add_argument("--num-prompts", type=int, default=120)
+    p.add_argument("--random-input-len", dest="input_len", type=int, default=256)
+    p.add_argument("--random-output-len", dest="output_len", type=int, default=128)
+    p.add_argument("--ttft-ms", type=float, default=10_000.0)
+    p.add_argument("--itl-ms", type=float, default=150.0)
+    p.add_argument("--slots", default="4,8,16,32", help="llama-server -np values to try")
+    p.add_argument("--only", default="kvserve,kvserve-targets,llama-server")
+    p.add_argument("--kvserve-args", default="", help="extra flags for both kvserve servers")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--cache-dir", type=Path, default=Path("~/.cache/kvserve-bench"))
+    p.add_argument("--out-dir", type=Path, default=None)
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    args = p.parse_args()
+    if args.rate <= 0 or args.num_prompts < 1 or args.ttft_ms <= 0 or args.itl_ms <= 0:
+        p.error("--rate, --num-prompts, --ttft-ms and --itl-ms must be positive")
+    peers = harness.Peers(args.cache_dir.expanduser())
+    out_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="kvserve-goodput-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    targets = ["--target-ttft-ms", f"{args.ttft_ms:g}", "--target-itl-ms", f"{args.itl_ms:g}",
+               "--shed-late-requests"]
+    extra = harness.shlex.split(args.kvserve_args)
+    servers: list[tuple[str, tuple[str, ...]]] = []
+    only = args.only.split(",")
+    if "kvserve" in only:
+        servers.append(("kvserve", (*harness.KVSERVE, "serve", "--port", "{port}", "--model",
+                                    str(args.model), *extra)))
+    if "kvserve-targets" in only:
+        servers.append((f"kvserve --target-ttft-ms {args.ttft_ms:g} --target-itl-ms "
+                        f"{args.itl_ms:g} --shed-late-requests",
+                        (*harness.KVSERVE, "serve", "--port", "{port}", "--model",
+                         str(args.model), *extra, *targets)))
+    if "llama-server" in only:
+        if not peers.has("llama-server"):
+            peers.build("llama-server")
+        for n in (int(s) for s in args.slots.split(",")):
+            servers.append((f"llama-server -np {n}", (
+                str(peers.llama_server), "-m", str(args.model), "--host", "127.0.0.1",
+                "--port", "{port}", "-t", str(harness.THREADS), "-np", str(n), "-c",
+                str(512 * n))))
+    results: dict[str, list[dict]] = {}
+    for name, argv in servers:
+        harness.log(f"{name}")
+        spec = harness.ServerSpec(argv, "/health")
+        safe = "".join(c if c.isalnum() else "-" for c in name)[:60]
+        server = harness.Server(spec, out_dir / f"{safe}.log", args.start_timeout)
+        try:
+            for i in range(args.repeats):
+                s = bench(server, args, args.seed + i, out_dir / f"{safe}-{i}.json")
+                results.setdefault(name, []).append(s)
+                harness.log(f"  goodput {s['goodput']:.3f} req/s, {s['good_requests']} good "
+                            f"of {s['completed']} served, {s['failed']} refused or failed; "
+                            f"errors {s['errors']}")
+        finally:
+            server.stop()
+    print(f"\nPoisson arrivals at {args.rate:g} req/s, {args.num_prompts} prompts of "
+          f"{args.input_len} tokens, {args.output_len} out; targets TTFT <= "
+          f"{args.ttft_ms / 1e3:g} s, TPOT <= {args.itl_ms:g} ms; model {args.model.name}; "
+          f"medians of {args.repeats} run(s); results in {out_dir}\n")
+    print(HEADER)
+    for name, runs in results.items():
+        print(row(name, runs))
+    (out_dir / "summary.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
