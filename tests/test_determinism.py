@@ -187,6 +187,23 @@ def test_tiny_model_requests_are_independent_of_their_batch(request, tmp_path_fa
     check()
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_sliding_window_hits_loaded_from_a_tier(tiny_gemma3_dir, tmp_path, alone, tier):
+    """A case the property test above found: prompts of one repeated token share their
+    first block; its window-layer copy is evicted to a tier while its whole-context copy
+    stays in the pool, and a request hitting both loads one and adds new blocks to the
+    other in the same allocation (see test_kv_tiers)."""
+    model = str(tiny_gemma3_dir)
+    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    requests = [([2] * 29, greedy(3), 6), ([2] * 26, greedy(7), 0), ([2] * 26, greedy(8), 4),
+                ([2] * 26, greedy(9), 3), ([2] * 20, greedy(7), 0), ([2] * 2, greedy(5), 3),
+                ([2] * 45, greedy(5), 3)]
+    cfg = {"model": model, "draft_model": model, "max_num_batched_tokens": 16,
+           "block_size": 16, "num_kv_blocks": 12, "enable_prefix_caching": True,
+           "short_prompt_steps": True, "tier": tier, "speculation": None}
+    _check(engine_args(cfg, "float32", tmp_path), requests, alone)
+
+
 @pytest.mark.real_model
 @pytest.mark.parametrize("dtype", ["auto", "float32"])
 def test_default_model_requests_are_independent_of_their_batch(real_model_path,

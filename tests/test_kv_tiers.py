@@ -8,6 +8,7 @@ import itertools
 import os
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.kv_cache.hashing import ROOT_HASH, BlockKey, hash_block
+from kvserve.kv_cache.layout import KVLayout
 from kvserve.kv_cache.manager import KVCacheManager, Stored
 from kvserve.kv_cache.tiers import DiskTier, HostTier, KVTier, TieredKVStore
 from kvserve.request import Request
@@ -347,3 +349,51 @@ def test_payload_shapes_of_the_store():
     assert got.shape == (1, *SHAPE) and torch.equal(got[0], payload(k))
     with pytest.raises(ValueError):
         TieredKVStore(h.kv_caches, BS, h.store.tiers, "write-sideways")
+
+
+def test_a_window_block_loaded_while_the_whole_context_group_needs_new_ones():
+    """Two KV groups (whole-context layers, and layers with a 4-token window): a prompt's
+    window block was evicted to the host tier while its whole-context block stayed in the
+    pool. A request hitting both must get the loaded copy in its window table and only
+    empty blocks for its new tokens. (Found by the determinism test on tiny Gemma 3: the
+    load's target went to the whole-context table, whose new tokens then overwrote it.)"""
+    layout = KVLayout.for_model(SimpleNamespace(num_layers=4, window=lambda i: (0, 4)[i % 2]))
+    assert layout.group_windows == (0, 4) and layout.group_size == LAYERS
+    kv_caches = [torch.zeros(2, 1, 7 * BS, 3) for _ in range(LAYERS)]
+    store = TieredKVStore(kv_caches, BS, [HostTier(4, SHAPE, torch.float32)])
+    kv = KVCacheManager(7, BS, True, store, layout)
+
+    def run(req: Request, n: int, hit=None) -> None:
+        assert kv.allocate_slots(req, n, hit)
+        t = kv.take_transfers()
+        assert not store.execute(t.saves, t.loads)
+
+    def compute(req: Request, upto: int) -> None:
+        for i in range(req.num_computed_tokens // BS, upto // BS):
+            for g, held in enumerate(kv._blocks[req.request_id]):
+                if held[i] is not None:
+                    store.write_blocks([held[i].block_id],
+                                       payload(kv._key(req, i, g)).unsqueeze(0))
+        req.num_computed_tokens = upto
+
+    a = make_req(list(range(100, 109)))  # 2 full blocks and a token
+    run(a, 9)
+    compute(a, 8)
+    a.num_computed_tokens = 9
+    run(a, 1)  # its window moved past block 0, which goes back to the pool, cached
+    filler = make_req([1, 2, 3])
+    run(filler, 3)  # takes the last free block and evicts that one: saved to the host tier
+    assert store.top.contains(kv._key(a, 0, 1))
+    for held in kv._blocks[filler.request_id]:  # the filler's own K/V replace what was there
+        store.write_blocks([held[0].block_id], torch.full((1, *SHAPE), -1.0))
+    kv.free(filler)
+    kv.free(a)
+    b = make_req(list(range(100, 104)) + [7, 7, 7])
+    hit = kv.get_computed_blocks(b)
+    assert hit.num_blocks == 1 and isinstance(hit.groups[1][0], Stored)
+    run(b, 3, hit)
+    window_block = b.group_tables[0][0]
+    assert window_block not in b.block_ids
+    got = store.read_blocks([window_block])[0]
+    assert torch.equal(got, payload(kv._key(b, 0, 1)))
+    assert torch.equal(store.read_blocks([b.block_ids[0]])[0], payload(kv._key(b, 0, 0)))

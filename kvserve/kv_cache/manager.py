@@ -305,14 +305,17 @@ class KVCacheManager:
             return False
         self.pool.touch(shared)  # before allocating, so a hit is never the one evicted
         fresh = self.pool.allocate(len(loads) + sum(need))
+        # The first len(loads) blocks receive the loads, in the order `loads` lists them
+        # (group by group), the rest are the new blocks: the two must not be interleaved
+        # when a later group loads while an earlier one needs new blocks.
         for block, e in zip(fresh[:len(loads)], loads, strict=True):
             self._transfers.loads.append((block.block_id, e.key))
             self.pool.cache(block, e.key)
-        it = iter(fresh)
+        loaded, empty = iter(fresh[:len(loads)]), iter(fresh[len(loads):])
         for g, entries in enumerate(groups):
             new: list[KVBlock | None] = [
-                next(it) if isinstance(e, Stored) else e for e in entries]
-            new += [next(it) for _ in range(need[g])]
+                next(loaded) if isinstance(e, Stored) else e for e in entries]
+            new += [next(empty) for _ in range(need[g])]
             blocks[g].extend(new)
             self._table(req, g).extend(0 if b is None else b.block_id for b in new)
         if n_hit:
