@@ -11,14 +11,18 @@ KV pool runs dry the most recently arrived running request is preempted by recom
 blocks are freed and it restarts from the waiting queue later, keeping the tokens it already
 generated.
 
-With a latency target for inter-token latency (`SchedulerConfig.target_itl_s`), once the step
-cost model (kvserve.slo) has seen enough steps (and while it predicts that the target can be
-met at all), a step that carries decodes gets only as much
-prompt work as keeps its predicted time within the target (but at least MIN_PROMPT_TOKENS, so
-prompts always progress), short prompt steps pause while requests decode (they would add a
-whole step to a decode's gap), and a new request is admitted only while a step with it
-decoding too is predicted to fit. With no target, or before the model is fitted, nothing
-changes.
+With a target for inter-token latency (`SchedulerConfig.target_itl_s`), once the step cost
+model (kvserve.slo) has seen enough steps, and while it predicts that the target can be met at
+all, steps are sized by it:
+- a step that carries decodes gets only as much prompt work as keeps its predicted time
+  within TARGET_MARGIN of the target (but at least MIN_PROMPT_TOKENS, so prompts always
+  progress), and short prompt steps pause while requests decode (each would add a whole step
+  to a decode's gap);
+- a new request is admitted only while the batch's steady load, with it, is predicted to
+  fit: every running request adds a decode row to each step, and its prompt spread over its
+  output (prompt tokens / max_tokens per step: the prompt work the steps must carry for
+  prompts to keep pace with the requests finishing), up to half of what a step can hold.
+With no target, or before the model is fitted, nothing changes.
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ SHORT_STEP_TOKENS = 32
 # Under an ITL target, the prompt work a step with decodes always gets, however late it runs:
 # prompts are never starved, at the price of steps over the target when the decodes alone
 # nearly fill it (admission keeps that rare: see Scheduler._fits_target).
-MIN_PROMPT_TOKENS = 16
+MIN_PROMPT_TOKENS = 4
+# Steps are planned to this share of the ITL target: what a client sees between two tokens
+# also holds the server's own work between steps and the cost model's error.
+TARGET_MARGIN = 0.9
 # Requests leaving the batch per second are measured over this many seconds, for the
 # predicted wait for a seat.
 LEAVE_RATE_WINDOW = 30.0
@@ -207,50 +214,66 @@ class Scheduler:
         self._admit(step)
         return self._finish(step)
 
+    def _target(self) -> float:
+        assert self.config.target_itl_s is not None
+        return TARGET_MARGIN * self.config.target_itl_s
+
     def _target_feasible(self) -> bool:
         """Whether the ITL target is set, the cost model fitted, and a step of one decode
         and MIN_PROMPT_TOKENS of prompt work predicted within it. A target no step can meet
         would only serialize the requests (and cost throughput) for no request's good, so
         then the steps are sized as with no target."""
-        target = self.config.target_itl_s
-        if target is None:
+        if self.config.target_itl_s is None:
             return False
         shape = StepShape(MIN_PROMPT_TOKENS, 1, prompt_attended(0, MIN_PROMPT_TOKENS) + 1)
         predicted = self.cost.predict(shape)
-        return predicted is not None and predicted <= target
+        return predicted is not None and predicted <= self._target()
 
     def _limit_prompt_work(self, step: _Step, prompts: list[Request]) -> None:
         """Cut the step's remaining budget to the prompt tokens that keep it within the ITL
         target with the decodes already in it (MIN_PROMPT_TOKENS at least)."""
-        assert self.config.target_itl_s is not None
         out = step.out
         base = StepShape(0, out.num_tokens, sum(
             prompt_attended(s.request.num_computed_tokens, s.num_new_tokens)
             for s in out.scheduled))
         first = next((r for r in prompts if r.status == RequestStatus.RUNNING), None)
         context = first.num_computed_tokens if first is not None else 0
-        allowed = self.cost.max_prefill(base, self.config.target_itl_s, step.budget, context)
+        allowed = self.cost.max_prefill(base, self._target(), step.budget, context)
         step.budget = min(step.budget, max(allowed, MIN_PROMPT_TOKENS))
         self.prompt_allowance = step.budget
 
-    def _fits_target(self, num_tokens: int, extra_rows: int = 0) -> bool:
-        """Under the ITL target: whether a step with every running request decoding, and
-        `extra_rows` + 1 more of `num_tokens` tokens each (with MIN_PROMPT_TOKENS of prompt
-        work), is predicted to fit. With nothing running a request is always admitted, so the engine
-        never stalls on a pessimistic model."""
-        if not self.running and not extra_rows:
-            return True
-        assert self.config.target_itl_s is not None
-        rows = len(self.running) + extra_rows + 1
-        context = sum(r.num_tokens for r in self.running) + (extra_rows + 1) * num_tokens
-        shape = StepShape(MIN_PROMPT_TOKENS, rows,
-                          context + prompt_attended(0, MIN_PROMPT_TOKENS))
-        predicted = self.cost.predict(shape)
-        return predicted is None or predicted <= self.config.target_itl_s
+    @staticmethod
+    def _prompt_share(num_prompt_tokens: int, max_tokens: int) -> float:
+        """The prompt tokens per step that a request's prompt costs over its life."""
+        return num_prompt_tokens / max(max_tokens, 1)
 
-    def predicted_ttft(self, num_tokens: int, now: float | None = None) -> float | None:
-        """Seconds from now to the first token of a request of `num_tokens` prompt tokens if
-        it were queued now. Whichever bound binds:
+    def _fits_target(self, num_prompt_tokens: int, max_tokens: int, extra: int = 0) -> bool:
+        """Under the ITL target: whether the batch's steady load (see the module docstring)
+        with `extra` + 1 more requests of this shape is predicted to fit. With nothing
+        running a request is always admitted, so the engine never stalls on a pessimistic
+        model."""
+        if not self.running and not extra:
+            return True
+        n = extra + 1
+        rows = len(self.running) + n
+        share = (sum(self._prompt_share(r.num_prompt_tokens, r.max_tokens)
+                     for r in self.running) + n * self._prompt_share(num_prompt_tokens, max_tokens))
+        # At most half of what a step could hold: a long prompt with a short output would
+        # otherwise claim a whole step, and wait for every running request to leave; the
+        # step sizing gives it what the decodes leave anyway.
+        half = self.cost.max_prefill(StepShape(), self._target(),
+                                     self.config.max_num_batched_tokens, 0) // 2
+        prompt = max(min(round(share), half), MIN_PROMPT_TOKENS)
+        context = sum(r.num_tokens for r in self.running) + n * num_prompt_tokens
+        # the prompt work attends to about half a prompt's context per token, on average
+        shape = StepShape(prompt, rows, context + prompt * num_prompt_tokens // 2)
+        predicted = self.cost.predict(shape)
+        return predicted is None or predicted <= self._target()
+
+    def predicted_ttft(self, num_tokens: int, max_tokens: int, now: float | None = None
+                       ) -> float | None:
+        """Seconds from now to the first token of a request of `num_tokens` prompt tokens
+        (and `max_tokens`) if it were queued now. Whichever bound binds:
         - seats: the requests ahead of it beyond the seats free now (under the ITL target,
           the seats the target allows) wait for running requests to leave, at the rate they
           left over the last LEAVE_RATE_WINDOW seconds;
@@ -265,7 +288,8 @@ class Scheduler:
             self._left.popleft()
         free = self._seats()
         if self._target_feasible():
-            free = next((n for n in range(free) if not self._fits_target(num_tokens, n)), free)
+            free = next((n for n in range(free)
+                         if not self._fits_target(num_tokens, max_tokens, n)), free)
         ahead = len(self.waiting) + 1 - free
         seat_wait = 0.0
         if ahead > 0:
@@ -284,7 +308,7 @@ class Scheduler:
         allowance at the ITL target while requests decode, else in whole-budget steps."""
         target = self.config.target_itl_s
         if target is not None and self.running and self.prompt_allowance:
-            return -(-tokens // self.prompt_allowance) * target
+            return -(-tokens // self.prompt_allowance) * TARGET_MARGIN * target
         budget = self.config.max_num_batched_tokens
         steps, rest = divmod(tokens, budget)
         full = self.cost.predict(StepShape(budget, 0, prompt_attended(0, budget)))
@@ -386,7 +410,7 @@ class Scheduler:
                 return
             if wanted is not None and not wanted(req) or req.suspect and not step.isolating:
                 continue
-            if step.targeted and not self._fits_target(req.num_tokens):
+            if step.targeted and not self._fits_target(req.num_prompt_tokens, req.max_tokens):
                 return  # arrival order: no later request jumps ahead of this one
             hit = self.kv.get_computed_blocks(req)
             num_hit = hit.num_blocks * self.kv.block_size

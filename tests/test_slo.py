@@ -155,8 +155,9 @@ def test_steps_with_decodes_meet_the_itl_target_where_feasible():
     sched = make_sched(budget=512, max_seqs=64, itl_ms=target_ms)
     sched.cost.set(*COEF)
     _workload(sched, 40, 200, 20)
-    decoding_steps = 0
+    decoding_steps = most = 0
     while sched.has_unfinished:
+        most = max(most, len(sched.running))
         out = step(sched)
         if any(not s.prefill for s in out.scheduled):
             decoding_steps += 1
@@ -166,6 +167,22 @@ def test_steps_with_decodes_meet_the_itl_target_where_feasible():
         rows = len(sched.running)
         assert sched.cost.predict(StepShape(MIN_PROMPT_TOKENS, rows, 0)) <= target_ms / 1e3
     assert decoding_steps > 20
+    assert 5 <= most <= 17  # not one request at a time; the cap: see the test below
+
+
+def test_admission_keeps_the_steady_load_within_the_target():
+    """Each request adds a decode row and its prompt spread over its output (200 / 20 = 10
+    tokens a step), the prompt part capped at half of the 70 tokens a 90 ms step (the 100 ms
+    target planned with its margin) holds: 20 ms + 35 + 2 ms a row fits 17 rows."""
+    sched = make_sched(budget=512, max_seqs=64, itl_ms=100.0)
+    sched.cost.set(0.020, 0.001, 0.002, 0.0)
+    for k in range(30):
+        fits = sched._fits_target(200, 20)
+        assert fits == (k < 17), k
+        sched.running.append(make_req(200, 20))
+    del sched.running[15:]
+    assert sched._fits_target(4, 100, extra=1)  # 17 rows: 20 + 35 + 34 = 89 ms
+    assert not sched._fits_target(4, 100, extra=2)  # 18 rows: 91 ms
 
 
 def test_prompts_progress_when_decodes_alone_exceed_the_target():
@@ -210,8 +227,8 @@ def test_prompt_allowance_gives_prompts_what_the_target_leaves():
     sched.add_request(long)
     out = step(sched)
     prompt = [s.num_new_tokens for s in out.scheduled if s.request is long]
-    # 20 ms + 10 decodes x 2 ms leaves 60 ms: 60 prompt tokens at 1 ms
-    assert prompt == [60]
+    # planned to 90 ms: 20 ms + 10 decodes x 2 ms leaves 50 ms, 50 prompt tokens at 1 ms
+    assert prompt == [50]
 
 
 def test_untargeted_long_prompt_takes_the_whole_budget():
@@ -228,22 +245,22 @@ def test_untargeted_long_prompt_takes_the_whole_budget():
 
 def test_predicted_ttft_counts_the_prompt_work_ahead_and_the_wait_for_seats():
     sched = make_sched(budget=100, max_seqs=3, short_steps=False)
-    assert sched.predicted_ttft(50) is None  # no model yet
+    assert sched.predicted_ttft(50, 8) is None  # no model yet
     sched.cost.set(0.0, 0.001, 0.0, 0.0)  # 1 ms per prompt token, nothing else
-    assert sched.predicted_ttft(50) == pytest.approx(0.050)
-    assert sched.predicted_ttft(250) == pytest.approx(0.250)  # three steps' worth
+    assert sched.predicted_ttft(50, 8) == pytest.approx(0.050)
+    assert sched.predicted_ttft(250, 8) == pytest.approx(0.250)  # three steps' worth
     _workload(sched, 2, 300, 4)  # a seat is left for it, behind 600 prompt tokens
-    assert sched.predicted_ttft(50) == pytest.approx(0.650)
+    assert sched.predicted_ttft(50, 8) == pytest.approx(0.650)
     # two more waiting: it would wait for seats, and no request has left yet: unknown
     _workload(sched, 2, 10, 4)
-    assert sched.predicted_ttft(50) is None
+    assert sched.predicted_ttft(50, 8) is None
     now = 1000.0
     sched._left.extend([now - 10, now - 5, now])  # 2 left in 10 s: a seat per 5 s
     # 2 ahead beyond the 3 seats (4 waiting + it - 3) x 5 s, then its 50 ms
-    assert sched.predicted_ttft(50, now) == pytest.approx(2 * 5 + 0.05)
+    assert sched.predicted_ttft(50, 8, now) == pytest.approx(2 * 5 + 0.05)
     sched._left.clear()
     sched._left.extend([now - 0.1, now - 0.05, now])  # a seat per 50 ms: tokens bind
-    assert sched.predicted_ttft(50, now) == pytest.approx(0.670)
+    assert sched.predicted_ttft(50, 8, now) == pytest.approx(0.670)
 
 
 def _output(rid: str, ttft: float, tpot: float | None, reason: str = "stop") -> RequestOutput:

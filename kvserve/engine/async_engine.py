@@ -287,8 +287,9 @@ class AsyncEngine:
                 raise QueueFullError(f"{limit} requests already waiting")
             sched = self.engine.config.scheduler
             if sched.shed_late_requests and sched.target_ttft_s is not None:
-                longest = max(r.num_prompt_tokens for r in reqs)
-                predicted = self.engine.core.predicted_ttft(longest)
+                longest = max(reqs, key=lambda r: r.num_prompt_tokens)
+                predicted = self.engine.core.predicted_ttft(longest.num_prompt_tokens,
+                                                            longest.max_tokens)
                 if predicted is not None and predicted > sched.target_ttft_s:
                     raise QueueFullError(
                         f"predicted time to first token {predicted:.1f} s exceeds the target "

@@ -270,10 +270,10 @@ class EngineCore:
         req = self._requests.get(request_id)
         return None if req is None else (req.status.value, req.timeline.as_json())
 
-    def predicted_ttft(self, num_prompt_tokens: int) -> float | None:
-        """Seconds to the first token of a request of this many prompt tokens queued now
+    def predicted_ttft(self, num_prompt_tokens: int, max_tokens: int) -> float | None:
+        """Seconds to the first token of a request of this shape queued now
         (Scheduler.predicted_ttft); None while the step cost model knows too little."""
-        return self.scheduler.predicted_ttft(num_prompt_tokens)
+        return self.scheduler.predicted_ttft(num_prompt_tokens, max_tokens)
 
     # ------------------------------------------------------------------------------ a step
 

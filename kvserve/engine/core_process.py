@@ -189,8 +189,9 @@ class CoreProcess:
     def request_status(self, request_id: str) -> tuple[str, list[dict]] | None:
         return self._call("request_status", request_id)  # type: ignore[return-value]
 
-    def predicted_ttft(self, num_prompt_tokens: int) -> float | None:
-        return self._call("predicted_ttft", num_prompt_tokens)  # type: ignore[return-value]
+    def predicted_ttft(self, num_prompt_tokens: int, max_tokens: int) -> float | None:
+        return self._call("predicted_ttft", num_prompt_tokens,  # type: ignore[return-value]
+                          max_tokens)
 
     def step(self) -> list[CoreOutput]:
         outputs, self._stats = self._call("step")  # type: ignore[misc]
