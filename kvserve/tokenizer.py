@@ -18,7 +18,9 @@ import os
 import re
 import threading
 import time
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -29,7 +31,9 @@ import jinja2.ext
 from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import __version__ as tokenizers_version
 
+from kvserve.disk_cache import atomic_write, cache_root, digest, model_fingerprint, sources_digest
 from kvserve.gguf_reader import open_gguf
 
 logger = logging.getLogger(__name__)
@@ -153,8 +157,16 @@ class Tokenizer:
     def from_gguf(
         cls, path: str | os.PathLike[str], reader: gguf.GGUFReader | None = None
     ) -> Tokenizer:
-        """Build the tokenizer a GGUF file describes ("gpt2" byte-level BPE or "llama" SPM)."""
+        """Build the tokenizer a GGUF file describes ("gpt2" byte-level BPE or "llama" SPM).
+
+        What is built is kept in the start-up cache (kvserve.disk_cache) under the file's
+        fingerprint: the next start reads it back (tokenizers' own JSON) without parsing the
+        file's metadata or assembling the vocabulary again."""
         path = Path(path)
+        cached = _GGUFTokenizerCache.at(path)
+        if cached is not None and (hit := cached.load()) is not None:
+            backend, kwargs = hit
+            return cls(backend, **kwargs)
         if reader is None:
             if not path.is_file():
                 raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -204,8 +216,7 @@ class Tokenizer:
 
         add_bos = meta.get("tokenizer.ggml.add_bos_token", bool)
         extra_eos = (token_id(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom"))
-        return cls(
-            backend,
+        kwargs: dict[str, Any] = dict(
             decode_kind=decode_kind,
             bos_token_id=bos,
             eos_token_id=eos,
@@ -215,6 +226,9 @@ class Tokenizer:
             add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", bool)),
             chat_template=meta.get("tokenizer.chat_template", str),
         )
+        if cached is not None:
+            cached.save(backend, kwargs)
+        return cls(backend, **kwargs)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -433,6 +447,66 @@ def _register_added_tokens(backend: HFTokenizer, tokens: list[str], types: list[
     user = [t for t, k in zip(tokens, types, strict=True) if k == gguf.TokenType.USER_DEFINED and t]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+
+@dataclass(frozen=True)
+class _GGUFTokenizerCache:
+    """One GGUF file's tokenizer in the start-up cache: a line of JSON (the fingerprint, the
+    Tokenizer's other arguments, the length and CRC-32 of what follows) and then the backend
+    as tokenizers' JSON. The fingerprint covers the file, this module's source and tokenizers'
+    version; an entry that fails any check is rebuilt with a warning."""
+
+    path: Path
+    header: dict[str, Any]
+
+    @classmethod
+    def at(cls, model: Path) -> _GGUFTokenizerCache | None:
+        root = cache_root()
+        if root is None:
+            return None
+        try:
+            header = {"format": 1, "model": model_fingerprint(model),
+                      "tokenizers": tokenizers_version, "code": sources_digest([Path(__file__)])}
+        except OSError:  # a missing file: from_gguf says so
+            return None
+        stem = re.sub(r"[^A-Za-z0-9._-]", "_", model.stem)[:80]
+        name = f"{stem}-{digest(header['model']['path'], 6)}-{digest(header, 10)}.json"
+        return cls(root / "tokenizers" / name, header)
+
+    def load(self) -> tuple[HFTokenizer, dict[str, Any]] | None:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            logger.warning("tokenizer cache: cannot read %s (%s)", self.path, exc)
+            return None
+        try:
+            line, _, body = data.partition(b"\n")
+            meta = json.loads(line)
+            if meta.get("header") != self.header:
+                raise ValueError("its fingerprint does not match")
+            if len(body) != meta["bytes"] or zlib.crc32(body) != meta["crc"]:
+                raise ValueError("truncated or damaged")
+            return HFTokenizer.from_str(body.decode()), meta["kwargs"]
+        except Exception as exc:  # anything unexpected in the entry: build anew
+            logger.warning("tokenizer cache: %s is unusable (%s); rebuilding it", self.path.name,
+                           exc)
+            return None
+
+    def save(self, backend: HFTokenizer, kwargs: dict[str, Any]) -> None:
+        body = backend.to_str().encode()
+        line = json.dumps({"header": self.header, "kwargs": kwargs, "bytes": len(body),
+                           "crc": zlib.crc32(body)}).encode()
+        try:
+            atomic_write(self.path, lambda f: f.write(line + b"\n" + body))
+        except OSError as exc:
+            logger.warning("tokenizer cache: could not write %s (%s)", self.path, exc)
+            return
+        slot = self.path.name.rsplit("-", 1)[0] + "-"
+        for old in self.path.parent.glob(f"{slot}*.json"):
+            if old != self.path:
+                old.unlink(missing_ok=True)
 
 
 def _byte_level_bpe(

@@ -118,6 +118,18 @@ def make_llm(path, **kw):
     return LLM(str(path), **args)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_user_startup_cache(tmp_path_factory):
+    """The suite stays out of ~/.cache/kvserve (kvserve.disk_cache), and every model is built
+    from its checkpoint: the start-up cache is off, and pointed at a directory of the session's
+    own should anything ignore that. tests/test_weight_cache.py turns it on per test. Set in
+    os.environ, so servers and CLIs the tests spawn inherit it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("kvserve-cache")))
+        mp.setenv("KVSERVE_NO_WEIGHT_CACHE", "1")
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")

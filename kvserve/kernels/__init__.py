@@ -7,6 +7,16 @@ model runner asks at start-up, not in the first request) and loads the cached bu
 afterwards. Where no compiler is available, the build fails, or KVSERVE_NO_CPP=1, `ops()`
 returns None and callers keep their torch implementation.
 
+That load still imports torch's extension builder (setuptools) and runs ninja over the build:
+~0.2 s of every start. Once a build has loaded, the start-up cache (kvserve.disk_cache) notes
+which library file it was for a digest of everything the build depends on (sources, flags,
+torch, Python, CPU flags, TORCH_EXTENSIONS_DIR); later starts with the same digest import that
+file directly, provided it still has the size and mtime noted.
+
+The build is named for the CPU and for this checkout's csrc directory (`_name`): two checkouts
+(git worktrees) on one machine then keep builds of their own instead of rebuilding one
+library from alternating sources (a minute each time on 2 cores).
+
 The kernels are batch-invariant (see csrc/common.h): a row's result does not depend on the
 other rows of the call. torch's CPU matmuls and attention are not (their blocking, and so
 their summation order, follows the shapes), which is why every choice below is made per
@@ -16,19 +26,29 @@ layer and configuration, never per step.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import logging
 import os
 import shutil
+import sys
+import threading
 from functools import cache
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from kvserve.disk_cache import atomic_write, cache_root, digest, sources_digest
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "layers.cpp", CSRC / "attention.cpp", CSRC / "linear.cpp"]
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+# A load slower than this is a build: say so, so a first start does not look hung.
+BUILD_NOTICE_S = 2.0
 
 
 def _cpu_tag() -> str:
@@ -42,10 +62,27 @@ def _cpu_tag() -> str:
     return hashlib.blake2b(flags.encode(), digest_size=4).hexdigest()
 
 
+def _name() -> str:
+    """The extension's name: per CPU (see _cpu_tag) and per checkout."""
+    where = hashlib.blake2b(str(CSRC).encode(), digest_size=3).hexdigest()
+    return f"kvserve_cpu_ops_{_cpu_tag()}_{where}"
+
+
 @cache
 def ops() -> ModuleType | None:
     if os.environ.get("KVSERVE_NO_CPP", "") not in ("", "0"):
         return None
+    name = _name()
+    key = build_id(name)
+    marker = _marker_path(name)
+    module = _load_noted(marker, key) if marker is not None else None
+    if module is not None:
+        return module
+    notice = threading.Timer(BUILD_NOTICE_S, log.info, (
+        "compiling kvserve's C++ CPU kernels (once per machine and kvserve version; about a "
+        "minute on 2 cores)...",))
+    notice.daemon = True
+    notice.start()
     try:
         from torch.utils.cpp_extension import load
 
@@ -54,14 +91,73 @@ def ops() -> ModuleType | None:
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
-        return load(name=f"kvserve_cpu_ops_{_cpu_tag()}", sources=[str(s) for s in SOURCES],
-                    extra_include_paths=[str(CSRC)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        module = load(name=name, sources=[str(s) for s in SOURCES],
+                      extra_include_paths=[str(CSRC)], extra_cflags=list(CFLAGS),
+                      extra_ldflags=list(LDFLAGS), verbose=False)  # lists load() extends
     except Exception as e:  # no compiler, no ninja, a failed build: keep the torch path
         log.warning("C++ CPU kernels unavailable (%s); using the torch implementation",
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
+    finally:
+        notice.cancel()
+    if marker is not None:
+        _note(marker, key, module)
+    return module
+
+
+def loaded_build_id() -> str:
+    """build_id() of the kernels `ops()` serves in this process (it loads them), or "none"
+    without them."""
+    return "none" if ops() is None else build_id()
+
+
+@cache
+def build_id(name: str | None = None) -> str:
+    """A digest of everything the kernels' build depends on: the sources and headers, flags,
+    torch and Python versions, the CPU's flags (-march=native) and TORCH_EXTENSIONS_DIR. Also
+    part of the weight cache's fingerprint (packed layouts are the kernels')."""
+    return digest({"name": name or _name(),
+                   "sources": sources_digest(sorted(CSRC.glob("*.[ch]*"))),
+                   "flags": [list(CFLAGS), list(LDFLAGS)], "torch": torch.__version__,
+                   "python": sys.version, "ext_dir": os.environ.get("TORCH_EXTENSIONS_DIR", "")})
+
+
+def _marker_path(name: str) -> Path | None:
+    root = cache_root()
+    return None if root is None else root / "kernels" / f"{name}.json"
+
+
+def _load_noted(marker: Path, key: str) -> ModuleType | None:
+    """The library a marker names, imported directly when the marker is for `key` and the
+    file is still the one noted (size, mtime); None to take torch's load."""
+    try:
+        note = json.loads(marker.read_text())
+        so = Path(note["so"])
+        st = so.stat()
+        if note["key"] != key or [st.st_size, st.st_mtime_ns] != note["stat"]:
+            return None
+        spec = importlib.util.spec_from_file_location(note["module"], so)
+        if spec is None or spec.loader is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # a damaged marker or library: torch's load rebuilds or reloads
+        log.warning("ignoring the noted C++ kernel build %s (%s)", marker, e)
+        return None
+
+
+def _note(marker: Path, key: str, module: ModuleType) -> None:
+    try:
+        so = Path(module.__file__ or "")
+        st = so.stat()
+        data = json.dumps({"key": key, "module": module.__name__, "so": str(so),
+                           "stat": [st.st_size, st.st_mtime_ns]}).encode()
+        atomic_write(marker, lambda f: f.write(data))
+    except OSError as e:  # a read-only cache: every start takes torch's load
+        log.debug("could not note the kernel build in %s: %s", marker, e)
 
 
 def isa() -> str:

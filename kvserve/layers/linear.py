@@ -67,7 +67,8 @@ class LinearBase(nn.Module):
         """Put the (loaded) weight in the form its kernel reads: a quantized copy (int4,
         int8), or unquantized, repacked for the dense kernel where there is one. That form
         then serves every batch and the weight itself goes (an empty tensor of its dtype
-        stays in its place) unless `keep_weight`.
+        stays in its place) unless `keep_weight`; so do its GGUF groups, which only packing
+        reads (and a layer without its weight cannot be packed again).
 
         A GGUF weight whose type has an exact form (see models/gguf_quants.py) keeps its own
         codes on the VNNI kernel, 4-bit ones widened to 8 for int8 or where parts mix; other
@@ -92,6 +93,7 @@ class LinearBase(nn.Module):
             return
         if not keep_weight:
             self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+            self.gguf_groups = {}
 
     def _source_groups(self, quantization: str) -> QuantGroups | None:
         """The GGUF groups of every part, in row order, as `quantization` holds them; None

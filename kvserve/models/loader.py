@@ -437,6 +437,21 @@ def read_model_config(path: Path) -> ModelConfig:
 # ------------------------------------------------------------------------------- loading
 
 
+class DeferredReader:
+    """A GGUF file's reader, opened on first use: what a model restored from the weight cache
+    hands on for its tokenizer, which has a cache of its own and so usually never parses the
+    file's metadata."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._reader = None
+
+    def __getattr__(self, name: str):
+        if self._reader is None:
+            self._reader = open_gguf(self._path)
+        return getattr(self._reader, name)
+
+
 @dataclass
 class LoadedModel:
     model: LlamaForCausalLM
@@ -444,6 +459,9 @@ class LoadedModel:
     path: Path
     gguf_reader: object | None  # kept so the tokenizer can be built from the same file
     weight_format: str  # storage type of most layer matrices: "Q4_1", "F16", "bf16", ...
+    # The config as the checkpoint states it, before `max_model_len` chose LongRoPE's factors
+    # (what the weight cache keeps: its entries serve any --max-model-len).
+    checkpoint_config: ModelConfig | None = None
 
 
 def auto_quantization(weight_format: str) -> str:
@@ -544,17 +562,32 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
         cfg = hf_model_config(path)
         tensors = iter_hf_tensors(path, cfg)
         weight_format = "safetensors"
-    cfg = dataclasses.replace(cfg, rope_scaling=cfg.rope_scaling.for_context(
-        max_model_len or cfg.max_position))
+    read = cfg
+    cfg = for_context(cfg, max_model_len)
     # Parameters are created in the compute dtype and filled one checkpoint tensor at a
     # time, so loading never holds a float32 copy of the whole model (peak RSS).
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        model = LlamaForCausalLM(cfg, backend_factory(shard_config(cfg, tp)), tp)
-    finally:
-        torch.set_default_dtype(previous)
+    model = build_model(cfg, dtype, backend_factory, tp)
     load_weights(model, tensors)
     model.to(device)
     model.eval()
-    return LoadedModel(model, cfg, path, reader, weight_format)
+    return LoadedModel(model, cfg, path, reader, weight_format, read)
+
+
+def for_context(cfg: ModelConfig, max_model_len: int | None) -> ModelConfig:
+    """The config with LongRoPE's factors chosen for `max_model_len` (default the model's
+    context; RopeScaling.for_context)."""
+    return dataclasses.replace(cfg, rope_scaling=cfg.rope_scaling.for_context(
+        max_model_len or cfg.max_position))
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype,
+                backend_factory: Callable[[ModelConfig], AttentionBackend],
+                tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
+    """The module for this rank's shard, its parameters created in `dtype` and not yet filled
+    (torch.empty; norms at 1): the caller fills every one."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return LlamaForCausalLM(cfg, backend_factory(shard_config(cfg, tp)), tp)
+    finally:
+        torch.set_default_dtype(previous)
