@@ -25,6 +25,8 @@ log = logging.getLogger("kvserve")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from kvserve.bench.serve import positive_float  # imported for the parser anyway
+
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help=f"short name, .gguf file or Hugging Face directory "
@@ -41,11 +43,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "cached prefix, a prompt's last chunk) runs in steps of its own, "
                         "between normal steps: earlier first tokens at a small cost in time "
                         "per output token")
-    g.add_argument("--target-ttft-ms", type=float, default=None, metavar="MS",
+    g.add_argument("--target-ttft-ms", type=positive_float, default=None, metavar="MS",
                    help="time-to-first-token target: goodput counts requests within it (and "
                         "--target-itl-ms); with --shed-late-requests the server refuses (429) "
                         "requests predicted to miss it")
-    g.add_argument("--target-itl-ms", type=float, default=None, metavar="MS",
+    g.add_argument("--target-itl-ms", type=positive_float, default=None, metavar="MS",
                    help="inter-token latency target (checked as time per output token): each "
                         "step's prompt work and the admission of new requests are sized by a "
                         "step cost model fitted online so that decode steps stay within it")

@@ -276,8 +276,7 @@ class Scheduler:
         (and `max_tokens`) if it were queued now. Whichever bound binds:
         - seats: the requests ahead of it beyond the seats free now (under the ITL target,
           the seats the target allows) wait for running requests to leave, at the rate they
-          left over the last LEAVE_RATE_WINDOW seconds;
-          then its own prompt;
+          left over the last LEAVE_RATE_WINDOW seconds, and then it computes its prompt;
         - prompt throughput: the prompt tokens ahead of it (waiting, and running prompts'
           rest) and its own, at the rate the step sizing gives prompts.
         None while nothing is known (no fitted model, or seats to wait for but no rate)."""

@@ -25,6 +25,7 @@ from kvserve.slo import (
     nonnegative_lstsq,
     prompt_attended,
 )
+from tests.test_scheduler import plan, step
 
 _ids = itertools.count()
 
@@ -41,23 +42,6 @@ def make_sched(budget=256, max_seqs=32, itl_ms=None, ttft_ms=None, short_steps=T
     ms = lambda v: None if v is None else v / 1e3  # noqa: E731
     return Scheduler(SchedulerConfig(max_seqs, budget, 4096, short_steps, ms(ttft_ms),
                                      ms(itl_ms)), kv)
-
-
-def step(sched: Scheduler):
-    out = sched.schedule()
-    sched.update_after_step(out)
-    for s in out.scheduled:
-        if s.samples:
-            s.request.append_token(7)
-            status = s.request.check_stop_token()
-            if status is not None:
-                sched.finish(s.request, status)
-    sched.kv.check_integrity()
-    return out
-
-
-def plan(out) -> list[tuple[str, int, bool]]:
-    return [(s.request.request_id, s.num_new_tokens, s.samples) for s in out.scheduled]
 
 
 # A CPU-like model: 20 ms fixed, 1 ms per prompt token, 2 ms per decode row, 0.01 ms per 1k
@@ -133,21 +117,23 @@ def _workload(sched: Scheduler, n: int, prompt: int, out_len: int) -> list[Reque
     return reqs
 
 
+def _schedules(itl_ms: float | None, fitted: bool) -> list[list[tuple[str, int, bool]]]:
+    """Every step's plan for one fixed workload (request ids numbered afresh each time)."""
+    global _ids
+    _ids = itertools.count()
+    sched = make_sched(budget=64, max_seqs=8, itl_ms=itl_ms)
+    if fitted:
+        sched.cost.set(*COEF)
+    _workload(sched, 12, 40, 6)
+    steps = []
+    while sched.has_unfinished:
+        steps.append(plan(step(sched)))
+    return steps
+
+
 def test_no_targets_schedule_as_before_even_with_a_fitted_model():
     """The cost model alone changes nothing: the same workload gives the same steps."""
-    plans = []
-    for fitted in (False, True):
-        global _ids
-        _ids = itertools.count()
-        sched = make_sched(budget=64, max_seqs=8)
-        if fitted:
-            sched.cost.set(*COEF)
-        _workload(sched, 12, 40, 6)
-        steps = []
-        while sched.has_unfinished:
-            steps.append(plan(step(sched)))
-        plans.append(steps)
-    assert plans[0] == plans[1]
+    assert _schedules(None, fitted=False) == _schedules(None, fitted=True)
 
 
 def test_steps_with_decodes_meet_the_itl_target_where_feasible():
@@ -202,18 +188,8 @@ def test_prompts_progress_when_decodes_alone_exceed_the_target():
 
 
 def test_a_target_no_step_can_meet_leaves_scheduling_as_without_one():
-    plans = []
-    for itl_ms in (None, 5.0):  # the fixed cost alone is 20 ms
-        global _ids
-        _ids = itertools.count()
-        sched = make_sched(budget=64, max_seqs=8, itl_ms=itl_ms)
-        sched.cost.set(*COEF)
-        _workload(sched, 12, 40, 6)
-        steps = []
-        while sched.has_unfinished:
-            steps.append(plan(step(sched)))
-        plans.append(steps)
-    assert plans[0] == plans[1]
+    # the fixed cost alone is 20 ms
+    assert _schedules(None, fitted=True) == _schedules(5.0, fitted=True)
 
 
 def test_prompt_allowance_gives_prompts_what_the_target_leaves():

@@ -710,7 +710,8 @@ def save_result(result: BenchResult, path: str | os.PathLike[str]) -> Path:
 # ------------------------------------------------------------------------------------- CLI
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0 (NaN refused too); kvserve's engine flags use it as well."""
     try:
         value = float(text)
     except ValueError:
@@ -783,9 +784,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="jsonl: one {\"prompt\": ..., \"output_len\": ...} object per line")
 
     lo = p.add_argument_group("load")
-    lo.add_argument("--request-rate", type=_positive_float, default=math.inf,
+    lo.add_argument("--request-rate", type=positive_float, default=math.inf,
                     help="requests per second (default inf: send all at once)")
-    lo.add_argument("--burstiness", type=_positive_float, default=1.0,
+    lo.add_argument("--burstiness", type=positive_float, default=1.0,
                     help="gamma shape of arrival gaps: 1 = Poisson, < 1 burstier, > 1 steadier")
     lo.add_argument("--max-concurrency", type=int, default=None,
                     help="most requests in flight (default: unlimited)")
@@ -799,7 +800,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "extension)")
     r.add_argument("--extra-body", type=_json_object, default={},
                    help="JSON object merged into every request body")
-    r.add_argument("--timeout", type=_positive_float, default=600.0,
+    r.add_argument("--timeout", type=positive_float, default=600.0,
                    help="seconds allowed per request, whole stream included")
 
     o = p.add_argument_group("output")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.slo import LatencyTargets
+
 
 @dataclass
 class EngineArgs:
@@ -46,3 +48,8 @@ class EngineArgs:
     # (engine.core_process), instead of on the engine thread
     engine_process: bool = False
     seed: int = 0
+
+    def latency_targets(self) -> LatencyTargets:
+        """--target-ttft-ms and --target-itl-ms, in seconds."""
+        s = lambda ms: None if ms is None else ms / 1e3  # noqa: E731
+        return LatencyTargets(s(self.target_ttft_ms), s(self.target_itl_ms))

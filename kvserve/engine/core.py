@@ -127,10 +127,10 @@ class EngineCore:
                              f"{cfg.max_position}")
         cache = CacheConfig(args.block_size, parse_size(args.kv_cache_memory),
                             args.num_kv_blocks, args.kv_cache_dtype)
-        ms = lambda v: None if v is None else v / 1e3  # noqa: E731
+        targets = args.latency_targets()
         sched = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len,
-                                args.short_prompt_steps, ms(args.target_ttft_ms),
-                                ms(args.target_itl_ms), args.shed_late_requests)
+                                args.short_prompt_steps, targets.ttft_s, targets.itl_s,
+                                args.shed_late_requests)
         self.config = EngineConfig(str(path), dtype, device, cache, sched, args.seed)
         spec = SpecConfig.parse(args.speculative_config)
         drafter = (build_drafter(spec, loaded.model, path, dtype, device, sched)

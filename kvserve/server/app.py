@@ -47,7 +47,6 @@ from kvserve.server.protocol import (
     TokenizeRequest,
 )
 from kvserve.server.responses import Formatter, sse, usage
-from kvserve.slo import LatencyTargets
 from kvserve.structured import StructuredOutputError
 from kvserve.tokenizer import Tokenizer
 
@@ -85,9 +84,8 @@ class ServerState:
         self.engine_args, self.args = engine_args, args
         self.model_name = args.served_model_name or default_served_name(engine_args.model)
         self.registry = CollectorRegistry()
-        ms = lambda v: None if v is None else v / 1e3  # noqa: E731
-        self.metrics = EngineMetrics(self.model_name, self.registry, LatencyTargets(
-            ms(engine_args.target_ttft_ms), ms(engine_args.target_itl_ms)))
+        self.metrics = EngineMetrics(self.model_name, self.registry,
+                                     engine_args.latency_targets())
         self.engine: AsyncEngine | None = None
         self.load_error: str | None = None
 
