@@ -81,6 +81,76 @@ def test_host_tier_verifies_the_whole_key():
     assert host.get(forged) is None
 
 
+class InFlight:
+    """A device-to-host copy that lands only when waited on, as a non_blocking copy from a
+    GPU may: until then the destination keeps what it held."""
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, log: list[str]) -> None:
+        self.dst, self.src, self.log = dst, src.clone(), log
+
+    def synchronize(self) -> None:
+        self.dst.copy_(self.src)
+        self.log.append("landed")
+
+
+def deferred_host(num_blocks: int, spill: KVTier | None = None) -> tuple[HostTier, list[str]]:
+    log: list[str] = []
+    host = HostTier(num_blocks, SHAPE, torch.float32, spill=spill,
+                    copy=lambda dst, src: InFlight(dst, src, log))
+    host.data.fill_(-1.0)  # what a slot holds before its copy lands
+    return host, log
+
+
+def test_host_tier_reads_wait_for_their_copy():
+    """Every host-side read of a slot (get, the spill of an evicted entry, items) sees the
+    payload put there, not what the slot held while its copy was in flight."""
+    spill = DiskLike()
+    host, log = deferred_host(2, spill)
+    a, b, c = key(1), key(2), key(3)
+    host.put(a, payload(a))
+    host.put(b, payload(b))
+    assert log == []  # nothing waited yet: both copies in flight
+    assert torch.equal(host.get(b), payload(b))
+    host.put(c, payload(c))  # evicts a: its spill reads the slot
+    assert torch.equal(spill.payloads[a], payload(a))
+    assert {k: torch.equal(p, payload(k)) for k, p in host.items()} == {b: True, c: True}
+    assert log == ["landed"] * 3
+
+
+def test_host_tier_store_round_trip_in_one_pass_waits():
+    """TieredKVStore.execute saving a pool block to a host tier whose copies are deferred,
+    and a later pass loading it back: the pool gets the saved K/V, not the slot's old bytes."""
+    kv_caches = [torch.zeros(2, 1, 4 * BS, 3) for _ in range(LAYERS)]
+    host, log = deferred_host(2)
+    store = TieredKVStore(kv_caches, BS, [host])
+    a = key(1)
+    store.write_blocks([0], payload(a).unsqueeze(0))
+    assert not store.execute([(0, a)], [])
+    assert not store.execute([], [(2, a)])
+    assert torch.equal(store.read_blocks([2])[0], payload(a)) and log == ["landed"]
+
+
+class DiskLike(KVTier):
+    """A lower tier that keeps what it is given (by value, as the disk does)."""
+
+    name = "disk-like"
+
+    def __init__(self) -> None:
+        self.payloads: dict[BlockKey, torch.Tensor] = {}
+
+    def contains(self, key):
+        return key in self.payloads
+
+    def get(self, key):
+        return self.payloads.get(key)
+
+    def put(self, key, p):
+        self.payloads[key] = p.clone()
+
+    def __len__(self):
+        return len(self.payloads)
+
+
 # ------------------------------------------------------------------------------ disk tier
 
 

@@ -25,8 +25,10 @@ import stat
 import struct
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -61,22 +63,58 @@ class KVTier(ABC):
     def __len__(self) -> int: ...
 
 
+class Pending(Protocol):
+    """A copy that may still be in flight (a recorded CUDA event): `synchronize()` returns
+    once it has landed."""
+
+    def synchronize(self) -> None: ...
+
+
+def device_copy(dst: torch.Tensor, src: torch.Tensor) -> Pending | None:
+    """dst.copy_(src), asynchronous where src is on a GPU (dst is then pinned host memory):
+    returns the event recorded on src's stream after the copy, which a host read of dst must
+    wait on; None where the copy is already done (CPU to CPU is synchronous)."""
+    dst.copy_(src, non_blocking=True)
+    if src.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(src.device))
+    return event
+
+
 class HostTier(KVTier):
     """A fixed pool of block payloads in host memory (pinned when the fast pool is a GPU, so
-    copies can overlap compute)."""
+    copies can overlap compute).
+
+    Invariant: every read of a slot on the host (`get`, `items`, the spill of an evicted
+    entry) first waits for the copy that filled it (`_landed`). A device-to-pinned copy is
+    asynchronous; without the wait a block saved and read back in one pass (or spilled to
+    disk) would be whatever the slot held before, and no key check could tell. A slot has at
+    most one copy in flight."""
 
     name = "host"
 
     def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
-                 pin_memory: bool = False, spill: KVTier | None = None) -> None:
+                 pin_memory: bool = False, spill: KVTier | None = None,
+                 copy: Callable[[torch.Tensor, torch.Tensor], Pending | None] = device_copy
+                 ) -> None:
         self.capacity = num_blocks
         self.data = torch.empty((num_blocks, *block_shape), dtype=dtype, pin_memory=pin_memory)
         self._index: OrderedDict[int, tuple[int, BlockKey]] = OrderedDict()
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._pending: dict[int, Pending] = {}  # slot -> its copy in flight
+        self._copy = copy
         self.spill = spill  # where evicted entries go (write-back), e.g. the disk tier
 
     def __len__(self) -> int:
         return len(self._index)
+
+    def _landed(self, slot: int) -> torch.Tensor:
+        """The slot's payload, once the copy that filled it has landed."""
+        pending = self._pending.pop(slot, None)
+        if pending is not None:
+            pending.synchronize()
+        return self.data[slot]
 
     def contains(self, key: BlockKey) -> bool:
         entry = self._index.get(key.block_hash)
@@ -86,7 +124,7 @@ class HostTier(KVTier):
         if not self.contains(key):
             return None
         self._index.move_to_end(key.block_hash)
-        return self.data[self._index[key.block_hash][0]]
+        return self._landed(self._index[key.block_hash][0])
 
     def put(self, key: BlockKey, payload: torch.Tensor) -> None:
         if self.capacity == 0:
@@ -101,16 +139,18 @@ class HostTier(KVTier):
             if not self._free:
                 _, (old_slot, old_key) = self._index.popitem(last=False)
                 if self.spill is not None:
-                    self.spill.put(old_key, self.data[old_slot])
+                    self.spill.put(old_key, self._landed(old_slot))
                 self._free.append(old_slot)
             slot = self._free.pop()
-        self.data[slot].copy_(payload, non_blocking=True)
+        pending = self._copy(self._landed(slot), payload)  # one copy in flight per slot
+        if pending is not None:
+            self._pending[slot] = pending
         self._index[key.block_hash] = (slot, key)
 
     def items(self):
         """(key, payload) for every entry, least recently used first."""
         for slot, key in list(self._index.values()):
-            yield key, self.data[slot]
+            yield key, self._landed(slot)
 
 
 _MAGIC = b"KVBLK1\n"
