@@ -52,6 +52,14 @@ TARGET_MARGIN = 0.9
 # Requests leaving the batch per second are measured over this many seconds, for the
 # predicted wait for a seat.
 LEAVE_RATE_WINDOW = 30.0
+# Predicted TTFTs are scaled by the median ratio of measured to predicted TTFT of the last
+# this many requests that got a first token (from their prediction on arrival), kept within
+# [1, TTFT_CALIBRATION_MAX]: queueing the model does not see (requests admitted together,
+# steps over plan) makes it optimistic, and shedding on an optimistic prediction admits
+# requests that then miss the target.
+TTFT_CALIBRATION_WINDOW = 32
+TTFT_CALIBRATION_MIN_SAMPLES = 4
+TTFT_CALIBRATION_MAX = 8.0
 
 
 @dataclass
@@ -120,6 +128,8 @@ class Scheduler:
         self.cost = StepCostModel()  # fed by the engine core after every step
         self.prompt_allowance: int | None = None  # last targeted step's prompt tokens
         self._left: deque[float] = deque(maxlen=512)  # times requests left the batch
+        self._predicted: dict[str, float] = {}  # request id -> uncalibrated TTFT on arrival
+        self._ttft_ratios: deque[float] = deque(maxlen=TTFT_CALIBRATION_WINDOW)
 
     def check_request(self, req: Request) -> None:
         """Raise ValueError if `req` could never be served within the configured limits."""
@@ -136,8 +146,28 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         self.check_request(req)
+        if self.config.target_ttft_s is not None:
+            predicted = self._predict_ttft(req.num_prompt_tokens, req.max_tokens)
+            if predicted is not None and predicted > 0:
+                self._predicted[req.request_id] = predicted
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
+
+    def record_first_token(self, req: Request, now: float) -> None:
+        """A request's first token came at `now`: how far off its predicted TTFT was."""
+        predicted = self._predicted.pop(req.request_id, None)
+        if predicted is not None:
+            self._ttft_ratios.append((now - req.arrival_time) / predicted)
+
+    @property
+    def ttft_calibration(self) -> float:
+        """The factor predicted TTFTs are scaled by (see TTFT_CALIBRATION_WINDOW)."""
+        if len(self._ttft_ratios) < TTFT_CALIBRATION_MIN_SAMPLES:
+            return 1.0
+        ratios = sorted(self._ttft_ratios)
+        mid = len(ratios) // 2
+        median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+        return min(max(median, 1.0), TTFT_CALIBRATION_MAX)
 
     @property
     def has_unfinished(self) -> bool:
@@ -273,7 +303,14 @@ class Scheduler:
     def predicted_ttft(self, num_tokens: int, max_tokens: int, now: float | None = None
                        ) -> float | None:
         """Seconds from now to the first token of a request of `num_tokens` prompt tokens
-        (and `max_tokens`) if it were queued now. Whichever bound binds:
+        (and `max_tokens`) if it were queued now: _predict_ttft, scaled by how the last
+        requests' predictions compared with their measured TTFTs (ttft_calibration)."""
+        predicted = self._predict_ttft(num_tokens, max_tokens, now)
+        return None if predicted is None else predicted * self.ttft_calibration
+
+    def _predict_ttft(self, num_tokens: int, max_tokens: int, now: float | None = None
+                      ) -> float | None:
+        """The model's TTFT for a request queued now. Whichever bound binds:
         - seats: the requests ahead of it beyond the seats free now (under the ITL target,
           the seats the target allows) wait for running requests to leave, at the rate they
           left over the last LEAVE_RATE_WINDOW seconds, and then it computes its prompt;
@@ -501,6 +538,7 @@ class Scheduler:
             self._left.append(time.perf_counter())
         elif req in self.waiting:
             self.waiting.remove(req)
+        self._predicted.pop(req.request_id, None)
         req.status = status
         if req.suspect:  # aborted (or failed) before it ran alone
             req.suspect = False

@@ -123,9 +123,11 @@ class EngineStats:
     steps: tuple[StepRecord, ...] = ()  # the step profiler's recent records, oldest first
     # the step cost model's coefficients (seconds: fixed, per prefill token, per decode row,
     # per 1024 attended pairs; kvserve.slo), None until fitted; and the prompt tokens the
-    # last step sized under the ITL target allowed
+    # last step sized under the ITL target allowed, and the factor predicted TTFTs are
+    # scaled by (measured / predicted of recent requests; Scheduler.ttft_calibration)
     step_cost: tuple[float, float, float, float] | None = None
     prompt_allowance: int | None = None
+    ttft_calibration: float = 1.0
 
     def as_json(self) -> dict:
         """The dashboard's engine figures (JSON-ready)."""
@@ -152,5 +154,6 @@ class EngineStats:
                 "per_prefill_token_ms": round(1e3 * self.step_cost[1], 4),
                 "per_decode_row_ms": round(1e3 * self.step_cost[2], 4),
                 "per_1k_attended_ms": round(1e3 * self.step_cost[3], 5),
-                "prompt_allowance": self.prompt_allowance},
+                "prompt_allowance": self.prompt_allowance,
+                "ttft_calibration": round(self.ttft_calibration, 3)},
         }

@@ -15,7 +15,7 @@ from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.metrics import EngineMetrics
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvserve.request import Request
+from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import MIN_PROMPT_TOKENS, Scheduler
 from kvserve.slo import (
@@ -237,6 +237,44 @@ def test_predicted_ttft_counts_the_prompt_work_ahead_and_the_wait_for_seats():
     sched._left.clear()
     sched._left.extend([now - 0.1, now - 0.05, now])  # a seat per 50 ms: tokens bind
     assert sched.predicted_ttft(50, 8, now) == pytest.approx(0.670)
+
+
+def test_predicted_ttft_is_scaled_by_how_the_last_predictions_turned_out():
+    """Each request's TTFT predicted on arrival is compared with its measured one; the
+    median ratio of the last ones (at least 4, kept within [1, 8]) scales later
+    predictions, so shedding tightens when the model has been optimistic."""
+    sched = make_sched(budget=100, max_seqs=8, short_steps=False, ttft_ms=1000)
+    sched.cost.set(0.0, 0.001, 0.0, 0.0)  # 1 ms per prompt token
+    base = sched.predicted_ttft(50, 8)
+    assert base == pytest.approx(0.050) and sched.ttft_calibration == 1.0
+
+    def served(ratio: float) -> None:
+        req = make_req(50)
+        sched.add_request(req)
+        predicted = sched._predicted[req.request_id]
+        sched.record_first_token(req, req.arrival_time + ratio * predicted)
+        sched.waiting.remove(req)
+
+    for ratio in (3.0, 2.0, 3.0):
+        served(ratio)
+    assert sched.ttft_calibration == 1.0  # 3 samples: too few to judge
+    served(4.0)
+    assert sched.ttft_calibration == pytest.approx(3.0)  # median of 2, 3, 3, 4
+    assert sched.predicted_ttft(50, 8) == pytest.approx(3.0 * base)
+    for _ in range(32):
+        served(20.0)
+    assert sched.ttft_calibration == 8.0  # the window forgot the rest; capped
+    for _ in range(32):
+        served(0.5)
+    assert sched.ttft_calibration == 1.0  # never more optimistic than the model
+    req = make_req(50)
+    sched.add_request(req)
+    sched.finish(req, RequestStatus.FINISHED_ABORTED)  # no first token: no sample
+    assert req.request_id not in sched._predicted
+    no_target = make_sched(budget=100, short_steps=False)
+    no_target.cost.set(0.0, 0.001, 0.0, 0.0)
+    no_target.add_request(make_req(50))
+    assert not no_target._predicted  # predictions are kept only under a TTFT target
 
 
 def _output(rid: str, ttft: float, tpot: float | None, reason: str = "stop") -> RequestOutput:
