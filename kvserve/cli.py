@@ -24,6 +24,20 @@ from kvserve.outputs import OutputKind
 log = logging.getLogger("kvserve")
 
 
+def device_arg(text: str) -> str:
+    """--device as torch names it: cpu, cuda or cuda:N."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda") or \
+            device.type == "cpu" and device.index not in (None, 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not cpu, cuda or cuda:N")
+    return text
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     from kvserve.bench.serve import positive_float  # imported for the parser anyway
 
@@ -32,7 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"short name, .gguf file or Hugging Face directory "
                         f"(default: {DEFAULT_MODEL})")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="cpu", help="cpu or cuda")
+    g.add_argument("--device", default="cpu", type=device_arg,
+                   help="cpu, cuda or cuda:N (tensor-parallel rank r on cuda:N+r)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + max_tokens limit (default: the model's context length)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")

@@ -179,7 +179,7 @@ class SpecConfig:
     prompt_lookup_min: int = 2  # ngram: shortest suffix to match
     prompt_lookup_max: int = 4  # ngram: longest suffix to match
     model: str | None = None  # draft_model: model name/path; mtp: safetensors file
-    quantization: str = "int4"  # draft_model: weights of the draft
+    quantization: str = "auto"  # draft_model: its weights (auto: int4 on CPU, else none)
     max_batch_size: int = 8
     max_draft_tokens: int = 12
     min_acceptance: float = 0.3
@@ -196,6 +196,9 @@ class SpecConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError("quantization must be one of auto, none, int8, int4; got "
+                             f"{self.quantization!r}")
         if self.method == "mtp" and not self.model:
             raise ValueError('method "mtp" needs "model": the MTP safetensors file '
                              "(written by `kvserve train-mtp`)")

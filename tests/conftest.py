@@ -189,12 +189,26 @@ def real_model_path() -> Path:
 
 
 def pytest_addoption(parser):
-    parser.addoption("--device", default="cpu", help="device for model tests (cpu or cuda)")
+    parser.addoption("--device", default="cpu",
+                     help="device for the model tests and the CUDA suite (cpu, cuda, cuda:N)")
+
+
+def pytest_configure(config):
+    """`--device cuda` asks for a GPU run: without a GPU that is an error, not a run whose
+    GPU tests all skip and pass."""
+    named = config.getoption("--device")
+    try:
+        device = torch.device(named)
+    except RuntimeError:
+        raise pytest.UsageError(f"--device {named!r} is not cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {named}: no CUDA device here "
+                                "(torch.cuda.is_available() is False)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise pytest.UsageError(f"--device {named}: {torch.cuda.device_count()} CUDA "
+                                "device(s) visible")
 
 
 @pytest.fixture(scope="session")
 def device(request) -> str:
-    dev = request.config.getoption("--device")
-    if dev.startswith("cuda") and not torch.cuda.is_available():
-        pytest.skip("CUDA not available")
-    return dev
+    return request.config.getoption("--device")

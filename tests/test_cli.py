@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 
 def run_cli(*args: str, stdin: str | None = None, timeout: int = 180):
@@ -36,6 +38,9 @@ def test_generate_without_prefix_caching(tiny_llama_dir):
     (["--tensor-parallel-size", "0"], "must be >= 1"),
     # 2 KV heads over 3 ranks: refused before any worker process starts
     (["--tensor-parallel-size", "3"], "cannot be replicated evenly over 3 ranks"),
+    (["--device", "gpu"], "'gpu' is not cpu, cuda or cuda:N"),
+    pytest.param(["--device", "cuda:1"], "--device cuda:1 requested but no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
 ])
 def test_bad_input_gives_a_clear_error(tiny_llama_dir, args, message):
     base = ["generate", "hi", "--model", str(tiny_llama_dir)]
@@ -44,6 +49,16 @@ def test_bad_input_gives_a_clear_error(tiny_llama_dir, args, message):
     r = run_cli(*base, *args)
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
+def test_pytest_device_cuda_without_a_gpu_is_an_error():
+    """The CUDA suite asked for where there is no GPU: a usage error, not a run of skips."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "--device", "cuda", "--co", "-q",
+                        "tests/test_cuda.py"], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert "--device cuda: no CUDA device here" in r.stderr
 
 
 CHAT_QUESTION = "What is the capital city of France? Answer in one sentence."

@@ -461,3 +461,52 @@ def test_kernels_release_the_gil():
     longest = max(b - a for a, b in itertools.pairwise(turns))
     assert call_s > 0.01
     assert longest < call_s / 2, f"main thread paused {longest:.3f} s in a {call_s:.3f} s call"
+
+
+# ------------------------------------------------------------------- tensors off the CPU
+
+
+def test_kernel_choice_and_quantized_copies_refuse_tensors_off_the_cpu():
+    """The meta device stands in for a GPU: no kernel is chosen for it, and a quantized copy
+    (kvserve's or torch's: both CPU-only) is refused by name rather than attempted."""
+    meta = torch.device("meta")
+    assert kernels.quant_kernels(torch.float32, meta, 16, 32) is None
+    assert kernels.dense_kernels(torch.float32, meta, 16, 32) is None
+    assert kernels.attention_kernels(torch.float32, meta, 64) is None
+    assert kernels.norm_kernels(torch.float32, meta) is None
+    for method in ("int4", "int8"):
+        with pytest.raises(ValueError, match="CPU kernels only; this weight is on meta"):
+            QuantizedWeight(torch.empty(16, 32, device=meta), method)
+    with pytest.raises(ValueError, match="no dense kernel"):
+        DenseWeight(torch.empty(16, 32, device=meta))
+
+
+def test_every_entry_point_refuses_tensors_off_the_cpu():
+    """A tensor on another device reaching the C++ kernels is an error naming the entry
+    point, never a host read of memory that is not the host's."""
+    ops = kernels.ops()
+    if ops is None:
+        pytest.skip("the C++ kernels did not build here")
+
+    def meta(*shape, dtype=torch.float32):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    long = torch.int64
+    calls = {
+        "quant_pack": lambda: ops.quant_pack(meta(16, 32, dtype=torch.uint8), meta(16, 1),
+                                             meta(16, 1), 4),
+        "quant_linear": lambda: ops.quant_linear(meta(1, 32), meta(1, 1, 1, dtype=torch.uint8)),
+        "dense_pack": lambda: ops.dense_pack(meta(16, 32)),
+        "dense_linear": lambda: ops.dense_linear(meta(1, 32), meta(1, 32, 16)),
+        "rms_norm": lambda: ops.rms_norm(meta(1, 32), meta(32), 1e-5),
+        "store_kv": lambda: ops.store_kv(meta(2, 1, 4, 16), meta(1, dtype=long),
+                                         meta(1, 1, 16), meta(1, 1, 16)),
+        "paged_attention": lambda: ops.paged_attention(
+            meta(1, 1, 16), meta(2, 1, 4, 16), meta(1, 3, dtype=long), meta(1, 1, dtype=long),
+            4, 0.25, 0),
+    }
+    if ops.has_dense_half():
+        calls["dense_pack_half"] = lambda: ops.dense_pack_half(meta(16, 32, dtype=torch.bfloat16))
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=f"{name}: CPU tensors only, got one on meta"):
+            call()

@@ -18,6 +18,7 @@ from kvserve.rejection_sampler import verify
 from kvserve.request import Request
 from kvserve.sampler import Sampler
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode import draft_quantization
 from kvserve.spec_decode.base import Drafter
 from kvserve.spec_decode.mtp import MTPModule, save_mtp
 from kvserve.spec_decode.ngram import NgramDrafter
@@ -360,9 +361,23 @@ def test_spec_config_errors():
                      ('{"method": "ngram", "num_speculative_tokens": 0}', "in [1, 16]"),
                      ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
                       "prompt_lookup_min"),
+                     ('{"method": "draft_model", "quantization": "fp8"}', "auto, none"),
                      ("[1, 2]", "JSON object")]:
         with pytest.raises(ValueError, match=msg.replace("[", r"\[")):
             SpecConfig.parse(bad)
+
+
+def test_draft_quantization_follows_the_device():
+    """auto: int4 where the CPU kernels run the draft, none on a GPU; int4/int8 asked for on
+    a GPU are refused by name (before any weight reaches a CPU kernel)."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert SpecConfig.parse('{"method": "draft_model"}').quantization == "auto"
+    assert draft_quantization("auto", cpu) == "int4"
+    assert draft_quantization("auto", gpu) == "none"
+    assert draft_quantization("none", gpu) == "none" and draft_quantization("int8", cpu) == "int8"
+    for method in ("int4", "int8"):
+        with pytest.raises(ValueError, match=f"quantization {method} runs on CPU kernels only"):
+            draft_quantization(method, gpu)
 
 
 def test_mtp_file_errors(tiny_llama_dir, tmp_path):

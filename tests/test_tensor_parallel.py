@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import time
+from datetime import timedelta
 
 import httpx
 import pytest
@@ -27,6 +28,13 @@ from kvserve.engine.llm import LLM
 from kvserve.engine.llm_engine import EngineArgs
 from kvserve.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from kvserve.sampling_params import SamplingParams
+from kvserve.worker.tp_workers import (
+    TensorParallelError,
+    TensorParallelWorkers,
+    WorkerSpec,
+    rank_device,
+    wait_until,
+)
 from tests.conftest import build_tiny_model
 from tests.server_utils import run_server
 
@@ -95,6 +103,86 @@ def test_features_that_keep_rank0_state_are_refused():
     with pytest.raises(ValueError, match="mtp drafter"):
         _check_tensor_parallel(EngineArgs(tensor_parallel_size=2, speculative_config=json.dumps(
             {"method": "mtp", "model": "x.safetensors"})))
+
+
+# ------------------------------------------------------- the NCCL path, with fakes (no GPU)
+
+
+def _spec(device: str) -> WorkerSpec:
+    return WorkerSpec("m", torch.float32, device, "auto", "auto", 16, 2, 0, 1.0, 1)
+
+
+def test_ranks_take_consecutive_gpus_from_the_named_one():
+    spec = _spec
+    assert [rank_device(spec("cuda:2"), r) for r in (0, 1)] == [torch.device("cuda", 2),
+                                                               torch.device("cuda", 3)]
+    assert rank_device(spec("cuda"), 1) == torch.device("cuda", 1)
+    assert rank_device(spec("cpu"), 1) == torch.device("cpu")
+
+
+def test_wait_until_is_bounded():
+    calls = iter([False, False, True])
+    wait_until(lambda: next(calls), 1.0, "x")  # returns once done
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="a step did not finish within 0.05s"):
+        wait_until(lambda: False, 0.05, "a step")
+    assert time.monotonic() - t0 < 1.0
+
+
+class _NeverDone:
+    """A CUDA event on a stream blocked by a collective whose peer is gone."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return False
+
+
+def test_a_hung_gpu_step_fails_the_group_within_the_timeout(monkeypatch):
+    """settle() on a stream that never finishes (NCCL waiting on a dead rank) raises the
+    group's error after the timeout and leaves it unhealthy, as gloo's timeout does; on the
+    CPU it has nothing to wait for."""
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: _NeverDone())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    workers = TensorParallelWorkers.__new__(TensorParallelWorkers)
+    workers.procs, workers.error, workers.timeout = [], None, timedelta(seconds=0.05)
+    workers.settle(torch.device("cpu"))
+    assert workers.status() is None
+    with pytest.raises(TensorParallelError, match="did not finish within"):
+        workers.settle(torch.device("cuda", 0))
+    assert "tensor-parallel group failed: TimeoutError" in workers.status()
+
+
+class _TimedEvent:
+    """A CUDA event whose elapsed_time is the gap between the fake clock's readings."""
+
+    clock = 0.0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at = None
+
+    def record(self, stream=None) -> None:
+        _TimedEvent.clock += 2.5
+        self.at = _TimedEvent.clock
+
+    def elapsed_time(self, end: _TimedEvent) -> float:  # ms, as torch's
+        return end.at - self.at
+
+
+def test_nccl_collective_time_is_read_from_gpu_events(monkeypatch):
+    """NCCL calls return once queued: their time comes from events around them, read after
+    the step (take_comm_seconds), and counting restarts from there."""
+    monkeypatch.setattr(torch.cuda, "Event", _TimedEvent)
+    tp = TensorParallel(rank=0, size=2, backend="nccl")
+    for _ in range(2):
+        tp._end(tp._begin())
+    assert tp.take_comm_seconds() == pytest.approx(2 * 2.5e-3)
+    assert tp.take_comm_seconds() == 0.0
+    gloo = TensorParallel(rank=0, size=2, backend="gloo")
+    gloo._end(gloo._begin())
+    assert 0.0 <= gloo.take_comm_seconds() < 1.0 and gloo.comm_seconds == 0.0
 
 
 # ------------------------------------------------------------------- identical outputs

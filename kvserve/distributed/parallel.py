@@ -70,14 +70,41 @@ def check_split(num_heads: int, num_kv_heads: int, size: int) -> None:
 @dataclass
 class TensorParallel:
     """This process's place in the tensor-parallel group. `group` carries the collectives
-    inside the forward pass; `comm_seconds` adds up the time spent in them (waiting for the
-    slower rank included), which the runner reports per step."""
+    inside the forward pass; `take_comm_seconds` adds up the time spent in them (waiting for
+    the slower rank included), which the runner reports per step."""
 
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
     backend: str = "gloo"
-    comm_seconds: float = field(default=0.0, compare=False)
+    comm_seconds: float = field(default=0.0, compare=False)  # host-timed (gloo)
+    # NCCL collectives return once queued: their time is the GPU's, between CUDA events.
+    _gpu_spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(
+        default_factory=list, compare=False, repr=False)
+
+    def _begin(self) -> float | torch.cuda.Event:
+        if self.backend != "nccl":
+            return time.perf_counter()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+
+    def _end(self, start: float | torch.cuda.Event) -> None:
+        if isinstance(start, float):
+            self.comm_seconds += time.perf_counter() - start
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._gpu_spans.append((start, end))
+
+    def take_comm_seconds(self) -> float:
+        """Seconds spent in collectives since the last call, and start counting afresh. On
+        NCCL the spans are read from their events, so call it once the step's work is done
+        (after the runner's settle and sampling)."""
+        total = self.comm_seconds + sum(s.elapsed_time(e) for s, e in self._gpu_spans) / 1e3
+        self.comm_seconds = 0.0
+        self._gpu_spans.clear()
+        return total
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks; every rank gets the same bits. Partial sums travel in float32,
@@ -90,7 +117,7 @@ class TensorParallel:
         order. NCCL's all_reduce is used as it is."""
         if self.size == 1:
             return x
-        t0 = time.perf_counter()
+        t0 = self._begin()
         y = x.float()
         if self.backend == "nccl":
             dist.all_reduce(y, group=self.group)
@@ -106,7 +133,7 @@ class TensorParallel:
             parts = y.new_empty((self.size, *y.shape))
             dist.all_gather_single(parts.view(-1, *y.shape[1:]), y, group=self.group)
             y = parts.sum(0)
-        self.comm_seconds += time.perf_counter() - t0
+        self._end(t0)
         return y.to(x.dtype)
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -114,10 +141,10 @@ class TensorParallel:
         None on the other ranks."""
         if self.size == 1:
             return x
-        t0 = time.perf_counter()
+        t0 = self._begin()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         dist.gather(x.contiguous(), parts, dst=self._global(0), group=self.group)
-        self.comm_seconds += time.perf_counter() - t0
+        self._end(t0)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
     def _global(self, rank: int) -> int:

@@ -74,9 +74,20 @@ class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
         """Load the model (and spawn the tensor-parallel ranks) and set up the KV cache,
         scheduler and drafter; the loaded tokenizer is `tokenizer`, for the front."""
-        device = torch.device(args.device)
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as e:
+            raise ValueError(f"device {args.device!r} is not cpu, cuda or cuda:N") from e
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {args.device!r} is not cpu, cuda or cuda:N")
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda requested but no CUDA device is available")
+            raise ValueError(f"--device {args.device} requested but no CUDA device is "
+                             f"available")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA "
+                             f"device(s) visible")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # cuda:N's kernels and allocations, not cuda:0's
         dtype = resolve_dtype(args.dtype, device)
         torch.manual_seed(args.seed)
         path = resolve_model(args.model)
@@ -89,7 +100,7 @@ class EngineCore:
             cfg = read_model_config(path)  # metadata only: refuse a bad split before spawning
             check_split(cfg.num_heads, cfg.num_kv_heads, args.tensor_parallel_size)
             self.workers = TensorParallelWorkers(
-                str(path), dtype, device.type, args.kv_cache_dtype,
+                str(path), dtype, str(device), args.kv_cache_dtype,
                 resolve_quantization(args.quantization, args.dtype),
                 args.block_size, args.tensor_parallel_size, args.tp_timeout,
                 args.max_model_len)
@@ -399,6 +410,7 @@ class EngineCore:
             if req.timeline.first_token is None:
                 req.timeline.first_token = now
                 req.timeline.add(now, "first_token")
+                self.scheduler.record_first_token(req, now)
             status = req.check_stop_token()
             if status is not None:
                 stop = token if (status is RequestStatus.FINISHED_STOPPED
@@ -489,7 +501,7 @@ class EngineCore:
             prefix_hit_tokens=tuple(kv.stats.hits.items()), spec=spec,
             steps=tuple(self.steps) if self._keep_steps else (),
             step_cost=None if (c := sched.cost.coef) is None else tuple(map(float, c)),
-            prompt_allowance=sched.prompt_allowance)
+            prompt_allowance=sched.prompt_allowance, ttft_calibration=sched.ttft_calibration)
 
     def close(self) -> None:
         """Persist the prefix cache to the disk tier, when there is one (a clean shutdown),

@@ -210,6 +210,9 @@ class QuantizedWeight(PackedWeight):
         dtype = weight.dtype
         if method == "none":
             raise ValueError("nothing to quantize with method 'none'")
+        if weight.device.type != "cpu":  # both kvserve's kernel and torch's fallbacks are CPU's
+            raise ValueError(f"{method} weights run on CPU kernels only; this weight is on "
+                             f"{weight.device} (use quantization none there)")
         self.exact = False  # quantized here (from_groups: a checkpoint's own codes)
         # A row-parallel int8 shard that must scale by whole rows (row_absmax): torch's kernel.
         self.kernels = (kernels.quant_kernels(dtype, weight.device, self.n, self.k)

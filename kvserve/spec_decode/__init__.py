@@ -16,6 +16,18 @@ from kvserve.spec_decode.mtp import MTPDrafter
 from kvserve.spec_decode.ngram import NgramDrafter
 
 
+def draft_quantization(quantization: str, device: torch.device) -> str:
+    """The draft model's weight form: `auto` is int4 on the CPU (a draft step is one row
+    through the weights: bytes are its time) and none elsewhere, where int4/int8 (kvserve's
+    and torch's kernels are the CPU's) are refused by name."""
+    if quantization == "auto":
+        return "int4" if device.type == "cpu" else "none"
+    if check_quantization(quantization) != "none" and device.type != "cpu":
+        raise ValueError(f"the draft model's quantization {quantization} runs on CPU kernels "
+                         f"only; use \"auto\" or \"none\" on {device}")
+    return quantization
+
+
 def build_drafter(spec: SpecConfig, target: LlamaForCausalLM, target_path, dtype: torch.dtype,
                   device: torch.device, sched: SchedulerConfig) -> Drafter:
     """The drafter `spec` names, loaded and checked against the target."""
@@ -29,10 +41,7 @@ def build_drafter(spec: SpecConfig, target: LlamaForCausalLM, target_path, dtype
             raise ValueError(f"draft model {path.name} has a vocabulary of "
                              f"{loaded.config.vocab_size} tokens, the target "
                              f"{target.config.vocab_size}: they must share a tokenizer")
-        if check_quantization(spec.quantization) != "none" and device.type != "cpu":
-            raise ValueError("the draft model's quantization (int4 by default) uses CPU "
-                             f"kernels; set \"quantization\": \"none\" on {device.type}")
-        loaded.model.pack_(spec.quantization)
+        loaded.model.pack_(draft_quantization(spec.quantization, device))
         return DraftModelDrafter(loaded.model, dtype, device, sched.max_num_batched_tokens)
     assert spec.model is not None
     return MTPDrafter.load(spec.model, target, device)

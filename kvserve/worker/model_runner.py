@@ -177,6 +177,10 @@ class StepPeers(Protocol):
     def fail(self, e: BaseException) -> NoReturn:
         """Record that a step failed midway and raise it as the group's error."""
 
+    def settle(self, device: torch.device) -> None:
+        """Wait, within the group's timeout, for the step's work queued on `device` (its
+        collectives may wait on a dead peer); raise the group's error if it does not end."""
+
 
 class ModelRunner:
     """Runs steps on the model; with `workers`, the model is rank 0's shard and every step is
@@ -216,12 +220,12 @@ class ModelRunner:
         if self.workers is None:
             return self._execute(sched)
         tp = self.model.tp
-        tp.comm_seconds = 0.0
+        tp.take_comm_seconds()  # whatever came before this step (start-up's collectives)
         try:
             out = self._execute(sched)
         except Exception as e:  # the ranks may now be out of step: the group is done
             self.workers.fail(e)
-        out.timings["all_reduce"] = tp.comm_seconds
+        out.timings["all_reduce"] = tp.take_comm_seconds()
         return out
 
     @torch.inference_mode()
@@ -262,10 +266,14 @@ class ModelRunner:
         pooled = [(req.request_id, hidden[o:o + k].float() if how == "mean"
                    else hidden[o + k - 1:o + k].float(), k) for req, o, k, how in pool_rows]
         if not rows and not prompt_rows and (self.workers is None or not hidden.shape[0]):
+            if self.workers is not None:
+                self.workers.settle(self.device)
             return ModelRunnerOutput([], [], pooled=pooled, timings=timings)
         t0 = time.perf_counter()
         # Under tensor parallelism every rank computes logits for every output row.
         logits = self.model.compute_logits(hidden)
+        if self.workers is not None:  # before any host read of the results: bounded
+            self.workers.settle(self.device)
         prompt_lps = []
         if prompt_rows or pool_rows:
             keep = torch.ones(logits.shape[0], dtype=torch.bool)

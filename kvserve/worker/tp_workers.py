@@ -11,6 +11,10 @@ them.
 Two process groups, both from `torch.distributed`:
 - WORLD carries the collectives of the forward pass (gloo on CPU, NCCL on CUDA), with the
   `--tp-timeout`: a rank that dies or hangs mid-step surfaces as an error on rank 0 within it.
+  Gloo's collectives block the host, so their own timeout raises. NCCL's only queue work on
+  the GPU: rank 0 waits for each step's work with that timeout itself (`settle`, polling a
+  CUDA event, never an unbounded synchronize), and NCCL's watchdog is told not to tear the
+  process down (TORCH_NCCL_ASYNC_ERROR_HANDLING=0), so a dead rank fails requests as on gloo.
 - `control` (gloo, with no practical timeout) carries the step broadcast, which workers wait
   on while the server is idle. A worker whose driver dies sees its connection close and exits.
 
@@ -28,6 +32,7 @@ import os
 import pickle
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -61,7 +66,7 @@ class WorkerSpec:
 
     model_path: str
     dtype: torch.dtype
-    device: str  # "cpu" or "cuda"
+    device: str  # "cpu", "cuda" or "cuda:N": rank r runs on cuda:N+r
     kv_cache_dtype: str
     quantization: str  # as given: "auto" is resolved per rank from the same checkpoint
     block_size: int
@@ -73,7 +78,23 @@ class WorkerSpec:
 
 
 def rank_device(spec: WorkerSpec, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if spec.device == "cuda" else torch.device("cpu")
+    """Rank `rank`'s device: consecutive GPUs from the one --device names (cuda = cuda:0)."""
+    device = torch.device(spec.device)
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def wait_until(done: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll `done` (a CUDA event's query) until it is true, sleeping 50 us growing to 2 ms
+    between polls; TimeoutError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    pause = 5e-5
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not finish within {timeout_s:g}s")
+        time.sleep(pause)
+        pause = min(2 * pause, 2e-3)
 
 
 def join_group(spec: WorkerSpec, rank: int,
@@ -81,9 +102,12 @@ def join_group(spec: WorkerSpec, rank: int,
     """Form the process groups over `store`; returns this rank's TensorParallel (WORLD) and
     the control group."""
     torch.set_num_threads(spec.threads)
-    backend = "nccl" if spec.device == "cuda" else "gloo"
-    if spec.device == "cuda":
-        torch.cuda.set_device(rank)
+    device = rank_device(spec, rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        # A timed-out collective must not kill the process: rank 0 detects it (settle).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=spec.size,
                             timeout=timedelta(seconds=spec.timeout_s))
     control = dist.new_group(backend="gloo", timeout=_NO_TIMEOUT)
@@ -162,10 +186,12 @@ class TensorParallelWorkers:
                  max_model_len: int | None = None) -> None:
         if size < 2:
             raise ValueError("tensor parallelism needs at least 2 ranks")
-        if device == "cuda" and torch.cuda.device_count() < size:
-            raise ValueError(f"--tensor-parallel-size {size} needs {size} CUDA devices, "
+        first = torch.device(device)
+        if first.type == "cuda" and torch.cuda.device_count() < (first.index or 0) + size:
+            raise ValueError(f"--tensor-parallel-size {size} on {device} needs CUDA devices "
+                             f"{first.index or 0}..{(first.index or 0) + size - 1}, "
                              f"{torch.cuda.device_count()} visible")
-        if device == "cpu":
+        if first.type == "cpu":
             kernels.ops()  # build the C++ kernels once here, not in every rank at the same time
         cores = len(os.sched_getaffinity(0))
         timeout = timedelta(seconds=timeout_s)
@@ -227,6 +253,17 @@ class TensorParallelWorkers:
         self.check()
         self._guard(lambda: broadcast_object(obj, self.control, self.timeout))
 
+    def settle(self, device: torch.device) -> None:
+        """Wait, at most the timeout, for the work queued so far on `device`'s stream (a
+        step's forward and its collectives); nothing to wait for off a GPU, where every
+        collective has already returned. A hung or dead peer fails the group."""
+        if device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        self._guard(lambda: wait_until(event.query, self.timeout.total_seconds(),
+                                       "a tensor-parallel step on the GPU"))
+
     def _guard(self, fn):
         try:
             return fn()
@@ -253,5 +290,7 @@ class TensorParallelWorkers:
             if p.is_alive():
                 p.kill()
                 p.join(1.0)
-        if dist.is_initialized():
+        # A failed NCCL communicator may still have work queued on a hung peer; destroying
+        # it would wait on that work, so it is left to the process's exit.
+        if dist.is_initialized() and (self.error is None or dist.get_backend() != "nccl"):
             dist.destroy_process_group()

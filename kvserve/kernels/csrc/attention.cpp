@@ -612,6 +612,7 @@ bool has_paged_attention(at::ScalarType dtype) {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& seqs,
                            const at::Tensor& tables, int64_t block_size, double scale,
                            int64_t window) {
+  kvs::check_cpu("paged_attention", q, cache, seqs, tables);
   TORCH_CHECK(has_paged_attention(q.scalar_type()),
               "paged_attention: no kernel for this dtype on this CPU");
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 4 && cache.size(0) == 2, "bad shapes");

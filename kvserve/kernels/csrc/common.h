@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 // attention.cpp
 bool has_paged_attention(at::ScalarType dtype);
@@ -47,6 +48,20 @@ at::Tensor quant_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed);
 
 namespace kvs {
+
+// Every entry point reads its tensors' memory on the host: a tensor that lives elsewhere (a
+// GPU, the meta device) is refused by name here, never dereferenced.
+inline void check_cpu(const char* fn, const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu(), fn, ": CPU tensors only, got one on ", t.device());
+}
+template <typename... Ts>
+inline void check_cpu(const char* fn, const at::Tensor& t, const Ts&... rest) {
+  check_cpu(fn, t);
+  check_cpu(fn, rest...);
+}
+inline void check_cpu(const char* fn, const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts) check_cpu(fn, t);
+}
 
 // What this build's instruction set allows (built with -march=native: this machine's CPU).
 #if defined(__AVX512F__)

@@ -65,6 +65,7 @@ void rms_rows(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& 
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  kvs::check_cpu("rms_norm", x, weight);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(), "bad input");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1), "weight shape");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type() || weight.scalar_type() == at::kFloat,
@@ -87,6 +88,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // same bytes as index_copy_ from a stacked, transposed copy, moved row by row.
 void store_kv(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v) {
+  kvs::check_cpu("store_kv", cache, slots, k, v);
   TORCH_CHECK(cache.dim() == 4 && cache.size(0) == 2 && cache.is_contiguous(), "cache shape");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == cache.size(1) &&
                   k.size(2) == cache.size(3), "k and v must be [T, Hkv, W]");
@@ -173,6 +175,10 @@ at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
                       const std::vector<at::Tensor>& slots, const at::Tensor& seqs,
                       const std::vector<at::Tensor>& tables, int64_t block_size, double scale, int64_t heads, int64_t kv_heads,
                       double eps, int64_t int4_group) {
+  kvs::check_cpu("run_layers", x, cos, sin, cos_local, sin_local, seqs);
+  kvs::check_cpu("run_layers", caches);
+  kvs::check_cpu("run_layers", slots);
+  kvs::check_cpu("run_layers", tables);
   TORCH_CHECK(weights.layers.size() == caches.size(), "one cache per layer");
   TORCH_CHECK(slots.size() == tables.size() && (slots.size() == 1 || slots.size() == caches.size()),
               "slot mappings and block tables: one, or one per layer");

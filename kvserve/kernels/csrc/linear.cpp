@@ -586,6 +586,7 @@ bool has_dense_linear(at::ScalarType dtype) {
 }
 
 at::Tensor dense_pack(const at::Tensor& w) {
+  kvs::check_cpu("dense_pack", w);
   TORCH_CHECK(w.dim() == 2 && has_dense_linear(w.scalar_type()),
               "dense_pack: w must be [N, K] float32 or bf16 (with a kernel on this CPU)");
   const int64_t N = w.size(0), K = w.size(1), per = w.scalar_type() == at::kFloat ? 1 : 2;
@@ -597,6 +598,7 @@ at::Tensor dense_pack(const at::Tensor& w) {
 }
 
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed) {
+  kvs::check_cpu("dense_linear", x, packed);
 #if defined(KVS_AVX2)
   if (x.scalar_type() == at::kFloat && packed.element_size() == 2) {  // dense_pack_half's
     TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(1) == x.size(1) &&
@@ -640,6 +642,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed) {
 bool has_dense_half() { return kvs::kAvx2; }
 
 at::Tensor dense_pack_half(const at::Tensor& w) {
+  kvs::check_cpu("dense_pack_half", w);
   TORCH_CHECK(has_dense_half(), "dense_pack_half: no 16-bit weight kernel on this CPU");
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf),
               "dense_pack_half: w must be [N, K] bf16 or float16");
@@ -659,6 +662,7 @@ bool has_quant_halves() { return kHasQuantHalves; }
 // 8 bits with d and m [N, K / 16] and m = -128 d: form kHalves's tiles, int8.
 at::Tensor quant_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
                       int64_t bits) {
+  kvs::check_cpu("quant_pack", q, d, m);
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "q must be [N, K] uint8");
   const int64_t N = q.size(0), K = q.size(1), G = K / 32;
@@ -710,6 +714,7 @@ at::Tensor quant_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor
 // quant_linear: x [M, K] float32 or bf16 times quant_pack's tiles [N / 16, K / 32, tile
 // bytes] (the tile size tells 4 from 8 bits) -> [M, N] in x's dtype.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed) {
+  kvs::check_cpu("quant_linear", x, packed);
   TORCH_CHECK(kHasQuantLinear, "quant_linear needs AVX512-VNNI and AVX512-BF16, or AVX2");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 ||
                                x.scalar_type() == at::kFloat), "x must be [M, K] bf16/float32");
