@@ -313,10 +313,12 @@ class Scheduler:
         """The model's TTFT for a request queued now. Whichever bound binds:
         - seats: the requests ahead of it beyond the seats free now (under the ITL target,
           the seats the target allows) wait for running requests to leave, at the rate they
-          left over the last LEAVE_RATE_WINDOW seconds, and then it computes its prompt;
+          left over the last LEAVE_RATE_WINDOW seconds (before two have left: when the
+          running requests' remaining outputs end, _drain_wait), and then it computes its
+          prompt;
         - prompt throughput: the prompt tokens ahead of it (waiting, and running prompts'
           rest) and its own, at the rate the step sizing gives prompts.
-        None while nothing is known (no fitted model, or seats to wait for but no rate)."""
+        None while the step cost model is not fitted."""
         if self.cost.coef is None:
             return None
         now = time.perf_counter() if now is None else now
@@ -328,16 +330,33 @@ class Scheduler:
                          if not self._fits_target(num_tokens, max_tokens, n)), free)
         ahead = len(self.waiting) + 1 - free
         seat_wait = 0.0
-        if ahead > 0:
-            if len(self._left) < 2:
-                return None
+        if ahead > 0 and len(self._left) >= 2:
             span = max(now - self._left[0], 1e-3)
             seat_wait = ahead * span / (len(self._left) - 1)
+        elif ahead > 0:
+            seat_wait = self._drain_wait(ahead)
         gaps = (r.num_tokens - r.num_computed_tokens
                 for r in itertools.chain(self.waiting, self.running))
         ahead_tokens = sum(g for g in gaps if g > 1)
         return max(seat_wait + self._prompt_seconds(num_tokens),
                    self._prompt_seconds(ahead_tokens + num_tokens))
+
+    def _drain_wait(self, ahead: int) -> float:
+        """Seconds until the `ahead`-th seat frees if running requests leave when their
+        max_tokens run out, a step per token (at the ITL target's planned step under a
+        feasible target, else the running batch's predicted decode step), and each request
+        admitted into a freed seat in turn runs as long as the longest of them."""
+        if not self.running:
+            return 0.0
+        left = sorted(max(r.max_tokens - r.num_output_tokens, 1) for r in self.running)
+        target = self.config.target_itl_s
+        if target is not None and self._target_feasible():
+            step = TARGET_MARGIN * target
+        else:
+            context = sum(r.num_tokens for r in self.running)
+            step = self.cost.predict(StepShape(0, len(self.running), context)) or 0.0
+        rounds, index = divmod(ahead - 1, len(left))
+        return step * (left[index] + rounds * left[-1])
 
     def _prompt_seconds(self, tokens: int) -> float:
         """Predicted seconds to compute `tokens` prompt tokens: in steps of the last targeted

@@ -227,9 +227,10 @@ def test_predicted_ttft_counts_the_prompt_work_ahead_and_the_wait_for_seats():
     assert sched.predicted_ttft(250, 8) == pytest.approx(0.250)  # three steps' worth
     _workload(sched, 2, 300, 4)  # a seat is left for it, behind 600 prompt tokens
     assert sched.predicted_ttft(50, 8) == pytest.approx(0.650)
-    # two more waiting: it would wait for seats, and no request has left yet: unknown
+    # two more waiting: it would wait for seats, and no request has left yet; they are
+    # waiting, not running, so nothing is known to leave: no wait for a seat is predicted
     _workload(sched, 2, 10, 4)
-    assert sched.predicted_ttft(50, 8) is None
+    assert sched.predicted_ttft(50, 8) == pytest.approx(0.670)
     now = 1000.0
     sched._left.extend([now - 10, now - 5, now])  # 2 left in 10 s: a seat per 5 s
     # 2 ahead beyond the 3 seats (4 waiting + it - 3) x 5 s, then its 50 ms
@@ -237,6 +238,23 @@ def test_predicted_ttft_counts_the_prompt_work_ahead_and_the_wait_for_seats():
     sched._left.clear()
     sched._left.extend([now - 0.1, now - 0.05, now])  # a seat per 50 ms: tokens bind
     assert sched.predicted_ttft(50, 8, now) == pytest.approx(0.670)
+
+
+def test_before_any_request_left_the_wait_for_a_seat_follows_the_running_outputs():
+    """No leave rate yet (the first requests of a run): the seats free as the running
+    requests' max_tokens run out, a planned step (90% of the ITL target) per token."""
+    sched = make_sched(budget=100, max_seqs=3, short_steps=False, itl_ms=100)
+    sched.cost.set(0.0, 0.0001, 0.0001, 0.0)  # cheap: the target is feasible
+    for out_len in (10, 30, 20):
+        sched.add_request(make_req(4, out_len))
+    step(sched)  # all three run, and each has its first token: 9, 29 and 19 to go
+    assert len(sched.running) == 3 and not sched.waiting
+    assert sched._drain_wait(1) == pytest.approx(0.09 * 9)
+    assert sched._drain_wait(2) == pytest.approx(0.09 * 19)
+    assert sched._drain_wait(4) == pytest.approx(0.09 * (9 + 29))  # a second round
+    sched.add_request(make_req(4, 8))  # one waiting: a new request is second in line
+    wait = sched.predicted_ttft(4, 8)
+    assert wait is not None and wait >= 0.09 * 19
 
 
 def test_predicted_ttft_is_scaled_by_how_the_last_predictions_turned_out():
