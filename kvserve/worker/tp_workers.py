@@ -54,6 +54,10 @@ from kvserve.worker.model_runner import (
 log = logging.getLogger(__name__)
 
 _NO_TIMEOUT = timedelta(days=365)
+# Start-up (a worker's spawn and imports before it reaches the store, then its shard's load
+# before it takes the cache plan) gets at least this long; a step keeps --tp-timeout. A
+# worker spawned on a loaded 2-core machine took over 3 s just to reach the store.
+STARTUP_TIMEOUT_S = 120.0
 
 
 class TensorParallelError(RuntimeError):
@@ -201,6 +205,7 @@ class TensorParallelWorkers:
                                block_size, size, store.port, timeout_s, max(1, cores // size),
                                max_model_len)
         self.timeout = timeout
+        self.startup_s = max(timeout_s, STARTUP_TIMEOUT_S)
         self.error: str | None = None
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools
         self.procs = [ctx.Process(target=worker_main, args=(rank, self.spec), daemon=True,
@@ -208,7 +213,7 @@ class TensorParallelWorkers:
         for p in self.procs:
             p.start()
         try:
-            self._wait_for_workers(store, time.monotonic() + timeout_s)
+            self._wait_for_workers(store, time.monotonic() + self.startup_s)
             self.tp, self.control = join_group(self.spec, 0, store)
         except Exception as e:
             self.close()
@@ -225,13 +230,15 @@ class TensorParallelWorkers:
         while not store.check(keys):
             self.check()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"workers did not start within {self.spec.timeout_s:.0f}s")
+                raise TimeoutError(f"workers did not start within {self.startup_s:.0f}s")
             time.sleep(0.05)
 
     def agree_num_blocks(self, cache, layout, num_blocks: int) -> int:
         """Send the cache config and KV layout to the workers and agree on the block
-        count."""
-        self.send((cache, layout))
+        count. The workers take the plan once their shards are loaded: start-up's timeout."""
+        self.check()
+        self._guard(lambda: broadcast_object((cache, layout), self.control,
+                                             timedelta(seconds=self.startup_s)))
         return self._guard(lambda: agree_num_blocks(self.tp, num_blocks, self.device))
 
     def status(self) -> str | None:
