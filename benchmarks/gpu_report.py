@@ -286,18 +286,19 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     device_name = (torch.cuda.get_device_name(torch.device(args.device))
                    if args.device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)")
-    results = []
+    results: list[dict] = []
     for shape in shapes:
         try:
             results.append(report_shape(shape, args, root))
         except Exception as e:  # one shape's failure still leaves the others' report
             log(f"{shape}: FAILED: {type(e).__name__}: {e}")
             results.append({"shape": shape, "error": f"{type(e).__name__}: {e}"})
+        # after every shape: a timeout during the next still leaves this one's report
         args.out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
-    ok = [r for r in results if "error" not in r]
-    text = markdown(ok, args, device_name)
-    text += "".join(f"\n{r['shape']}: FAILED: {r['error']}\n" for r in results if "error" in r)
-    args.out.write_text(text)
+        ok = [r for r in results if "error" not in r]
+        text = markdown(ok, args, device_name) + "".join(
+            f"\n{r['shape']}: FAILED: {r['error']}\n" for r in results if "error" in r)
+        args.out.write_text(text)
     print(text)
     return 0 if len(ok) == len(results) else 1
 

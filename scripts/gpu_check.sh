@@ -105,16 +105,16 @@ $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>/dev/null
 echo "== the CUDA suite"
 suite=0
 if [[ $DEVICE == cpu ]]; then
-    KVSERVE_CUDA_SUITE_DEVICE=cpu timeout 240 $PY -m pytest -q -p no:cacheprovider \
+    KVSERVE_CUDA_SUITE_DEVICE=cpu timeout 180 $PY -m pytest -q -p no:cacheprovider \
         tests/test_cuda.py 2>&1 | tail -25 || suite=$?
 else
-    timeout 240 $PY -m pytest -q -p no:cacheprovider --device "$DEVICE" tests/test_cuda.py \
+    timeout 180 $PY -m pytest -q -p no:cacheprovider --device "$DEVICE" tests/test_cuda.py \
         tests/test_model.py tests/test_kv_int8.py 2>&1 | tail -25 || suite=$?
 fi
 
 echo "== the report"
 report=0
-timeout 420 $PY benchmarks/gpu_report.py --device "$DEVICE" --shapes "$SHAPES" \
+timeout 360 $PY benchmarks/gpu_report.py --device "$DEVICE" --shapes "$SHAPES" \
     --out "$OUT_DIR/gpu-report.md" --workdir "${TMPDIR:-/tmp}/kvserve-gpu-check" || report=$?
 {
     echo "# scripts/gpu_check.sh, $(date -u +%FT%TZ)"
