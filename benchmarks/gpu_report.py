@@ -10,7 +10,8 @@ Per shape:
 - the bandwidth floor: the weights' bytes over the device's measured copy bandwidth (bytes
   read + written per second by a large device-to-device copy, the best of 10);
 - batch-1 decode: kvserve's time per output token for one request (512-token prompt, 128
-  out), against that floor, and the bandwidth it implies;
+  out), against that floor, and the bandwidth it implies; then the same engine with its
+  CUDA graphs dropped (every step eager, as --enforce-eager);
 - serving: `kvserve serve` on the device driven by `kvserve bench serve` at --concurrency
   requests of --input-len / --output-len tokens (TTFT, ITL, TPOT p50/p99, output tokens/s);
 - Hugging Face `generate` with static batching of --concurrency such requests on the same
@@ -131,13 +132,23 @@ def batch1_decode(path: Path, device: str, prompt_len: int, out_len: int) -> dic
     try:
         params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
         vocab = llm.engine.runner.vocab_size
-        llm.generate(random_prompts(1, prompt_len, vocab, seed=99), params)  # warm-up
-        tpots = []
-        for prompt in random_prompts(3, prompt_len, vocab):
-            m = llm.generate([prompt], params)[0].metrics
-            tpots.append((m.finished_time - m.first_token_time) / (out_len - 1))
-        return {"tpot_s": statistics.median(tpots), "tpots_s": tpots,
-                "batch_variant": llm.engine.runner.model.batch_variant_parts()}
+        runner = llm.engine.runner
+
+        def tpots() -> list[float]:
+            llm.generate(random_prompts(1, prompt_len, vocab, seed=99), params)  # warm-up
+            times = []
+            for prompt in random_prompts(3, prompt_len, vocab):
+                m = llm.generate([prompt], params)[0].metrics
+                times.append((m.finished_time - m.first_token_time) / (out_len - 1))
+            return times
+
+        graphed = tpots()
+        replays = runner.graphs.replays if runner.graphs is not None else 0
+        runner.graphs = None  # the same engine, every step eager (as --enforce-eager)
+        eager = tpots()
+        return {"tpot_s": statistics.median(graphed), "tpots_s": graphed,
+                "graph_replays": replays, "eager_tpot_s": statistics.median(eager),
+                "eager_tpots_s": eager, "batch_variant": runner.model.batch_variant_parts()}
     finally:
         llm.close()
         if device.startswith("cuda"):
@@ -227,7 +238,8 @@ def report_shape(shape: str, args: argparse.Namespace, root: Path) -> dict:
     r["batch1"] = batch1_decode(path, args.device, args.input_len, args.batch1_output_len)
     r["batch1"]["vs_floor"] = r["batch1"]["tpot_s"] / r["floor_s"]
     log(f"{shape}: batch-1 TPOT {1e3 * r['batch1']['tpot_s']:.2f} ms = "
-        f"{r['batch1']['vs_floor']:.2f}x the floor")
+        f"{r['batch1']['vs_floor']:.2f}x the floor ({r['batch1']['graph_replays']} graph "
+        f"replays; eager {1e3 * r['batch1']['eager_tpot_s']:.2f} ms)")
     r["serve"] = serve_bench(path, args.device, args, root)
     r["hf"] = hf_static(path, args.device, args)
     r["vs_hf"] = r["serve"]["output_throughput"] / r["hf"]["output_tokens_per_s"]
@@ -242,8 +254,8 @@ def markdown(results: list[dict], args: argparse.Namespace, device_name: str) ->
              f"{args.concurrency}, {args.input_len} in / {args.output_len} out; batch-1 "
              f"decode {args.input_len} in / {args.batch1_output_len} out.", "",
              "| shape | weights GB | copy GB/s | floor ms | batch-1 TPOT ms | x floor | "
-             "TTFT p50/p99 ms | ITL p50/p99 ms | TPOT p50/p99 ms | kvserve tok/s | "
-             "HF static tok/s | x HF |", "|" + "---|" * 12]
+             "eager batch-1 TPOT ms | TTFT p50/p99 ms | ITL p50/p99 ms | TPOT p50/p99 ms | "
+             "kvserve tok/s | HF static tok/s | x HF |", "|" + "---|" * 13]
     def pct(s: dict, key: str) -> str:
         d = s.get(key) or {}
         return f"{d.get('median', float('nan')):.1f} / {d.get('p99', float('nan')):.1f}"
@@ -253,7 +265,8 @@ def markdown(results: list[dict], args: argparse.Namespace, device_name: str) ->
         lines.append(
             f"| {r['shape']} | {r['weight_bytes'] / 1e9:.2f} | {r['copy_bandwidth'] / 1e9:.0f} "
             f"| {1e3 * r['floor_s']:.2f} | {1e3 * r['batch1']['tpot_s']:.2f} | "
-            f"{r['batch1']['vs_floor']:.2f} | {pct(s, 'ttft_ms')} | {pct(s, 'itl_ms')} | "
+            f"{r['batch1']['vs_floor']:.2f} | {1e3 * r['batch1']['eager_tpot_s']:.2f} | "
+            f"{pct(s, 'ttft_ms')} | {pct(s, 'itl_ms')} | "
             f"{pct(s, 'tpot_ms')} | {s['output_throughput']:.0f} | "
             f"{r['hf']['output_tokens_per_s']:.0f} | {r['vs_hf']:.2f} |")
     for r in results:

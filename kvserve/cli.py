@@ -104,6 +104,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-timeout", type=float, default=60.0,
                    help="seconds a tensor-parallel collective waits for a rank before the "
                         "engine fails (a dead or hung rank)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU, run decode steps eagerly instead of as CUDA graphs")
     g.add_argument("--engine-process", action="store_true",
                    help="run the engine core (scheduler, model, KV cache) in a process of its "
                         "own, behind a pipe, instead of on the engine thread")
@@ -174,7 +176,7 @@ def engine_args_from(args: argparse.Namespace):
         speculative_config=args.speculative_config,
         timeline_buffer_size=args.timeline_buffer_size, step_buffer_size=args.step_buffer_size,
         tensor_parallel_size=args.tensor_parallel_size, tp_timeout=args.tp_timeout,
-        engine_process=args.engine_process)
+        engine_process=args.engine_process, enforce_eager=args.enforce_eager)
 
 
 def engine_from(args: argparse.Namespace):

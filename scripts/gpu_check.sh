@@ -109,7 +109,8 @@ if [[ $DEVICE == cpu ]]; then
         tests/test_cuda.py 2>&1 | tail -25 || suite=$?
 else
     timeout 180 $PY -m pytest -q -p no:cacheprovider --device "$DEVICE" tests/test_cuda.py \
-        tests/test_model.py tests/test_kv_int8.py 2>&1 | tail -25 || suite=$?
+        tests/test_triton_attention.py tests/test_model.py tests/test_kv_int8.py 2>&1 |
+        tail -25 || suite=$?
 fi
 
 echo "== the report"

@@ -4,12 +4,19 @@ when it is installed."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvserve.models.loader import default_model_path
+
+if not torch.cuda.is_available():
+    # Triton's GPU kernels run here under its interpreter (test_triton_attention). It must
+    # be chosen before triton is first imported: its own library functions (tl.sum, ...)
+    # are decorated for one mode or the other at import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"

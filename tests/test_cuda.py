@@ -146,3 +146,20 @@ def test_server_completes_with_the_openai_client(tiny_llama_dir, gpu):
         chunks = list(client.completions.create(model=out.model, prompt="hello", max_tokens=8,
                                                 temperature=0, stream=True))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
+
+
+def test_decode_steps_replay_cuda_graphs(tiny_llama_dir, gpu):
+    """On a GPU decode steps replay CUDA graphs by default (worker.cuda_graphs); the tokens
+    are those of eager steps (--enforce-eager)."""
+    if torch.device(gpu).type != "cuda":
+        pytest.skip("CUDA graphs need a GPU (test_cuda_graphs checks their buffers on a CPU)")
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device=gpu, block_size=4, max_num_seqs=8)
+    try:
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
+        outs = llm.generate(prompts(), GREEDY)
+        assert graphs.replays >= GREEDY.max_tokens - 1
+        replayed = [list(c.token_ids) for o in outs for c in o.outputs]
+    finally:
+        llm.close()
+    assert replayed == generate(tiny_llama_dir, gpu, enforce_eager=True)

@@ -37,7 +37,7 @@ def test_a_short_soak_with_faults_keeps_everything(real_model_path, tmp_path):
         "--slow-client-wait", "15", "--timeout", "120", "--seed", "3"])
     report = run_soak(args)
     summary = {k: v for k, v in report.items() if k not in ("windows", "integrity")}
-    assert passed(report), summary
+    assert passed(report), f"not ok: {report['first_not_ok']}; {summary}"
     kinds = report["by_kind"]
     assert kinds["injected_error"]["ok"] > 0 and report["5xx"] == report["5xx_injected"] > 0
     assert report["shed_429"] > 0, "the bursts never filled the queue"

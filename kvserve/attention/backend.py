@@ -51,6 +51,21 @@ class AttentionBackend(ABC):
         request's context (causally within the request); with a sliding `window`, a query
         at position p to keys p - window + 1 .. p only."""
 
+    def graph_safe(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether `forward` can run from `graph_metadata`'s tensors alone, with no host-side
+        work per step, so that a CUDA graph can hold it (worker.cuda_graphs)."""
+        del dtype, device
+        return False
+
+    def graph_metadata(self, slot_mapping: torch.Tensor, seqs: torch.Tensor,
+                       tables: torch.Tensor, block_size: int) -> object:
+        """Metadata over static buffers for a step of decodes, one query row per sequence:
+        row i of every tensor is sequence i; seqs [B, 3] holds (i, 1, context length),
+        tables [B, width] the block tables. A padding row has slot -1 (its K/V are written
+        nowhere) and context length 0 (it attends to nothing; its output is garbage to drop).
+        Only where `graph_safe`."""
+        raise NotImplementedError
+
     def fused_inputs(self, meta: object, dtype: torch.dtype) -> tuple | None:
         """When the C++ `run_layers` can run this backend's layers whole (activations in
         `dtype`): the attention arguments it takes after the caches (slot mapping, sequences,

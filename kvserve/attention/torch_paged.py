@@ -4,17 +4,19 @@ ops elsewhere.
 The cache of one layer is laid out head-major, [2, Hkv, num_slots, W] (W = head_dim D, or
 D + 2 for int8), addressed by slot = block id * block size + offset.
 
-On a CPU with AVX-512 (float32) or AVX512-BF16 (bf16), every row of a step goes through one
-C++ call, `paged_attention`, which computes a row the same way whether it is a decode token,
-a draft being verified or part of a prompt chunk, and whatever else is in the step (see
-kernels/csrc/attention.cpp): a request's output does not depend on its batch or on how its
-prompt was chunked.
+On a CPU with AVX-512 or AVX2 (float32) or AVX512-BF16 (bf16), every row of a step goes
+through one C++ call, `paged_attention`, which computes a row the same way whether it is a
+decode token, a draft being verified or part of a prompt chunk, and whatever else is in the
+step (see kernels/csrc/attention.cpp): a request's output does not depend on its batch or on
+how its prompt was chunked. On a GPU with Triton, the Triton kernels of the same name do the
+same (kernels/triton_paged.py), reading K/V through the block table in place.
 
-Elsewhere (a GPU, no compiler, another CPU) torch's ops run, and their results do depend on
-the batch (the engine logs it): decode rows (one query per request, or a few after context:
-speculative drafts) are attended in one batched call over a padded gather of their contexts
-(one `index_select` per K and V, already in the [Hkv, B, L, W] order the batched matmuls
-want); prompt chunks go one request at a time through SDPA.
+Elsewhere (no compiler, another CPU, a GPU without Triton, an int8 KV cache on a GPU)
+torch's ops run, and their results do depend on the batch (the engine logs it): decode rows
+(one query per request, or a few after context: speculative drafts) are attended in one
+batched call over a padded gather of their contexts (one `index_select` per K and V, already
+in the [Hkv, B, L, W] order the batched matmuls want); prompt chunks go one request at a time
+through SDPA.
 
 With `kv_cache_dtype="int8"` rows are quantized on write (layout in `kv_quant`) and
 dequantized on read, by the kernel as by the torch path. A prompt chunk with no earlier
@@ -96,13 +98,14 @@ class TorchAttentionMetadata:
     block_size: int
     seqs: torch.Tensor  # [S, 3] int64: first row, rows, context length (paged_attention)
     tables: torch.Tensor  # [S, nb] int64 block tables, padded with block 0
-    batch: AttentionBatch
+    batch: AttentionBatch | None  # None: over a graph's static buffers (kernels only)
     _torch_paths: dict[int, TorchPathMetadata] = field(default_factory=dict)
 
     def torch_path(self, window: int) -> TorchPathMetadata:
         """Built on first use (only where the kernel does not run), one per sliding window,
         shared by every layer with that window."""
         if window not in self._torch_paths:
+            assert self.batch is not None, "graph metadata runs only on the kernels"
             self._torch_paths[window] = _torch_path_metadata(self.batch, window)
         return self._torch_paths[window]
 
@@ -188,13 +191,25 @@ class TorchPagedAttention(AttentionBackend):
             torch.tensor(tables, dtype=torch.long, device=device), batch)
 
     def ops_for(self, dtype: torch.dtype, device: torch.device):
-        """The C++ module when its paged_attention serves this layer (see kvserve.kernels)."""
-        return kernels.attention_kernels(dtype, device, self.head_dim)
+        """The kernels serving this layer's store_kv and paged_attention: the C++ module on a
+        CPU, Triton's on a GPU (see kvserve.kernels); None for torch's ops."""
+        return kernels.attention_kernels(dtype, device, self.head_dim,
+                                         kv_int8=self.quantized)
+
+    def graph_safe(self, dtype: torch.dtype, device: torch.device) -> bool:
+        return kernels.graph_safe(self.ops_for(dtype, device))
+
+    def graph_metadata(self, slot_mapping: torch.Tensor, seqs: torch.Tensor,
+                       tables: torch.Tensor, block_size: int) -> TorchAttentionMetadata:
+        return TorchAttentionMetadata(slot_mapping, slot_mapping.shape[0], block_size, seqs,
+                                      tables, None)
 
     def fused_inputs(self, meta: TorchAttentionMetadata, dtype: torch.dtype) -> tuple | None:
         # The C++ path stores K/V unquantized (store_kv) and reads them with paged_attention,
         # as forward() does.
-        if self.quantized or self.ops_for(dtype, meta.slot_mapping.device) is None:
+        device = meta.slot_mapping.device
+        if self.quantized or device.type != "cpu" or \
+                self.ops_for(dtype, device) is not kernels.ops():
             return None
         return meta.slot_mapping, meta.seqs, meta.tables, meta.block_size, self.scale
 

@@ -47,6 +47,8 @@ class EngineArgs:
     # run the engine core (scheduler, model, KV cache) in a process of its own, behind a pipe
     # (engine.core_process), instead of on the engine thread
     engine_process: bool = False
+    # on a GPU, run every step eagerly instead of replaying CUDA graphs for decode steps
+    enforce_eager: bool = False
     seed: int = 0
 
     def latency_targets(self) -> LatencyTargets:

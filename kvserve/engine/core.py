@@ -208,6 +208,12 @@ class EngineCore:
         if cache.kv_cache_dtype == "int8":
             log.info("int8 KV: %.2fx the tokens of %s", capacity_gain(cfg, "int8", dtype),
                      dtype_name(dtype))
+        if device.type == "cuda" and not args.enforce_eager:
+            if self.runner.can_capture_graphs():
+                self.runner.capture_decode_graphs(args.max_num_seqs, max_len)
+            else:
+                log.info("decode steps run eagerly: CUDA graphs need one rank and attention "
+                         "on the Triton kernels (bf16/float16/float32, K/V unquantized)")
         self.steps: deque[StepRecord] = deque(maxlen=max(args.step_buffer_size, 1))
         self._keep_steps = args.step_buffer_size > 0
         self._record_timelines = args.timeline_buffer_size > 0

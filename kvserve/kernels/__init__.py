@@ -1,5 +1,6 @@
-"""C++ kernels for the CPU, compiled on first use with the system compiler, and the one place
-that decides whether a kernel or torch's fallback serves an operation.
+"""C++ kernels for the CPU, compiled on first use with the system compiler, Triton kernels for
+paged attention on a GPU (triton_paged), and the one place that decides whether a kernel or
+torch's fallback serves an operation.
 
 `torch.utils.cpp_extension` builds `csrc/*.cpp` with ninja (a pinned dependency) into the torch
 extensions cache (~/.cache/torch_extensions) the first time they are needed (~30 s here; the
@@ -40,6 +41,8 @@ from types import ModuleType
 import torch
 
 from kvserve.disk_cache import atomic_write, cache_root, digest, sources_digest
+from kvserve.kernels import triton_paged
+from kvserve.kernels.triton_paged import TritonPagedAttention
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +73,7 @@ def _name() -> str:
 
 @cache
 def ops() -> ModuleType | None:
-    if os.environ.get("KVSERVE_NO_CPP", "") not in ("", "0"):
+    if _flag("KVSERVE_NO_CPP"):
         return None
     name = _name()
     key = build_id(name)
@@ -169,15 +172,40 @@ def _cpu(device: torch.device | str) -> ModuleType | None:
     return ops() if torch.device(device).type == "cpu" else None
 
 
-def attention_kernels(dtype: torch.dtype, device: torch.device | str,
-                      head_dim: int) -> ModuleType | None:
-    """The module when its `paged_attention` serves a layer: on the CPU, activations in
-    float32 (AVX-512 or AVX2) or bf16 (AVX512-BF16), head_dim a multiple of 16; any K/V
-    storage."""
+def attention_kernels(dtype: torch.dtype, device: torch.device | str, head_dim: int,
+                      kv_int8: bool = False) -> ModuleType | TritonPagedAttention | None:
+    """What serves a layer's `store_kv` and `paged_attention`: on the CPU the C++ module,
+    activations in float32 (AVX-512 or AVX2) or bf16 (AVX512-BF16), head_dim a multiple of
+    16, any K/V storage; on a GPU the Triton kernels (triton_paged), activations in bf16,
+    float16 or float32, K/V stored unquantized, where Triton imports and KVSERVE_NO_TRITON
+    is unset. KVSERVE_TRITON_ON_CPU=1 with TRITON_INTERPRET=1 puts the Triton kernels on the
+    CPU, under Triton's interpreter: a test of them, slow, not a way to serve."""
+    kind = torch.device(device).type
+    if kind == "cuda" or kind == "cpu" and _flag("KVSERVE_TRITON_ON_CPU"):
+        if kv_int8 or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return None
+        return _triton()
     kernels = _cpu(device)
     if kernels is None or head_dim % 16 or dtype not in (torch.float32, torch.bfloat16):
         return None
     return kernels if kernels.has_paged_attention(dtype) else None
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
+@cache
+def _triton() -> TritonPagedAttention | None:
+    if _flag("KVSERVE_NO_TRITON") or not triton_paged.available():
+        return None
+    return TritonPagedAttention()
+
+
+def graph_safe(kernels: object) -> bool:
+    """Whether an attention_kernels() answer runs from device tensors alone (no host reads,
+    shapes fixed by the batch size), as a CUDA graph needs: the Triton kernels."""
+    return isinstance(kernels, TritonPagedAttention)
 
 
 def dense_kernels(dtype: torch.dtype, device: torch.device | str, n: int,

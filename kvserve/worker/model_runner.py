@@ -16,6 +16,7 @@ import logging
 import math
 import mmap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NoReturn, Protocol
 
@@ -36,6 +37,7 @@ from kvserve.request import Request
 from kvserve.sampler import Sampler, SamplingMetadata, TokenLogprobs, token_logprobs
 from kvserve.scheduler import SchedulerOutput
 from kvserve.structured import fill_bitmasks
+from kvserve.worker.cuda_graphs import Captured, DecodeGraphs, cuda_capture
 
 log = logging.getLogger(__name__)
 
@@ -209,12 +211,26 @@ class ModelRunner:
                                             self.layout)
         self.sampler = Sampler()
         self.keep_hidden = False  # set by a drafter that drafts from the target's states
+        self.graphs: DecodeGraphs | None = None  # capture_decode_graphs
         if device.type == "cpu":
             kernels.ops()  # build or load the C++ kernels now rather than in the first request
 
     @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
+
+    def can_capture_graphs(self) -> bool:
+        """Whether decode steps can run as CUDA graphs: one rank (a graph would hold the
+        collectives too; not done) on an attention backend that runs from static buffers."""
+        return self.workers is None and self.backend.graph_safe(self.dtype, self.device)
+
+    def capture_decode_graphs(self, max_seqs: int, max_model_len: int,
+                              capture: Callable[[Callable[[], torch.Tensor], object], Captured]
+                              = cuda_capture) -> None:
+        """Capture the forward of decode steps of up to `max_seqs` requests (see
+        worker.cuda_graphs); steps that fit replay them from then on."""
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.layout, self.block_size,
+                                   max_seqs, max_model_len, self.dtype, self.device, capture)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if self.workers is None:
@@ -261,8 +277,11 @@ class ModelRunner:
         timings: dict[str, float] = {}
         if self.workers is not None:
             self.workers.send(items)
-        hidden = run_forward(self.model, self.kv_caches, self.block_size, items, self.device,
-                             timings, self.layout)
+        if self.graphs is not None and self.graphs.fits(items):
+            hidden = self.graphs.run(items, timings)
+        else:
+            hidden = run_forward(self.model, self.kv_caches, self.block_size, items,
+                                 self.device, timings, self.layout)
         pooled = [(req.request_id, hidden[o:o + k].float() if how == "mean"
                    else hidden[o + k - 1:o + k].float(), k) for req, o, k, how in pool_rows]
         if not rows and not prompt_rows and (self.workers is None or not hidden.shape[0]):
