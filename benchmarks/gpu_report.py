@@ -128,7 +128,8 @@ def batch1_decode(path: Path, device: str, prompt_len: int, out_len: int) -> dic
     from kvserve.engine.llm import LLM
     from kvserve.sampling_params import SamplingParams
 
-    llm = LLM(str(path), dtype="bfloat16", device=device, max_model_len=prompt_len + out_len)
+    llm = LLM(str(path), dtype="bfloat16", device=device, max_model_len=prompt_len + out_len,
+              kv_cache_memory="4GiB")  # one request's; the server after it takes the GPU
     try:
         params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
         vocab = llm.engine.runner.vocab_size

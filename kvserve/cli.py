@@ -38,6 +38,17 @@ def device_arg(text: str) -> str:
     return text
 
 
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in (0, 1]")
+    return value
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     from kvserve.bench.serve import positive_float  # imported for the parser anyway
 
@@ -70,7 +81,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="serve: answer 429 (with Retry-After) at once to a request predicted "
                         "to miss --target-ttft-ms, instead of queueing it")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache budget, e.g. 2GiB (default: 1GiB on a CPU; on a GPU what "
+                        "--gpu-memory-utilization leaves after loading)")
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
+                   help="on a GPU without --kv-cache-memory: the share of the device this "
+                        "process may use in all (weights, KV cache, activations)")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="weight-only int8/int4 quantization (CPU); auto keeps a GGUF's "
                         "precision class (Q4_1 -> int4) where kvserve's int4/int8 kernel runs "
@@ -167,7 +183,9 @@ def engine_args_from(args: argparse.Namespace):
         short_prompt_steps=args.short_prompt_steps, target_ttft_ms=args.target_ttft_ms,
         target_itl_ms=args.target_itl_ms, shed_late_requests=args.shed_late_requests,
         block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
         disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         host_kv_cache_memory=args.host_kv_cache_memory, kv_cache_dir=args.kv_cache_dir,
@@ -318,7 +336,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.server.limits import RequestLimits
 
     engine_args = engine_args_from(args)
-    parse_size(engine_args.kv_cache_memory)  # fail before listening, not after
+    if engine_args.kv_cache_memory is not None:
+        parse_size(engine_args.kv_cache_memory)  # fail before listening, not after
     server_args = ServerArgs(
         host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,

@@ -39,6 +39,7 @@ def test_generate_without_prefix_caching(tiny_llama_dir):
     # 2 KV heads over 3 ranks: refused before any worker process starts
     (["--tensor-parallel-size", "3"], "cannot be replicated evenly over 3 ranks"),
     (["--device", "gpu"], "'gpu' is not cpu, cuda or cuda:N"),
+    (["--gpu-memory-utilization", "1.5"], "'1.5' is not a number in (0, 1]"),
     pytest.param(["--device", "cuda:1"], "--device cuda:1 requested but no CUDA device",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
 ])

@@ -49,6 +49,9 @@ def prompts(n: int = 5) -> list[list[int]]:
 
 
 def generate(model, device: str, params=GREEDY, batch: bool = True, **kw) -> list[list[int]]:
+    # A fixed budget: the default (--gpu-memory-utilization 0.9) would take most of the GPU
+    # for each of the suite's engines in turn.
+    kw.setdefault("kv_cache_memory", "1GiB")
     llm = LLM(str(model), dtype="float32", device=device, block_size=4, **kw)
     try:
         if batch:
@@ -65,6 +68,9 @@ def test_engine_runs_on_the_named_device(tiny_llama_dir, gpu):
     try:
         core = llm.engine
         assert core.config.device.type == torch.device(gpu).type
+        if torch.device(gpu).type == "cuda":  # the default budget: 0.9 of the GPU, less use
+            free, total = torch.cuda.mem_get_info(torch.device(gpu))
+            assert 0.5 * total < core.config.cache.kv_cache_memory < 0.9 * total
         assert all(kv.device.type == torch.device(gpu).type for kv in core.runner.kv_caches)
         if torch.device(gpu).type == "cuda":
             index = torch.device(gpu).index or 0
@@ -136,7 +142,8 @@ def test_server_completes_with_the_openai_client(tiny_llama_dir, gpu):
 
     from tests.server_utils import run_server
 
-    args = EngineArgs(model=str(tiny_llama_dir), dtype="float32", device=gpu, block_size=4)
+    args = EngineArgs(model=str(tiny_llama_dir), dtype="float32", device=gpu, block_size=4,
+                      kv_cache_memory="1GiB")
     with run_server(args) as (url, _):
         client = OpenAI(base_url=f"{url}/v1", api_key="x")
         out = client.completions.create(model=client.models.list().data[0].id, prompt="hello",
@@ -153,7 +160,8 @@ def test_decode_steps_replay_cuda_graphs(tiny_llama_dir, gpu):
     are those of eager steps (--enforce-eager)."""
     if torch.device(gpu).type != "cuda":
         pytest.skip("CUDA graphs need a GPU (test_cuda_graphs checks their buffers on a CPU)")
-    llm = LLM(str(tiny_llama_dir), dtype="float32", device=gpu, block_size=4, max_num_seqs=8)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device=gpu, block_size=4, max_num_seqs=8,
+              kv_cache_memory="1GiB")
     try:
         graphs = llm.engine.runner.graphs
         assert graphs is not None and graphs.sizes == [1, 2, 4, 8]

@@ -114,7 +114,8 @@ def test_default_model_next_token_logits(real_model_path, hf_smollm2, device):
 def test_default_model_greedy_continuations(real_model_path, hf_smollm2, device):
     tok, ref = hf_smollm2
     # quantization "none": the float32 path, exact against the reference
-    llm = LLM(str(real_model_path), dtype="float32", device=device, quantization="none")
+    llm = LLM(str(real_model_path), dtype="float32", device=device, quantization="none",
+              kv_cache_memory="1GiB")
     # min_tokens bans EOS exactly as transformers' min_new_tokens does.
     params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
     outs = llm.generate([tok(p).input_ids for p in PROMPTS], params)

@@ -12,6 +12,7 @@ from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.config import CacheConfig
 from kvserve.engine.llm import LLM
 from kvserve.kv_cache.planner import (
+    gpu_kv_budget,
     kv_bytes_per_token,
     kv_token_bytes,
     param_count,
@@ -128,3 +129,26 @@ def test_kv_cache_dtype_flag_is_validated(capsys):
         cli.main(["generate", "hi", "--kv-cache-dtype", "fp8"])
     assert e.value.code == 2
     assert "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_gpu_budget_is_the_share_left_after_loading():
+    gib = 2**30
+    # 0.9 of 140 GiB = 126; 20 in use (weights, another process) and 1 kept: 105 left
+    assert gpu_kv_budget(140 * gib, 120 * gib, 0.9, gib) == int(0.9 * 140 * gib) - 21 * gib
+    with pytest.raises(ValueError, match="in use after loading"):
+        gpu_kv_budget(80 * gib, 8 * gib, 0.9, gib)  # 72 in use of 72 allowed, 1 kept
+
+
+def test_kv_budget_default_by_device(monkeypatch):
+    """No --kv-cache-memory: 1 GiB on a CPU; on a GPU (faked: its free and total bytes) what
+    --gpu-memory-utilization leaves; an explicit size wins on either."""
+    from kvserve.engine.args import EngineArgs
+    from kvserve.engine.core import kv_cache_budget
+
+    gib = 2**30
+    assert kv_cache_budget(EngineArgs(), torch.device("cpu")) == gib
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    cuda = torch.device("cuda")
+    assert kv_cache_budget(EngineArgs(gpu_memory_utilization=0.5), cuda) == 40 * gib - 21 * gib
+    assert kv_cache_budget(EngineArgs(kv_cache_memory="2GiB"), cuda) == 2 * gib

@@ -23,7 +23,9 @@ class EngineArgs:
     target_itl_ms: float | None = None
     shed_late_requests: bool = False  # serving: 429 for requests predicted to miss TTFT
     block_size: int = 16
-    kv_cache_memory: int | str = "1GiB"
+    # KV cache budget; None: 1 GiB on a CPU, on a GPU what gpu_memory_utilization leaves
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.9  # share of a GPU this process may use (vLLM's)
     num_kv_blocks: int | None = None  # exact block count, overriding the memory budget
     kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or "int8"
     # weight-only quantization: auto (a GGUF's precision class where kvserve's int4/int8

@@ -13,6 +13,7 @@ parts themselves.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections import deque
@@ -33,8 +34,10 @@ from kvserve.engine.args import EngineArgs
 from kvserve.kv_cache.layout import KVLayout
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_cache.planner import (
+    GPU_ACTIVATION_RESERVE,
     capacity_gain,
     dtype_name,
+    gpu_kv_budget,
     kv_token_bytes,
     plan_num_blocks,
     slot_bytes,
@@ -68,6 +71,24 @@ def _check_tensor_parallel(args: EngineArgs) -> None:
     if spec is not None and spec.method == "mtp":
         raise ValueError("the mtp drafter reads the target's full embedding and LM head, "
                          "which tensor parallelism splits; use ngram or draft_model")
+
+
+def kv_cache_budget(args: EngineArgs, device: torch.device) -> int:
+    """--kv-cache-memory in bytes; without it, 1 GiB on a CPU and, on a GPU, what
+    --gpu-memory-utilization leaves once the model (and any draft model) is loaded."""
+    if args.kv_cache_memory is not None:
+        return parse_size(args.kv_cache_memory)
+    if device.type != "cuda":
+        return 1 << 30
+    gc.collect()  # what earlier engines in this process left, handed back to the device
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    budget = gpu_kv_budget(total, free, args.gpu_memory_utilization)
+    log.info("KV cache budget %.1f GiB: %.2f of the GPU's %.1f GiB, less %.1f GiB in use after "
+             "loading and %.1f GiB kept for activations", budget / 2**30,
+             args.gpu_memory_utilization, total / 2**30, (total - free) / 2**30,
+             GPU_ACTIVATION_RESERVE / 2**30)
+    return budget
 
 
 class EngineCore:
@@ -136,16 +157,16 @@ class EngineCore:
         if max_len > cfg.max_position:
             raise ValueError(f"--max-model-len {max_len} exceeds the model's context length "
                              f"{cfg.max_position}")
-        cache = CacheConfig(args.block_size, parse_size(args.kv_cache_memory),
-                            args.num_kv_blocks, args.kv_cache_dtype)
         targets = args.latency_targets()
         sched = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len,
                                 args.short_prompt_steps, targets.ttft_s, targets.itl_s,
                                 args.shed_late_requests)
-        self.config = EngineConfig(str(path), dtype, device, cache, sched, args.seed)
         spec = SpecConfig.parse(args.speculative_config)
         drafter = (build_drafter(spec, loaded.model, path, dtype, device, sched)
                    if spec is not None else None)
+        cache = CacheConfig(args.block_size, kv_cache_budget(args, device),
+                            args.num_kv_blocks, args.kv_cache_dtype)
+        self.config = EngineConfig(str(path), dtype, device, cache, sched, args.seed)
         extra = drafter.kv_bytes_per_token() if drafter is not None else 0
         # A draft model keeps its K/V at the slots of group 0's table, which must then cover
         # every token: with no whole-context layer to head it, no block is freed early.

@@ -105,6 +105,29 @@ def plan_num_blocks(cfg: ModelConfig, cache: CacheConfig, compute_dtype: torch.d
     return num
 
 
+# GPU memory kept out of the KV budget for activations, the sampler's logits and the CUDA
+# graphs' pool: a 512-token step of an 8B model needs well under 0.2 GiB of them.
+GPU_ACTIVATION_RESERVE = 1 << 30
+
+
+def gpu_kv_budget(total: int, free: int, utilization: float,
+                  reserve: int = GPU_ACTIVATION_RESERVE) -> int:
+    """The KV cache's bytes on a GPU of `total` bytes with `free` left after loading, as
+    vLLM's --gpu-memory-utilization reads: this process may use `utilization` of the device
+    in all; what is in use now (the weights, other processes) and `reserve` come out of it.
+    Raises ValueError when nothing is left."""
+    used = total - free
+    budget = int(utilization * total) - used - reserve
+    if budget <= 0:
+        gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+        raise ValueError(f"--gpu-memory-utilization {utilization} allows {gib(utilization * total)}"
+                         f" of the GPU's {gib(total)}, but {gib(used)} are in use after loading "
+                         f"(weights, other processes) and {gib(reserve)} are kept for "
+                         f"activations: no room for a KV cache (raise it, or give "
+                         f"--kv-cache-memory)")
+    return budget
+
+
 def capacity_gain(cfg: ModelConfig, kv_cache_dtype: str, compute_dtype: torch.dtype) -> float:
     """Tokens per byte of `kv_cache_dtype` relative to an unquantized cache."""
     return (kv_bytes_per_token(cfg, "auto", compute_dtype)
