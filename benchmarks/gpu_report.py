@@ -14,6 +14,9 @@ Per shape:
   CUDA graphs dropped (every step eager, as --enforce-eager);
 - serving: `kvserve serve` on the device driven by `kvserve bench serve` at --concurrency
   requests of --input-len / --output-len tokens (TTFT, ITL, TPOT p50/p99, output tokens/s);
+- the roofline: decode steps at batch 1, 8 and 64 and a 512-token prefill placed against the
+  GPU's roof (its bf16 matmul ceiling and copy bandwidth, measured here), as
+  `kvserve roofline` places a CPU's steps;
 - Hugging Face `generate` with static batching of --concurrency such requests on the same
   device and weights (greedy, held to --output-len tokens): output tokens/s.
 
@@ -111,6 +114,45 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
         sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * nbytes / best
+
+
+def matmul_rate(device: str, n: int = 8192) -> float:
+    """bf16 FLOP/s of an [n, n] x [n, n] torch.matmul (cuBLAS on a GPU), best of 10."""
+    n = n if device.startswith("cuda") else 512
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    best = float("inf")
+    for _ in range(10):
+        sync(device)
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def roofline_steps(path: Path, device: str, bandwidth: float, flops: float) -> list[str]:
+    """`kvserve roofline`'s table on the device: decode steps at batch 1, 8 and 64 and a
+    512-token prefill, each placed against this GPU's roof (the bf16 matmul ceiling and the
+    copy bandwidth measured here)."""
+    from kvserve import roofline
+    from kvserve.engine.llm_engine import EngineArgs, build_engine
+
+    machine = roofline.Machine(torch.bfloat16, 0, {"bf16": {"torch matmul": flops / 1e9}},
+                               {"device copy": bandwidth / 1e9})
+    engine = build_engine(EngineArgs(
+        model=str(path), dtype="bfloat16", device=device, enable_prefix_caching=False,
+        max_num_seqs=64, max_num_batched_tokens=512, kv_cache_memory="4GiB",
+        step_buffer_size=0))
+    try:
+        _, points, ridge = roofline.run(engine, [1, 8, 64], 512, 8, 3, machine)
+    finally:
+        engine.close()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return [*roofline.table(points),
+            f"decode turns compute-bound at batch {ridge if ridge else '> 4096'} by the "
+            f"cost model"]
 
 
 def sync(device: str) -> None:
@@ -241,6 +283,9 @@ def report_shape(shape: str, args: argparse.Namespace, root: Path) -> dict:
     log(f"{shape}: batch-1 TPOT {1e3 * r['batch1']['tpot_s']:.2f} ms = "
         f"{r['batch1']['vs_floor']:.2f}x the floor ({r['batch1']['graph_replays']} graph "
         f"replays; eager {1e3 * r['batch1']['eager_tpot_s']:.2f} ms)")
+    r["matmul_flops"] = matmul_rate(args.device)
+    r["roofline"] = roofline_steps(path, args.device, r["copy_bandwidth"], r["matmul_flops"])
+    log(f"{shape}: roofline\n" + "\n".join(r["roofline"]))
     r["serve"] = serve_bench(path, args.device, args, root)
     r["hf"] = hf_static(path, args.device, args)
     r["vs_hf"] = r["serve"]["output_throughput"] / r["hf"]["output_tokens_per_s"]
@@ -270,6 +315,10 @@ def markdown(results: list[dict], args: argparse.Namespace, device_name: str) ->
             f"{pct(s, 'ttft_ms')} | {pct(s, 'itl_ms')} | "
             f"{pct(s, 'tpot_ms')} | {s['output_throughput']:.0f} | "
             f"{r['hf']['output_tokens_per_s']:.0f} | {r['vs_hf']:.2f} |")
+    for r in results:
+        lines += ["", f"{r['shape']}: each step against this GPU's roof (bf16 matmul "
+                  f"{r['matmul_flops'] / 1e12:.0f} TFLOP/s, copy "
+                  f"{r['copy_bandwidth'] / 1e9:.0f} GB/s):", "", "```", *r["roofline"], "```"]
     for r in results:
         if r["batch1"]["batch_variant"]:
             lines.append(f"\n{r['shape']}: not batch-invariant here: "
