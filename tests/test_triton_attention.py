@@ -79,19 +79,22 @@ class Paged:
         return out
 
 
-# (rows, context): a prompt chunk after context, a decode, a fresh prompt, drafts verified.
-MIXED = [(5, 20), (1, 33), (19, 19), (3, 41)]
+# (rows, context): a prompt chunk after context, a decode, a fresh prompt, drafts verified,
+# and a decode over three key tiles (TILE_N = 64).
+MIXED = [(5, 20), (1, 33), (19, 19), (3, 41), (2, 150)]
+assert MIXED[-1][1] > 2 * triton_paged.TILE_N
 
 
 @pytest.mark.parametrize("block_size", [4, 48])
-@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("window", [0, 7, 70])
 def test_matches_the_reference(block_size, window):
     # 6 query heads over 2 KV heads (a group of 3, padded to 4 in the kernel), head_dim 48
     # (padded to 64): neither a power of two.
     paged = Paged([c for _, c in MIXED], hkv=2, d=48, block_size=block_size)
     q = torch.randn(sum(n for n, _ in MIXED), 6, 48, generator=torch.Generator().manual_seed(1))
-    out = paged.attend(q, MIXED, [0, 1, 2, 3], window)
-    torch.testing.assert_close(out.double(), paged.reference(q, MIXED, [0, 1, 2, 3], window),
+    which = list(range(len(MIXED)))
+    out = paged.attend(q, MIXED, which, window)
+    torch.testing.assert_close(out.double(), paged.reference(q, MIXED, which, window),
                                atol=2e-6, rtol=2e-6)
 
 
@@ -99,32 +102,35 @@ def test_bf16_matches_the_reference():
     paged = Paged([c for _, c in MIXED], hkv=1, d=64, block_size=16, dtype=torch.bfloat16)
     q = torch.randn(sum(n for n, _ in MIXED), 4, 64,
                     generator=torch.Generator().manual_seed(2)).bfloat16()
-    out = paged.attend(q, MIXED, [0, 1, 2, 3])
+    which = list(range(len(MIXED)))
+    out = paged.attend(q, MIXED, which)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), paged.reference(q, MIXED, [0, 1, 2, 3]),
+    torch.testing.assert_close(out.double(), paged.reference(q, MIXED, which),
                                atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("window", [0, 9])
+@pytest.mark.parametrize("window", [0, 9, 70])
 def test_a_row_ignores_its_batch_and_its_chunking(window):
-    """A 37-token prompt attended whole, in chunks of 5/16/16 (each after the ones before),
-    and its rows alone or beside other sequences: every row's output is the same bits."""
-    ctx = [37, 33, 12]
+    """A 150-token prompt (three key tiles) attended whole, in chunks of 5/70/75 (each after
+    the ones before), and its rows alone or beside other sequences: every row's output is
+    the same bits. Rows share query tiles differently each time, so each sees different
+    fully masked key tiles before and after its own."""
+    ctx = [150, 33, 12]
     paged = Paged(ctx, hkv=2, d=32, block_size=4)
-    q = torch.randn(37, 4, 32, generator=torch.Generator().manual_seed(3))
+    q = torch.randn(150, 4, 32, generator=torch.Generator().manual_seed(3))
     other = torch.randn(12 + 1, 4, 32, generator=torch.Generator().manual_seed(4))
-    whole = paged.attend(q, [(37, 37)], [0], window)
+    whole = paged.attend(q, [(150, 150)], [0], window)
     pieces, start = [], 0
-    for n in (5, 16, 16):
+    for n in (5, 70, 75):
         pieces.append(paged.attend(q[start:start + n], [(n, start + n)], [0], window))
         start += n
     assert torch.equal(torch.cat(pieces), whole)
     # The middle chunk between a decode and a fresh prompt, and a decode of the last row.
-    batch = torch.cat((other[:1], q[5:21], other[1:]))
-    mixed = paged.attend(batch, [(1, 33), (16, 21), (12, 12)], [1, 0, 2], window)
-    assert torch.equal(mixed[1:17], whole[5:21])
-    decode = paged.attend(q[36:37], [(1, 37)], [0], window)
-    assert torch.equal(decode, whole[36:37])
+    batch = torch.cat((other[:1], q[5:75], other[1:]))
+    mixed = paged.attend(batch, [(1, 33), (70, 75), (12, 12)], [1, 0, 2], window)
+    assert torch.equal(mixed[1:71], whole[5:75])
+    decode = paged.attend(q[149:150], [(1, 150)], [0], window)
+    assert torch.equal(decode, whole[149:150])
 
 
 def test_store_skips_padding_rows_and_reads_strided_inputs():

@@ -31,7 +31,7 @@ from functools import cache
 import torch
 
 ROWS = 16  # query rows per program
-TILE_N = 32  # key positions per iteration
+TILE_N = 64  # key positions per iteration (as flash attention's common 64 x 64 tiles)
 
 
 def _pow2(n: int) -> int:
