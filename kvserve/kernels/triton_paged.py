@@ -21,7 +21,11 @@ step needs, fixed by the batch's shape alone, so the launch needs no host-side c
 CUDA graph can hold it); programs past the last tile return at once. Each finds its sequence
 by counting the sequences whose tiles end at or before it.
 
-Tests run these kernels on the CPU under Triton's interpreter (TRITON_INTERPRET=1).
+Tests run these kernels on the CPU under Triton's interpreter (TRITON_INTERPRET=1), where
+the products are summed one by one (see attention_launch), and compile them for sm_90
+(compile_for_gpu). On a GPU the invariance above also rests on tl.dot giving an element the
+same value at any row of a tile (the MMA instructions' fixed order): the same tests, run
+compiled by the CUDA suite, are what check that.
 """
 
 from __future__ import annotations
