@@ -102,18 +102,23 @@ def weight_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
+def best_seconds(fn, device: str, repeats: int = 10) -> float:
+    """The fastest of `repeats` runs of `fn`, each timed from a synchronized device to one."""
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
     """Bytes read + written per second by a device-to-device copy of `nbytes`, best of 10."""
     x = torch.empty(nbytes, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
-    best = float("inf")
-    for _ in range(10):
-        sync(device)
-        t0 = time.perf_counter()
-        y.copy_(x)
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best
+    return 2 * nbytes / best_seconds(lambda: y.copy_(x), device)
 
 
 def matmul_rate(device: str, n: int = 8192) -> float:
@@ -121,14 +126,7 @@ def matmul_rate(device: str, n: int = 8192) -> float:
     n = n if device.startswith("cuda") else 512
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    best = float("inf")
-    for _ in range(10):
-        sync(device)
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    return 2 * n**3 / best_seconds(lambda: torch.matmul(a, b), device)
 
 
 def roofline_steps(path: Path, device: str, bandwidth: float, flops: float) -> list[str]:

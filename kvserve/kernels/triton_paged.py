@@ -44,10 +44,12 @@ def _pow2(n: int) -> int:
 
 @cache
 def _jit():
-    """The kernels, compiled by Triton on first launch; built on first use so that importing
+    """(store_kv kernel, attention kernel, whether they were decorated for Triton's
+    interpreter), compiled by Triton on first launch; built on first use so that importing
     kvserve never imports Triton."""
     import triton
     import triton.language as tl
+    from triton import knobs
 
     @triton.jit
     def store_kv_kernel(k_ptr, v_ptr, cache_ptr, slots_ptr, k_st, k_sh, v_st, v_sh,
@@ -143,13 +145,7 @@ def _jit():
                      + d[None, :], out.to(out_ptr.dtype.element_ty),
                      mask=valid[:, None] & (d[None, :] < D))
 
-    return store_kv_kernel, attention_kernel
-
-
-def _interpreted() -> bool:
-    from triton import knobs
-
-    return bool(knobs.runtime.interpret)
+    return store_kv_kernel, attention_kernel, bool(knobs.runtime.interpret)
 
 
 def available() -> bool:
@@ -202,7 +198,7 @@ def compile_for_gpu(kernel, launch: Launch, capability: int = 90) -> object:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = dict(zip(("store_kv", "attention"), _jit(), strict=True))[kernel]
+    fn = dict(zip(("store_kv", "attention"), _jit()[:2], strict=True))[kernel]
     _, args, constexprs = launch
     names = [n for n in fn.arg_names if n not in constexprs]
     codes = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
@@ -241,7 +237,8 @@ class TritonPagedAttention:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if q.shape[0] == 0 or seqs.shape[0] == 0:
             return out
+        _, attention, interpreted = _jit()
         grid, args, constexprs = attention_launch(q, cache, seqs, tables, block_size, scale,
-                                                  window, out, _interpreted())
-        _jit()[1][grid](*args, **constexprs)
+                                                  window, out, interpreted)
+        attention[grid](*args, **constexprs)
         return out
