@@ -16,6 +16,7 @@ from kvserve.engine.llm import LLM
 from kvserve.engine.llm_engine import EngineArgs
 from kvserve.models.loader import load_model
 from kvserve.sampling_params import SamplingParams
+from tests.conftest import gguf_parsed_once
 from tests.server_utils import run_server
 from tests.test_model import paged_logits
 
@@ -29,9 +30,10 @@ TEXTS = ["The capital of France is", "def fibonacci(n):\n    return n", "  two  
 def hf_gemma3(gemma3_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gemma3_path.parent, gguf_file=gemma3_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gemma3_path.parent, gguf_file=gemma3_path.name,
-                                                 dtype=torch.float32)
+    with gguf_parsed_once():
+        tok = AutoTokenizer.from_pretrained(gemma3_path.parent, gguf_file=gemma3_path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gemma3_path.parent, gguf_file=gemma3_path.name, dtype=torch.float32)
     return tok, model.eval()
 
 

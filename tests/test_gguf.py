@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.models.loader import load_model
+from tests.conftest import parsed_gguf
 from tests.test_model import paged_logits
 
 
@@ -281,7 +282,7 @@ def test_gemma3_tensors_keep_their_codes(gemma3_path):
     with its scales per 16 inputs)."""
     from kvserve.models.gguf_quants import decode_groups
 
-    reader = gguf.GGUFReader(str(gemma3_path))
+    reader = parsed_gguf(gemma3_path)
     seen = set()
     for t in reader.tensors:
         if not t.name.startswith("blk.1.") or len(t.shape) != 2:

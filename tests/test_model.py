@@ -12,6 +12,7 @@ from kvserve.engine.llm import LLM
 from kvserve.models.loader import load_model
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.model_runner import ModelRunner
+from tests.conftest import gguf_parsed_once
 
 
 def _backend(c):
@@ -92,9 +93,11 @@ PROMPTS = [
 def hf_smollm2(real_model_path, device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(real_model_path.parent, gguf_file=real_model_path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        real_model_path.parent, gguf_file=real_model_path.name, dtype=torch.float32)
+    with gguf_parsed_once():
+        tok = AutoTokenizer.from_pretrained(real_model_path.parent,
+                                            gguf_file=real_model_path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            real_model_path.parent, gguf_file=real_model_path.name, dtype=torch.float32)
     return tok, model.to(device).eval()
 
 

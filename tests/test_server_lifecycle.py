@@ -79,7 +79,7 @@ def test_api_fuzz_finds_no_server_errors(tiny_llama_dir):
     st = Path(sys.executable).parent / "st"
     with run_server(EngineArgs(model=str(tiny_llama_dir), dtype="float32")) as (url, _):
         r = subprocess.run([str(st), "run", f"{url}/openapi.json", "--checks",
-                            "not_a_server_error", "--max-time", "45", "--seed", "1",
+                            "not_a_server_error", "--max-time", "30", "--seed", "1",
                             "--workers", "1", "--no-color",
                             # path ids (request timelines) are mostly strings a URL path
                             # cannot carry; the fuzzer's own health check then complains

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from kvserve.models.loader import DEFAULT_GGUF, default_model_path
 from kvserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from tests.conftest import gguf_parsed_once
 
 GGUF_PATH = default_model_path()
 needs_model = pytest.mark.skipif(GGUF_PATH is None, reason=f"{DEFAULT_GGUF} is not installed")
@@ -129,7 +130,9 @@ def ref() -> Any:
         pytest.skip(f"{DEFAULT_GGUF} is not installed")
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
-    return transformers.AutoTokenizer.from_pretrained(GGUF_PATH.parent, gguf_file=GGUF_PATH.name)
+    with gguf_parsed_once():
+        return transformers.AutoTokenizer.from_pretrained(GGUF_PATH.parent,
+                                                          gguf_file=GGUF_PATH.name)
 
 
 @pytest.fixture(scope="module")
