@@ -209,6 +209,10 @@ for h, hkv, d, dtype in [(32, 8, 128, torch.bfloat16), (9, 3, 64, torch.float32)
     k = torch.zeros(40, hkv, d, dtype=dtype)
     launch = tp.store_kv_launch(cache, torch.zeros(40, dtype=torch.long), k, k)
     assert "cubin" in tp.compile_for_gpu("store_kv", launch).asm
+# Compiled once whatever the step's sequence count and block table width (see STEP_VARYING).
+attention = tp._jit()[1]
+fixed = {p.name for p in attention.params if p.do_not_specialize}
+assert fixed == set(tp.STEP_VARYING) <= set(attention.arg_names), fixed
 print("compiled")
 """
 

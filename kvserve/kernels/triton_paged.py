@@ -36,6 +36,11 @@ import torch
 
 ROWS = 16  # query rows per program
 TILE_N = 64  # key positions per iteration (as flash attention's common 64 x 64 tiles)
+# Integer arguments that change from step to step. Triton compiles a kernel anew for each
+# integer argument that is 1, a multiple of 16, or neither: unmarked, these would make
+# mid-serving eager steps (prefill chunks, which CUDA graphs do not hold) stop for a
+# compile of about a second whenever a batch first has 1 sequence or a table width of 16.
+STEP_VARYING = ("num_seqs", "t_s", "table_width")
 
 
 def _pow2(n: int) -> int:
@@ -68,7 +73,7 @@ def _jit():
         tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + c_skv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=STEP_VARYING)
     def attention_kernel(q_ptr, cache_ptr, out_ptr, seqs_ptr, tables_ptr, tile_ends_ptr,
                          num_seqs, q_st, q_sh, o_st, o_sh, c_skv, c_sh, c_ss, t_s,
                          block_size, table_width, scale, window,
