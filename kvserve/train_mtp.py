@@ -167,9 +167,10 @@ def train_mtp(model: str | None, output: Path, num_prompts: int = 1024,
     # 4. Train the module; the embedding, final norm and LM head are the target's, frozen.
     module = MTPModule(cfg.hidden_size, intermediate or 4 * cfg.hidden_size, cfg.rms_norm_eps,
                        vocab_ids if vocab_ids.numel() < vocab else None)
-    emb_w = target.embed_tokens.weight.detach().float()
+    emb_w = target.embed_tokens.full_weight().detach().float()
     norm_w = target.norm.weight.detach().float()
-    head_w = (emb_w if cfg.tie_word_embeddings else target.lm_head.weight.detach().float())
+    head_w = (emb_w if cfg.tie_word_embeddings else
+              target.lm_head.full_weight().detach().float())
     head_w = head_w[vocab_ids].contiguous()
 
     def logits_of(x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ from torch import nn
 
 from kvserve import kernels
 from kvserve.distributed.parallel import SINGLE, TensorParallel
+from kvserve.layers.linear import LinearBase
+from kvserve.layers.quant import GGUFWeight
 from kvserve.models.loader import DeferredReader
 from kvserve.models.weight_cache import find_entry
 from kvserve.sampling_params import SamplingParams
@@ -99,7 +101,28 @@ def _messages(caplog) -> str:
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("quantization", ["auto", "int8"])
+def test_gguf_read_in_place_is_the_files_pages_and_not_cached(real_model_path, cache_dir,
+                                                              caplog):
+    """`auto` on the default model reads every matrix in the GGUF's own blocks: each one a
+    view of the file's mapping (no weight in anonymous memory), and nothing is cached."""
+    caplog.set_level(logging.INFO, logger="kvserve")
+    loaded, applied = _load(real_model_path)
+    model = loaded.model
+    assert applied == "auto" and model.reads_gguf_in_place()
+    assert "nothing to cache" in _messages(caplog)
+    assert not list((cache_dir / "weights").glob("*"))
+    target = str(real_model_path.resolve())
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert all(isinstance(m.packed, GGUFWeight) for m in linears)
+    views = [t for m in linears for t in m.packed.data] + [model.embed_tokens.gguf.data]
+    assert all(_mapped_from(t) == target for t in views)
+    # what else the model holds (norms) is small beside the file
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert held < real_model_path.stat().st_size / 100
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_hit_restores_the_fresh_model_bit_for_bit(real_model_path, cache_dir, caplog,
                                                  quantization):
     caplog.set_level(logging.INFO, logger="kvserve")
@@ -148,7 +171,7 @@ def test_hit_generates_the_same_tokens(real_model_path, cache_dir, monkeypatch):
     from kvserve.engine.llm import LLM
 
     def llm():
-        return LLM(str(real_model_path), kv_cache_memory="64MiB")
+        return LLM(str(real_model_path), kv_cache_memory="64MiB", quantization="int4")
 
     monkeypatch.setenv("KVSERVE_NO_WEIGHT_CACHE", "1")
     uncached = _greedy(llm())
@@ -276,7 +299,8 @@ def test_cli_says_what_it_prepares_then_starts_from_the_cache(cache_dir):
 
     def run():
         r = subprocess.run([sys.executable, "-m", "kvserve", "generate", "Hello",
-                            "--max-tokens", "8", "--temperature", "0", "--ignore-eos"],
+                            "--max-tokens", "8", "--temperature", "0", "--ignore-eos",
+                            "--quantization", "int4"],
                            capture_output=True, text=True, timeout=600, env=env)
         assert r.returncode == 0, r.stderr
         return r

@@ -47,7 +47,8 @@ from kvserve.kernels.triton_paged import TritonPagedAttention
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "layers.cpp", CSRC / "attention.cpp", CSRC / "linear.cpp"]
+SOURCES = [CSRC / "layers.cpp", CSRC / "attention.cpp", CSRC / "linear.cpp",
+           CSRC / "gguf_linear.cpp"]
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 # A load slower than this is a build: say so, so a first start does not look hung.
@@ -242,3 +243,14 @@ def quant_kernels(dtype: torch.dtype, device: torch.device | str, n: int,
 def norm_kernels(dtype: torch.dtype, device: torch.device | str) -> ModuleType | None:
     """The module when its `rms_norm` serves activations in `dtype`."""
     return _cpu(device) if dtype in (torch.float32, torch.bfloat16) else None
+
+
+def gguf_kernels(dtype: torch.dtype, device: torch.device | str,
+                 types: list[int]) -> ModuleType | None:
+    """The module when its `gguf_linear` reads weights of these GGML types in the file's own
+    blocks for activations in `dtype` (float32 or bf16; AVX2 where the CPU has it, else its
+    portable C++ path)."""
+    kernels = _cpu(device)
+    if kernels is None or dtype not in (torch.float32, torch.bfloat16) or not types:
+        return None
+    return kernels if all(kernels.gguf_supports(t) for t in types) else None

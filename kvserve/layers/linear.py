@@ -24,6 +24,8 @@ from kvserve.distributed.parallel import (
 from kvserve.layers.quant import (
     INT4_GROUP,
     DenseWeight,
+    GGUFTensor,
+    GGUFWeight,
     PackedWeight,
     QuantGroups,
     QuantizedWeight,
@@ -62,6 +64,9 @@ class LinearBase(nn.Module):
         # has an exact form, its blocks as the VNNI kernel's groups (this rank's shard).
         self.gguf_types: dict[int, str] = {}
         self.gguf_groups: dict[int, QuantGroups | None] = {}
+        # Per part, its blocks in place in the GGUF file (an unsharded layer whose parts'
+        # types gguf_linear reads): `weight` is not filled unless packing falls back to it.
+        self.gguf_tensors: dict[int, GGUFTensor] = {}
 
     def pack_(self, quantization: str, keep_weight: bool = False) -> None:
         """Put the (loaded) weight in the form its kernel reads: a quantized copy (int4,
@@ -70,10 +75,17 @@ class LinearBase(nn.Module):
         stays in its place) unless `keep_weight`; so do its GGUF groups, which only packing
         reads (and a layer without its weight cannot be packed again).
 
-        A GGUF weight whose type has an exact form (see models/gguf_quants.py) keeps its own
-        codes on the VNNI kernel, 4-bit ones widened to 8 for int8 or where parts mix; other
-        weights are quantized again. `auto` (per layer): the layer's own GGUF precision class,
-        none for float weights."""
+        `auto` serves a layer whose every part is a GGUF tensor of a type gguf_linear reads
+        in the file's own blocks, in place (GGUFWeight). Otherwise a GGUF weight whose type has
+        an exact form (see models/gguf_quants.py) keeps its own codes on the VNNI kernel,
+        4-bit ones widened to 8 for int8 or where parts mix; other weights are quantized
+        again. `auto` (per layer) then is the layer's own GGUF precision class, none for float
+        weights."""
+        if quantization == "auto" and (native := self.gguf_weight()) is not None:
+            self.packed = native
+            self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+            return
+        self.materialize()
         w = self.weight.data
         if quantization == "auto":
             quantization = quantization_class(self.gguf_types.values())
@@ -94,6 +106,47 @@ class LinearBase(nn.Module):
         if not keep_weight:
             self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
             self.gguf_groups = {}
+
+    def gguf_weight(self) -> GGUFWeight | None:
+        """The layer served from its GGUF blocks in place, where every part has them and
+        gguf_linear reads their types here; else None."""
+        parts = [self.gguf_tensors.get(i) for i in range(max(len(self.gguf_types), 1))]
+        if any(p is None for p in parts):
+            return None
+        w = self.weight
+        if kernels.gguf_kernels(w.dtype, w.device, [p.type_id for p in parts]) is None:
+            return None
+        return GGUFWeight(parts, w.dtype, w.device)
+
+    def materialize(self) -> None:
+        """Fill `weight` (and the GGUF groups) from the parts still in the file's blocks."""
+        offsets = getattr(self, "part_ranges", None)
+        for index, t in sorted(self.gguf_tensors.items()):
+            local = sum(s for _, s in offsets[:index]) if offsets else 0
+            _copy(self.weight.data.narrow(0, local, t.rows), t.dequantized(), "weight")
+            self.gguf_groups[index] = t.groups() if t.groups is not None else None
+        self.gguf_tensors = {}
+
+    def full_weight(self) -> torch.Tensor:
+        """The float weight [out, in], from the GGUF blocks when the layer reads those."""
+        if isinstance(self.packed, GGUFWeight):
+            return torch.cat([p.dequantized() for p in self.packed.parts]).to(
+                self.weight.dtype)
+        self.materialize()
+        return self.weight
+
+    def _in_place(self, weight: torch.Tensor | GGUFTensor, index: int, rows: int
+                  ) -> torch.Tensor | None:
+        """Keep a GGUF tensor of an unsharded layer in place (part `index`, `rows` rows): None.
+        Otherwise the float weight to copy (a GGUF tensor dequantized, its groups noted)."""
+        if not isinstance(weight, GGUFTensor):
+            return weight
+        self.gguf_types[index] = weight.kind
+        if self.tp.size == 1 and weight.rows == rows:
+            self.gguf_tensors[index] = weight
+            return None
+        self.gguf_groups[index] = weight.groups() if weight.groups is not None else None
+        return weight.dequantized()
 
     def _source_groups(self, quantization: str) -> QuantGroups | None:
         """The GGUF groups of every part, in row order, as `quantization` holds them; None
@@ -134,6 +187,7 @@ class LinearBase(nn.Module):
         """x W^T without the bias."""
         if self.packed is not None:
             return self.packed.matmul(x)
+        self.materialize()  # an unpacked layer computes on its float weight
         return F.linear(x, self.weight)
 
     def _shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
@@ -143,11 +197,26 @@ class LinearBase(nn.Module):
             return full
         return torch.cat([full.narrow(dim, start, size) for start, size in self.ranges], dim)
 
-    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    def load(self, weight: torch.Tensor | GGUFTensor, bias: torch.Tensor | None = None,
              gguf: tuple[str, QuantGroups | None] | None = None) -> None:
         """Copy a full (unsharded) checkpoint weight [out, in] and bias into this rank's shard;
-        `gguf`: the weight's GGUF type and its groups (see pack_)."""
-        _copy(self.weight, self._shard(weight, self.tp_dim or 0), "weight")
+        `gguf`: the weight's GGUF type and its groups (see pack_). A GGUFTensor of an
+        unsharded layer stays in the file's blocks (see pack_)."""
+        if isinstance(weight, GGUFTensor):
+            kind = weight.kind
+            full = self._in_place(weight, 0, self.out_features)
+            if full is not None:
+                weight, gguf = full, (kind, self.gguf_groups.get(0))
+        if isinstance(weight, torch.Tensor):
+            _copy(self.weight, self._shard(weight, self.tp_dim or 0), "weight")
+            self._note_source(weight, gguf)
+        if bias is not None:
+            if self.bias is None:
+                raise ValueError("checkpoint has a bias for a layer built without one")
+            _copy(self.bias, self._shard(bias, 0), "bias")
+
+    def _note_source(self, weight: torch.Tensor,
+                     gguf: tuple[str, QuantGroups | None] | None) -> None:
         if gguf is not None:
             kind, groups = gguf
             if self.tp_dim == 0 and len(self.ranges) > 1:
@@ -158,10 +227,6 @@ class LinearBase(nn.Module):
         if self.tp_dim == 1 and self.tp.size > 1:
             # from the weight as stored (compute dtype), as quantize_ sees it in one process
             self.row_absmax = weight.to(self.weight.dtype).float().abs().amax(dim=1)
-        if bias is not None:
-            if self.bias is None:
-                raise ValueError("checkpoint has a bias for a layer built without one")
-            _copy(self.bias, self._shard(bias, 0), "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
@@ -190,11 +255,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                           in zip(offsets, part_ranges, strict=True)])
         self.part_ranges = part_ranges
 
-    def load_part(self, index: int, tensor: torch.Tensor, what: str = "weight",
+    def load_part(self, index: int, tensor: torch.Tensor | GGUFTensor, what: str = "weight",
                   gguf: tuple[str, QuantGroups | None] | None = None) -> None:
         """Copy the full checkpoint weight (or bias) of part `index` into its rows; `gguf`:
-        the weight's GGUF type and its groups (see pack_)."""
+        the weight's GGUF type and its groups (see pack_). A GGUFTensor of an unsharded layer
+        stays in the file's blocks (see pack_)."""
         start, size = self.part_ranges[index]
+        if isinstance(tensor, GGUFTensor):
+            full = self._in_place(tensor, index, size)
+            if full is None:
+                return
+            tensor, gguf = full, (tensor.kind, self.gguf_groups.get(index))
         local = sum(s for _, s in self.part_ranges[:index])
         dst = self.weight if what == "weight" else self.bias
         if dst is None:
@@ -216,7 +287,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         super().__init__(hidden, sizes, bias, tp, [q, kv, kv])
 
-    def load_qkv(self, name: str, tensor: torch.Tensor, what: str = "weight",
+    def load_qkv(self, name: str, tensor: torch.Tensor | GGUFTensor, what: str = "weight",
                  gguf: tuple[str, QuantGroups | None] | None = None) -> None:
         self.load_part("qkv".index(name), tensor, what, gguf)
 
@@ -243,11 +314,37 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.start, self.rows_per_rank = vocab_shard(vocab_size, tp.rank, tp.size)
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden), requires_grad=False)
+        # The GGUF tensor whose blocks the lookups dequantize in place (no float copy of the
+        # vocabulary): an unsharded embedding of a type gguf_rows reads. `weight` is then an
+        # empty tensor of the compute dtype.
+        self.gguf: GGUFTensor | None = None
 
-    def load(self, weight: torch.Tensor) -> None:
+    def load(self, weight: torch.Tensor | GGUFTensor) -> None:
+        if isinstance(weight, GGUFTensor):
+            w = self.weight
+            if (self.tp.size == 1 and weight.rows == self.rows_per_rank and
+                    kernels.gguf_kernels(w.dtype, w.device, [weight.type_id]) is not None):
+                self.gguf = weight
+                self.weight = nn.Parameter(w.data.new_empty(0), requires_grad=False)
+                return
+            weight = weight.dequantized()
         _copy_vocab_rows(self.weight, weight, self.start, "embedding")
 
+    def full_weight(self) -> torch.Tensor:
+        """The float embedding [rows, hidden], dequantized when it is read in place."""
+        if self.gguf is None:
+            return self.weight
+        return self.gguf.dequantized().to(self.weight.dtype)
+
+    def materialize(self) -> None:
+        """Hold the embedding as floats (a float LM head tied to it needs them)."""
+        if self.gguf is not None:
+            self.weight = nn.Parameter(self.full_weight(), requires_grad=False)
+            self.gguf = None
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf is not None:
+            return self.gguf.dequantized(ids).to(self.weight.dtype)
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
@@ -265,7 +362,12 @@ class ParallelLMHead(ColumnParallelLinear):
         super().__init__(hidden, vocab_size, False, tp, [vocab_shard(vocab_size, tp.rank,
                                                                      tp.size)])
 
-    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def load(self, weight: torch.Tensor | GGUFTensor, bias: torch.Tensor | None = None,
+             gguf: tuple[str, QuantGroups | None] | None = None) -> None:
+        if isinstance(weight, GGUFTensor):
+            weight = self._in_place(weight, 0, self.out_features)
+            if weight is None:
+                return
         _copy_vocab_rows(self.weight, weight, self.ranges[0][0], "lm_head")
 
 

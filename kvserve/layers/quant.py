@@ -24,6 +24,7 @@ nearly exactly (torch's kernel stores it as (q - 8) * scale + zero).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,54 @@ class QuantGroups:
         w = self.q.float().view(n, k // self.group, self.group) * self.d[..., None] + \
             self.m[..., None]
         return w.view(n, k)
+
+
+# GGML's type numbers (as GGUF stores them) of the types gguf_linear reads in place.
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
+              "Q6_K": 14}
+
+
+@dataclass
+class GGUFTensor:
+    """A 2-D GGUF weight [rows, cols] in the file's own blocks: `data` is uint8 [rows in the
+    file, bytes a row], a view of the file's read-only memory map (never copied). Row i of the
+    weight is data[order[i]] (llama.cpp stores Llama's q/k rows interleaved for its RoPE), or
+    data[i] without an order. `groups` decodes the blocks into the int4/int8 kernel's groups
+    (in the weight's row order) for a layer that cannot read them in place; None where the
+    type has no such form."""
+
+    kind: str
+    data: torch.Tensor
+    cols: int
+    order: torch.Tensor | None = None
+    groups: Callable[[], QuantGroups | None] | None = None
+
+    @property
+    def type_id(self) -> int:
+        return GGML_TYPES[self.kind]
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0] if self.order is None else self.order.numel()
+
+    def dequantized(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight's rows (all, or `ids`) in float32, as gguf dequantizes them."""
+        ids = torch.arange(self.rows) if ids is None else ids
+        if self.order is not None:
+            ids = self.order[ids]
+        ops = kernels.ops()
+        if ops is not None:
+            return ops.gguf_rows(self.data, self.type_id, self.cols, ids, torch.float32)
+        from gguf import GGMLQuantizationType, quants  # only without the C++ kernels
+
+        rows = self.data[ids].numpy()
+        w = quants.dequantize(rows, GGMLQuantizationType[self.kind])
+        return torch.from_numpy(w.reshape(len(rows), self.cols).astype("float32"))
+
+
+def gguf_native(kind: str) -> bool:
+    """Whether gguf_linear reads GGML type `kind` in place."""
+    return kind in GGML_TYPES
 
 
 def check_quantization(name: str) -> str:
@@ -197,6 +246,45 @@ class DenseWeight(PackedWeight):
     @property
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
+
+
+class GGUFWeight(PackedWeight):
+    """A weight served in its GGUF file's own blocks (`kernels.gguf_kernels`): one or more
+    parts (q, k and v; gate and up) read in place from the file's memory map, their outputs
+    side by side. The activations are quantized to int8 per block of the part's type (32, or
+    256 for the K-quants) and each block's integer sum is exact, so the portable and the AVX2
+    paths give the same bits and a row's result does not depend on the batch."""
+
+    def __init__(self, parts: list[GGUFTensor], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.parts = parts
+        self.kernels = kernels.gguf_kernels(dtype, device, [p.type_id for p in parts])
+        if self.kernels is None:
+            raise ValueError(f"no GGUF kernel for {[p.kind for p in parts]} in {dtype} on "
+                             f"{device}")
+        none = torch.empty(0, dtype=torch.long)
+        self.data = [p.data for p in parts]
+        self.types = [p.type_id for p in parts]
+        self.orders = [none if p.order is None else p.order for p in parts]
+        self.n, self.k = sum(p.rows for p in parts), parts[0].cols
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.gguf_linear(x.contiguous(), self.data, self.types, self.orders)
+
+    def fused(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise TypeError("a GGUF weight goes to run_layers as its parts (gguf_parts)")
+
+    def gguf_parts(self) -> dict[str, list]:
+        """run_layers' LinearWeights fields for this weight."""
+        return {"parts": self.data, "types": self.types, "rows": self.orders}
+
+    @property
+    def kinds(self) -> list[str]:
+        return [p.kind for p in self.parts]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.rows * p.data.shape[1] for p in self.parts)
 
 
 class QuantizedWeight(PackedWeight):

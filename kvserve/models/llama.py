@@ -28,7 +28,7 @@ from kvserve.layers.linear import (
     VocabParallelEmbedding,
 )
 from kvserve.layers.norm import RMSNorm
-from kvserve.layers.quant import INT4_GROUP, DenseWeight, QuantizedWeight
+from kvserve.layers.quant import INT4_GROUP, DenseWeight, GGUFWeight, QuantizedWeight
 from kvserve.layers.rotary import RotaryEmbedding
 
 
@@ -171,9 +171,13 @@ class LlamaForCausalLM(nn.Module):
             none = torch.empty(0)
 
             def linear(m: LinearBase):
+                if m.packed is None:
+                    m.materialize()
+                bias = none if m.bias is None else m.bias
+                if isinstance(m.packed, GGUFWeight):
+                    return k.LinearWeights(m.weight, none, none, bias, **m.packed.gguf_parts())
                 packed, scales = m.packed.fused() if m.packed is not None else (none, none)
-                return k.LinearWeights(m.weight, packed, scales,
-                                       none if m.bias is None else m.bias)
+                return k.LinearWeights(m.weight, packed, scales, bias)
 
             def weight(norm: RMSNorm | None) -> torch.Tensor:
                 return none if norm is None else norm.weight
@@ -200,6 +204,13 @@ class LlamaForCausalLM(nn.Module):
                       .get(packed.packed.dtype, "") if packed.packed.dtype !=
                       self.embed_tokens.weight.dtype else "")
             return "kvserve's dense kernel" + (" (AMX)" if amx else f" ({isa()}{stored})")
+        if isinstance(packed, GGUFWeight):
+            layers = [m.packed for m in self.modules() if isinstance(m, LinearBase)
+                      and isinstance(m.packed, GGUFWeight)]
+            kinds = Counter(kind for p in layers for kind in p.kinds)
+            return (f"kvserve's GGUF kernel ({packed.kernels.gguf_path()}), the file's own "
+                    "blocks in place: " + ", ".join(f"{n} {k}" for k, n in
+                                                   sorted(kinds.items())) + " tensors")
         if isinstance(packed, QuantizedWeight):
             if packed.kernels is None:
                 return f"torch's {packed.method} kernel"
@@ -212,6 +223,19 @@ class LlamaForCausalLM(nn.Module):
                                                           sorted(methods.items()))
                     + f" layers, {exact} of {len(layers)} with the GGUF's own codes")
         return "torch's matmul"
+
+    def tie_gguf_head(self) -> None:
+        """A tied head whose embedding is read in place reads the same blocks (as a layer's
+        GGUF tensor: in place once packed, its floats filled only for an unpacked head)."""
+        gguf = self.embed_tokens.gguf
+        if self.config.tie_word_embeddings and gguf is not None:
+            self.lm_head.gguf_types, self.lm_head.gguf_tensors = {0: gguf.kind}, {0: gguf}
+
+    def reads_gguf_in_place(self) -> bool:
+        """Whether any weight is read in place from the GGUF file's memory map."""
+        return self.embed_tokens.gguf is not None or any(
+            isinstance(m, LinearBase) and isinstance(m.packed, GGUFWeight)
+            for m in self.modules())
 
     def batch_variant_parts(self) -> list[str]:
         """The parts of a forward pass whose result for a row can depend on the other rows
@@ -244,10 +268,24 @@ class LlamaForCausalLM(nn.Module):
     def pack_(self, quantization: str) -> None:
         """Every projection in the form its kernel reads (see LinearBase.pack_): quantized
         copies for int4/int8/auto, where the LM head gets int8 whatever the method (its logits
-        feed sampling directly); the weights repacked for the dense kernel for none."""
+        feed sampling directly), or under auto its GGUF blocks in place where gguf_linear
+        reads them (also for a head tied to an embedding read in place); the weights repacked
+        for the dense kernel for none. Only auto keeps the embedding in the file's blocks."""
         self._fused = None
         for module in self.modules():
             if isinstance(module, LinearBase) and module is not self.lm_head:
                 module.pack_(quantization)
+        head, embedding = self.lm_head, self.embed_tokens
+        if quantization == "auto" and (native := head.gguf_weight()) is not None:
+            head.packed = native
+            head.weight = nn.Parameter(head.weight.data.new_empty(0), requires_grad=False)
+            return
+        # A quantization asked for by name re-packs the file's weights (the weight cache keeps
+        # them): the embedding too is held as floats then.
+        if quantization != "auto" or self.config.tie_word_embeddings:
+            embedding.materialize()
+        if self.config.tie_word_embeddings:
+            head.gguf_tensors = {}
+            head.weight = embedding.weight
         # The head's weight stays: it is the tied embedding, or the MTP drafter reads it.
-        self.lm_head.pack_("none" if quantization == "none" else "int8", keep_weight=True)
+        head.pack_("none" if quantization == "none" else "int8", keep_weight=True)

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from kvserve.attention.backend import AttentionBackend
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.distributed.parallel import SINGLE, TensorParallel, head_shard
 from kvserve.gguf_reader import open_gguf
-from kvserve.layers.quant import INT4_SOURCES, INT8_SOURCES
+from kvserve.layers.quant import INT4_SOURCES, INT8_SOURCES, GGUFTensor, gguf_native
 from kvserve.models.gguf_quants import decode_groups
 from kvserve.models.llama import LlamaForCausalLM
 
@@ -213,11 +214,37 @@ _GGUF_LAYER = {
 GgufSource = tuple[str, object]  # (GGUF type name, its QuantGroups or None)
 
 
+def _row_order(rows: int, n_heads: int) -> torch.Tensor:
+    """The file rows of llama.cpp's interleaved q/k weight in rotate-half order (_unpermute)."""
+    return _unpermute(torch.arange(rows)[:, None], n_heads)[:, 0].contiguous()
+
+
+def _in_place(t, kind: str, cfg: ModelConfig, heads: int | None) -> GGUFTensor:
+    """A 2-D tensor of a type gguf_linear reads, as a view of the file's memory map; its
+    groups (for a layer that cannot read it in place) decoded only when asked for."""
+    cols, rows = (int(x) for x in t.shape)  # GGUF lists the inner dimension first
+    with warnings.catch_warnings():  # the map is read-only, and nothing writes through it
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(t.data)
+    order = _row_order(rows, heads) if heads else None
+
+    def groups():
+        g = decode_groups(t.data, kind, rows, cols)
+        if g is not None and heads:
+            g.q, g.d, g.m = (_unpermute(x, heads) for x in (g.q, g.d, g.m))
+        return g
+
+    return GGUFTensor(kind, data, cols, order, groups)
+
+
 def iter_gguf_tensors(reader, cfg: ModelConfig
-                      ) -> Iterator[tuple[str, torch.Tensor, GgufSource | None]]:
-    """(canonical name, float32 tensor, its GGUF source) for every weight, dequantized as
-    `gguf` does; a projection's source is its type and, where the type has an exact form, its
-    blocks as the VNNI kernel's groups (models/gguf_quants.py)."""
+                      ) -> Iterator[tuple[str, torch.Tensor | GGUFTensor, GgufSource | None]]:
+    """(canonical name, tensor, its GGUF source) for every weight. A projection, embedding or
+    output matrix of a type gguf_linear reads comes as a GGUFTensor, its blocks in place in
+    the file's memory map (the layer dequantizes it only if it cannot serve it so); any
+    other tensor comes dequantized to float32 as `gguf` does, a projection's source being
+    its type and, where the type has an exact form, its blocks as the VNNI kernel's groups
+    (models/gguf_quants.py)."""
     from gguf import quants
 
     for t in reader.tensors:
@@ -226,9 +253,26 @@ def iter_gguf_tensors(reader, cfg: ModelConfig
             continue
         parts = t.name.split(".")
         kind = t.tensor_type.name
+        layer = parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER
+        name = _GGUF_LAYER[parts[2]] if layer else None
+        heads = None
+        if cfg.architecture == "llama" and name in ("q", "k"):
+            heads = cfg.num_heads if name == "q" else cfg.num_kv_heads
+        in_place = len(t.shape) == 2 and gguf_native(kind) and (
+            t.name in ("token_embd.weight", "output.weight") or name in _PROJECTIONS
+            and not (cfg.architecture == "phi3" and name in ("qkv", "up")))
+        if in_place:
+            w = _in_place(t, kind, cfg, heads)
+            if t.name == "token_embd.weight":
+                yield "embed_tokens.weight", w, None
+            elif t.name == "output.weight":
+                yield "lm_head.weight", w, None
+            else:
+                yield f"layers.{parts[1]}.{name}.{parts[3]}", w, (kind, None)
+            continue
         groups = None
         if kind in _EXACT_FROM_GROUPS and len(t.shape) == 2:
-            cols, rows = (int(x) for x in t.shape)  # GGUF lists the inner dimension first
+            cols, rows = (int(x) for x in t.shape)
             groups = decode_groups(t.data, kind, rows, cols)
         if groups is not None:  # the same floats as gguf's, from blocks decoded anyway
             w = groups.dequantized()
@@ -245,19 +289,17 @@ def iter_gguf_tensors(reader, cfg: ModelConfig
             yield "norm.weight", w, None
         elif t.name == "output.weight":
             yield "lm_head.weight", w, None
-        elif parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER:
-            name = _GGUF_LAYER[parts[2]]
+        elif layer:
             source = None
             if w.dim() == 2 and name in _PROJECTIONS:
                 if groups is None:
                     groups = decode_groups(t.data, kind, *w.shape)
-                if groups is not None and cfg.architecture == "llama" and name in ("q", "k"):
-                    heads = cfg.num_heads if name == "q" else cfg.num_kv_heads
+                if groups is not None and heads:
                     groups.q, groups.d, groups.m = (_unpermute(x, heads)
                                                     for x in (groups.q, groups.d, groups.m))
                 source = (kind, groups)
-            if cfg.architecture == "llama" and name in ("q", "k"):
-                w = _unpermute(w, cfg.num_heads if name == "q" else cfg.num_kv_heads)
+            if heads:
+                w = _unpermute(w, heads)
             if cfg.architecture == "phi3" and name in ("qkv", "up"):
                 kind = "qkv_proj" if name == "qkv" else "gate_up_proj"
                 yield from _split_fused(cfg, parts[1], kind, parts[3], w, source)
@@ -476,7 +518,8 @@ def auto_quantization(weight_format: str) -> str:
 
 
 def load_weights(model: LlamaForCausalLM,
-                 tensors: Iterator[tuple[str, torch.Tensor, GgufSource | None]]) -> None:
+                 tensors: Iterator[tuple[str, torch.Tensor | GGUFTensor, GgufSource | None]]
+                 ) -> None:
     """Place canonical-named tensors into the fused, shard-aware layers."""
     seen: set[str] = set()
     for name, w, source in tensors:
@@ -519,6 +562,7 @@ def load_weights(model: LlamaForCausalLM,
             required |= {f"layers.{i}.attn_out_norm.weight", f"layers.{i}.mlp_out_norm.weight"}
     if not cfg.tie_word_embeddings:
         required.add("lm_head.weight")
+    model.tie_gguf_head()
     missing = sorted(required - seen)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

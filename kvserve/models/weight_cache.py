@@ -145,11 +145,16 @@ def load_packed(path: Path, dtype: torch.dtype, device: torch.device,
                      time.perf_counter() - t0, entry.data)
             return loaded, applied
     if entry is not None:
-        log.info("preparing %s for this machine: dequantizing and packing its weights for the "
-                 "kernels (seconds; once: then kept in %s)", path.name, entry.data.parent)
+        log.info("preparing %s for this machine (weights its kernels read in another form "
+                 "than the file's are packed once, then kept in %s)", path.name,
+                 entry.data.parent)
     loaded = load_model(path, dtype, device, backend_factory, tp, max_model_len)
     applied = pack(loaded)
-    if entry is not None:
+    if entry is not None and loaded.model.reads_gguf_in_place():
+        # Its matrices are the file's own pages: an entry would only copy them.
+        log.info("weight cache: %s is served from the file's memory map, nothing to cache",
+                 path.name)
+    elif entry is not None:
         save(entry, loaded, applied)
     return loaded, applied
 

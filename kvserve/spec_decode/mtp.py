@@ -117,8 +117,8 @@ class MTPDrafter(Drafter):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             raise ValueError(f"MTP draft vocabulary has ids outside the target's {vocab}")
         self.vocab_ids = ids if ids.numel() else None
-        head = (target.embed_tokens.weight if target.config.tie_word_embeddings
-                else target.lm_head.weight)
+        head = (target.embed_tokens.full_weight() if target.config.tie_word_embeddings
+                else target.lm_head.full_weight())
         # The draft vocabulary's rows of the LM head, copied once (9 MB for 8192 x 576 bf16).
         self.head = head.detach()[ids].clone() if self.vocab_ids is not None else None
         self.head_q: QuantizedWeight | None = None

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -46,6 +47,15 @@ bool has_quant_halves();
 at::Tensor quant_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
                       int64_t bits);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed);
+
+// gguf_linear.cpp
+bool gguf_supports(int64_t type);
+std::string gguf_path(bool portable);
+at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts,
+                       const std::vector<int64_t>& types, const std::vector<at::Tensor>& rows,
+                       bool portable);
+at::Tensor gguf_rows(const at::Tensor& part, int64_t type, int64_t K, const at::Tensor& ids,
+                     at::ScalarType dtype);
 
 namespace kvs {
 

@@ -115,9 +115,12 @@ void store_kv(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor
 }
 
 // One layer's tensors by name, as the model builds them once (LlamaForCausalLM.fused_weights);
-// an empty tensor stands for what a layer lacks. A linear is (weight, packed, scales, bias).
+// an empty tensor stands for what a layer lacks. A linear is (weight, packed, scales, bias),
+// or a GGUF file's own blocks (parts, their GGML types and row orders: gguf_linear).
 struct LinearWeights {
   at::Tensor weight, packed, scales, bias;
+  std::vector<at::Tensor> parts, rows;
+  std::vector<int64_t> types;
 };
 
 struct LayerWeights {
@@ -143,7 +146,9 @@ namespace {
 at::Tensor linear(const at::Tensor& x, const LinearWeights& w, int64_t group) {
   const at::Tensor& q = w.packed;
   at::Tensor y;
-  if (q.dim() == 3) {
+  if (!w.parts.empty()) {
+    y = gguf_linear(x, w.parts, w.types, w.rows, false);
+  } else if (q.dim() == 3) {
     y = q.scalar_type() == at::kByte || q.scalar_type() == at::kChar ? quant_linear(x, q)
                                                                        : dense_linear(x, q);
   } else if (q.numel()) {
@@ -242,9 +247,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x @ W.T, W packed int4/int8 (CPU, AVX512-VNNI)",
         nogil());
   m.def("store_kv", &store_kv, "write K/V rows into their cache slots (CPU)", nogil());
+  m.def("gguf_supports", &gguf_supports, "whether gguf_linear reads this GGML type");
+  m.def("gguf_path", &gguf_path, "the path gguf_linear takes here (AVX2 or portable)",
+        py::arg("portable") = false);
+  m.def("gguf_linear", &gguf_linear, "x @ W.T, W a GGUF file's own blocks (CPU)", py::arg("x"),
+        py::arg("parts"), py::arg("types"), py::arg("rows"), py::arg("portable") = false,
+        nogil());
+  m.def("gguf_rows", &gguf_rows, "rows of a GGUF tensor, dequantized as gguf does (CPU)",
+        py::arg("part"), py::arg("type"), py::arg("k"), py::arg("ids"), py::arg("dtype"),
+        nogil());
   py::class_<LinearWeights>(m, "LinearWeights")
-      .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(), py::arg("weight"),
-           py::arg("packed"), py::arg("scales"), py::arg("bias"));
+      .def(py::init([](at::Tensor weight, at::Tensor packed, at::Tensor scales, at::Tensor bias,
+                       std::vector<at::Tensor> parts, std::vector<int64_t> types,
+                       std::vector<at::Tensor> rows) {
+             return LinearWeights{weight, packed, scales, bias, parts, rows, types};
+           }),
+           py::arg("weight"), py::arg("packed"), py::arg("scales"), py::arg("bias"),
+           py::arg("parts") = std::vector<at::Tensor>{},
+           py::arg("types") = std::vector<int64_t>{},
+           py::arg("rows") = std::vector<at::Tensor>{});
   py::class_<LayerWeights>(m, "LayerWeights")
       .def(py::init([](int64_t window, bool local_rope, bool gelu, at::Tensor input_norm,
                        at::Tensor post_attention_norm, at::Tensor attn_out_norm,

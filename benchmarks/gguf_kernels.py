@@ -1,0 +1,104 @@
+"""gguf_linear (a GGUF file's own blocks, read in place) against quant_linear (kvserve's int4/int8
+tiles, the form GGUF weights were repacked into before), on one layer's matrices of a real
+model's shape, at decode (1 row) and prefill (512 rows) sizes.
+
+    python benchmarks/gguf_kernels.py [--shape qwen2.5-1.5b] [--repeats 15]
+
+Weights are random blocks of each type (the kernels' speed does not depend on the values).
+For each matrix it prints the median time of --repeats calls, the bytes each form reads per
+call and, at 1 row, the bandwidth that implies; at 512 rows, the int8 multiply-adds per
+second. Both kernels run on all cores (torch's thread count). The CPU is printed first: its
+instruction set decides the path (`gguf_path`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvserve import kernels  # noqa: E402
+from kvserve.layers.quant import QuantizedWeight  # noqa: E402
+
+# (name, out, in, GGUF type) of one decoder layer, as a Q4_K_M file stores them.
+SHAPES = {
+    "qwen2.5-1.5b": [("qkv", 2048, 1536, "Q4_K"), ("o", 1536, 1536, "Q4_K"),
+                     ("gate_up", 17920, 1536, "Q4_K"), ("down", 1536, 8960, "Q6_K")],
+    "llama-1b": [("qkv", 3072, 2048, "Q4_K"), ("o", 2048, 2048, "Q4_K"),
+                 ("gate_up", 16384, 2048, "Q4_K"), ("down", 2048, 8192, "Q6_K")],
+}
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def random_blocks(kind: str, rows: int, cols: int) -> torch.Tensor:
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    scale = np.full(raw.shape[:2], 0.01, np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    for off in ((208,) if kind == "Q6_K" else (0, 2)):
+        raw[:, :, off:off + 2] = scale
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def median_s(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    ops = kernels.ops()
+    if ops is None:
+        sys.exit("the C++ kernels are unavailable here")
+    print(f"CPU: {cpu_name()}; gguf_linear path: {ops.gguf_path()}; "
+          f"quant_linear ISA: {kernels.isa()}; threads: {torch.get_num_threads()}")
+    none = [torch.empty(0, dtype=torch.long)]
+    print(f"{'matrix':8} {'type':5} {'rows':>5} {'gguf ms':>8} {'tiles ms':>8} {'ratio':>6} "
+          f"{'gguf MB':>8} {'tiles MB':>8} {'gguf GB/s':>9} {'GMAC/s':>7}")
+    totals = {1: [0.0, 0.0], 512: [0.0, 0.0]}
+    for name, n, k, kind in SHAPES[args.shape]:
+        raw = random_blocks(kind, n, k)
+        tid = int(GGMLQuantizationType[kind])
+        w = ops.gguf_rows(raw, tid, k, torch.arange(n), torch.float32)
+        tiles = QuantizedWeight(w, "int8" if kind == "Q6_K" else "int4")
+        for m in (1, 512):
+            x = torch.randn(m, k)
+            g = median_s(lambda x=x: ops.gguf_linear(x, [raw], [tid], none), args.repeats)
+            q = median_s(lambda x=x: tiles.matmul(x), args.repeats)
+            totals[m][0] += g
+            totals[m][1] += q
+            gb = raw.numel() / g / 1e9
+            print(f"{name:8} {kind:5} {m:5} {g * 1e3:8.3f} {q * 1e3:8.3f} {q / g:6.2f} "
+                  f"{raw.numel() / 1e6:8.2f} {tiles.nbytes / 1e6:8.2f} "
+                  f"{gb if m == 1 else float('nan'):9.2f} "
+                  f"{m * n * k / g / 1e9 if m > 1 else float('nan'):7.1f}")
+    for m, (g, q) in totals.items():
+        print(f"layer at {m} rows: gguf {g * 1e3:.3f} ms, tiles {q * 1e3:.3f} ms, "
+              f"tiles/gguf {q / g:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,583 @@
+// gguf_linear: x W^T with W in a GGUF file's own blocks, read where they lie (a memory map of
+// the file): no repacking, no widening, the file's bytes per weight.
+//
+// Every type is read one output row at a time, a row being the file's run of blocks for it.
+// The activations are quantized to int8 once per call, per 32 inputs for the types with
+// blocks of 32 (GGML's Q8_0 form with the block's sum) and per 256 for the K-quants (Q8_K:
+// one scale per 256, sums per 16). Each weight block then gives an exact integer sum, and
+// every float operation after it is the same on every path, in the same order:
+//
+//   Q4_0, Q5_0, Q8_0   s = sum q x - o sum x (o = 8, 16, 0)     acc = fma(d dx, s, acc)
+//   Q4_1, Q5_1         s = sum q x                              acc = fma(d dx, s, acc)
+//                                                               acc = fma(m dx, sum x, acc)
+//   Q4_K, Q5_K         s = sum_j sc_j sum q x, t = sum_j m_j sum x
+//                                                  acc = fma(d dx, s, acc) then -(dmin dx) t
+//   Q6_K               s = sum_j sc_j (sum q x - 32 sum x)      acc = fma(d dx, s, acc)
+//
+// The integer sums are exact whatever order adds them, so the portable path (plain C++) and
+// the AVX2 path (vpmaddubsw / vpmaddwd, also taken on AVX-512 machines) give the same bits,
+// and a row's result never depends on the other rows of the call (batch invariance): work
+// is split over output rows only. The activations' quantization is one scalar routine for
+// both paths. Float contraction is off in this file: a compiler fusing a multiply into a
+// later add would make a path's rounding its own.
+//
+// gguf_rows: the same blocks dequantized, rows picked by index (an embedding lookup on the
+// file's codes), with gguf's own arithmetic (so the floats are gguf's, bit for bit).
+#include "common.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+// GGML's type numbers (ggml.h), as GGUF stores them.
+enum : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+};
+
+struct TypeInfo {
+  int64_t block;  // weights per block
+  int64_t bytes;  // bytes per block
+};
+
+bool type_info(int64_t type, TypeInfo* info) {
+  switch (type) {
+    case kQ4_0: *info = {32, 18}; return true;
+    case kQ4_1: *info = {32, 20}; return true;
+    case kQ5_0: *info = {32, 22}; return true;
+    case kQ5_1: *info = {32, 24}; return true;
+    case kQ8_0: *info = {32, 34}; return true;
+    case kQ4_K: *info = {256, 144}; return true;
+    case kQ5_K: *info = {256, 176}; return true;
+    case kQ6_K: *info = {256, 210}; return true;
+    default: return false;
+  }
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+inline uint32_t u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// The 6-bit scales and minimums of a Q4_K/Q5_K block's 8 sub-blocks, from its 12 bytes.
+inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+// The activations, quantized per row: q [M, K] int8, x ~ q * d per block of `block` inputs
+// (32 or 256), with per-block sums (32) or per-16 sums (256) of q.
+struct QuantX {
+  int64_t block = 0, K = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sums;  // per 32 inputs (block 32) or per 16 (block 256)
+
+  const int8_t* row(int64_t m) const { return q.data() + m * K; }
+  float scale(int64_t m, int64_t b) const { return d[m * (K / block) + b]; }
+  int32_t sum(int64_t m, int64_t i) const {  // i: the sum's index within the row
+    return sums[m * (K / (block == 32 ? 32 : 16)) + i];
+  }
+};
+
+template <typename T>
+void quantize_x(const T* x, int64_t M, int64_t K, int64_t block, QuantX& out) {
+  out.block = block;
+  out.K = K;
+  out.q.resize(M * K);
+  out.d.resize(M * K / block);
+  const int64_t per = block == 32 ? 32 : 16;
+  out.sums.resize(M * K / per);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> v(block);
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b = 0; b < K / block; ++b) {
+        float amax = 0.f;
+        for (int64_t i = 0; i < block; ++i) {
+          v[i] = static_cast<float>(x[m * K + b * block + i]);
+          amax = std::max(amax, std::fabs(v[i]));
+        }
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int8_t* q = out.q.data() + m * K + b * block;
+        for (int64_t i = 0; i < block; ++i) {
+          const float r = std::nearbyint(v[i] * inv);  // to nearest even, as cvtps2dq
+          q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+        }
+        out.d[m * (K / block) + b] = amax / 127.f;
+        for (int64_t s = 0; s < block / per; ++s) {
+          int32_t total = 0;
+          for (int64_t i = 0; i < per; ++i) total += q[s * per + i];
+          out.sums[m * (K / per) + b * (block / per) + s] = total;
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------- portable path
+
+// Block `b` of one weight row against one activation row: its contribution added to acc.
+template <int64_t Type>
+inline float block_dot(const uint8_t* w, const QuantX& x, int64_t m, int64_t b, float acc) {
+  const int8_t* xq = x.row(m);
+  if constexpr (Type == kQ4_0 || Type == kQ4_1 || Type == kQ5_0 || Type == kQ5_1 ||
+                Type == kQ8_0) {
+    const int8_t* xb = xq + b * 32;
+    const float d = f16(w), dx = x.scale(m, b);
+    const int32_t sx = x.sum(m, b);
+    int32_t s = 0;
+    if constexpr (Type == kQ8_0) {
+      const auto* q = reinterpret_cast<const int8_t*>(w + 2);
+      for (int i = 0; i < 32; ++i) s += q[i] * xb[i];
+    } else {
+      const bool hasmin = Type == kQ4_1 || Type == kQ5_1;
+      const uint8_t* qs = w + (hasmin ? 4 : 2) + (Type == kQ5_0 || Type == kQ5_1 ? 4 : 0);
+      const uint32_t qh = Type == kQ5_0 || Type == kQ5_1 ? u32(w + (hasmin ? 4 : 2)) : 0;
+      for (int i = 0; i < 32; ++i) {
+        int32_t q = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
+        if constexpr (Type == kQ5_0 || Type == kQ5_1) q |= ((qh >> i) & 1) << 4;
+        s += q * xb[i];
+      }
+      if constexpr (Type == kQ4_0) s -= 8 * sx;
+      if constexpr (Type == kQ5_0) s -= 16 * sx;
+    }
+    acc = std::fma(d * dx, static_cast<float>(s), acc);
+    if constexpr (Type == kQ4_1 || Type == kQ5_1)
+      acc = std::fma(f16(w + 2) * dx, static_cast<float>(sx), acc);
+    return acc;
+  } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
+    const int8_t* xb = xq + b * 256;
+    uint8_t sc[8], mn[8];
+    k_scales(w + 4, sc, mn);
+    const uint8_t* qh = w + 16;
+    const uint8_t* qs = w + 16 + (Type == kQ5_K ? 32 : 0);
+    int32_t s = 0, t = 0;
+    for (int j = 0; j < 8; ++j) {
+      int32_t dot = 0;
+      for (int i = 0; i < 32; ++i) {
+        int32_t q = (qs[(j / 2) * 32 + i] >> (4 * (j % 2))) & 15;
+        if constexpr (Type == kQ5_K) q |= ((qh[i] >> j) & 1) << 4;
+        dot += q * xb[j * 32 + i];
+      }
+      s += sc[j] * dot;
+      t += mn[j] * (x.sum(m, b * 16 + 2 * j) + x.sum(m, b * 16 + 2 * j + 1));
+    }
+    const float dx = x.scale(m, b);
+    acc = std::fma(f16(w) * dx, static_cast<float>(s), acc);
+    return std::fma(-(f16(w + 2) * dx), static_cast<float>(t), acc);
+  } else {  // Q6_K: ql[128], qh[64], scales[16], d
+    const int8_t* xb = xq + b * 256;
+    const uint8_t *ql = w, *qh = w + 128;
+    const auto* sc = reinterpret_cast<const int8_t*>(w + 192);
+    int32_t s = 0;
+    for (int j = 0; j < 16; ++j) {  // sub-blocks of 16
+      int32_t dot = 0;
+      for (int i = 0; i < 16; ++i) {
+        const int e = j * 16 + i, h = e / 128, g = (e % 128) / 32, l = e % 32;
+        const int32_t q = ((ql[h * 64 + (g % 2) * 32 + l] >> (4 * (g / 2))) & 15) |
+                          (((qh[h * 32 + l] >> (2 * g)) & 3) << 4);
+        dot += q * xb[e];
+      }
+      s += sc[j] * (dot - 32 * x.sum(m, b * 16 + j));
+    }
+    return std::fma(f16(w + 208) * x.scale(m, b), static_cast<float>(s), acc);
+  }
+}
+
+template <int64_t Type>
+float row_dot_portable(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX& x,
+                       int64_t m) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) acc = block_dot<Type>(w + b * bytes, x, m, b, acc);
+  return acc;
+}
+
+// ---------------------------------------------------------------------- AVX2 path
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr bool kHasAvx2Path = true;
+constexpr int kRows = 4;  // activation rows per pass over a weight row
+
+inline int32_t hsum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// 32 bits -> 32 bytes, byte i = 0xFF where bit i is set.
+inline __m256i bits_to_bytes(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202,
+                         0x0303030303030303));
+  const __m256i mask = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask);
+}
+
+// Unsigned weights u (< 128) times signed activations a: 8 int32 partial sums.
+inline __m256i dot_u8(__m256i u, __m256i a) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1));
+}
+
+inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// One weight row against NR activation rows (m0 .. m0 + NR - 1): NR accumulated dot products,
+// each in the portable path's order of float operations.
+template <int64_t Type, int NR>
+void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX& x, int64_t m0,
+                  float* out) {
+  float acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = 0.f;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < blocks; ++b, w += bytes) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + 8 * bytes), _MM_HINT_T0);
+    if constexpr (Type == kQ4_0 || Type == kQ4_1 || Type == kQ5_0 || Type == kQ5_1 ||
+                  Type == kQ8_0) {
+      const float d = f16(w);
+      __m256i q;  // the block's 32 codes as bytes (Q8_0: signed)
+      if constexpr (Type == kQ8_0) {
+        q = load32(w + 2);
+      } else {
+        const bool hasmin = Type == kQ4_1 || Type == kQ5_1;
+        const bool five = Type == kQ5_0 || Type == kQ5_1;
+        const __m128i qs = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(w + (hasmin ? 4 : 2) + (five ? 4 : 0)));
+        q = _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low);
+        if constexpr (five)
+          q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes(u32(w + (hasmin ? 4 : 2))),
+                                                  _mm256_set1_epi8(16)));
+      }
+      for (int r = 0; r < NR; ++r) {
+        const int64_t m = m0 + r;
+        const __m256i a = load32(x.row(m) + b * 32);
+        int32_t s;
+        if constexpr (Type == kQ8_0)
+          s = hsum8(dot_u8(_mm256_abs_epi8(q), _mm256_sign_epi8(a, q)));
+        else
+          s = hsum8(dot_u8(q, a));
+        const int32_t sx = x.sum(m, b);
+        if constexpr (Type == kQ4_0) s -= 8 * sx;
+        if constexpr (Type == kQ5_0) s -= 16 * sx;
+        const float dx = x.scale(m, b);
+        acc[r] = std::fma(d * dx, static_cast<float>(s), acc[r]);
+        if constexpr (Type == kQ4_1 || Type == kQ5_1)
+          acc[r] = std::fma(f16(w + 2) * dx, static_cast<float>(sx), acc[r]);
+      }
+    } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
+      uint8_t sc[8], mn[8];
+      k_scales(w + 4, sc, mn);
+      const uint8_t* qs = w + 16 + (Type == kQ5_K ? 32 : 0);
+      __m256i q[8];  // sub-block j's 32 codes
+      __m256i hb;
+      if constexpr (Type == kQ5_K) hb = load32(w + 16);
+      for (int c = 0; c < 4; ++c) {
+        const __m256i p = load32(qs + 32 * c);
+        q[2 * c] = _mm256_and_si256(p, low);
+        q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+        if constexpr (Type == kQ5_K) {
+          for (int h = 0; h < 2; ++h) {
+            const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (2 * c + h)));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), bit);
+            q[2 * c + h] = _mm256_or_si256(q[2 * c + h],
+                                           _mm256_and_si256(set, _mm256_set1_epi8(16)));
+          }
+        }
+      }
+      const float d = f16(w), dmin = f16(w + 2);
+      for (int r = 0; r < NR; ++r) {
+        const int64_t m = m0 + r;
+        const int8_t* a = x.row(m) + b * 256;
+        __m256i s = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const __m256i p = _mm256_maddubs_epi16(q[j], load32(a + 32 * j));
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[j])));
+        }
+        int32_t t = 0;
+        for (int j = 0; j < 8; ++j)
+          t += mn[j] * (x.sum(m, b * 16 + 2 * j) + x.sum(m, b * 16 + 2 * j + 1));
+        const float dx = x.scale(m, b);
+        acc[r] = std::fma(d * dx, static_cast<float>(hsum8(s)), acc[r]);
+        acc[r] = std::fma(-(dmin * dx), static_cast<float>(t), acc[r]);
+      }
+    } else {  // Q6_K
+      const auto* sc = reinterpret_cast<const int8_t*>(w + 192);
+      __m256i q[8];  // the 8 runs of 32 codes, in input order
+      for (int h = 0; h < 2; ++h) {
+        const __m256i l0 = load32(w + h * 64), l1 = load32(w + h * 64 + 32);
+        const __m256i hi = load32(w + 128 + h * 32), three = _mm256_set1_epi8(3);
+        const auto high = [&](int g) {
+          return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2 * g), three), 4);
+        };
+        q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, low), high(0));
+        q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low), high(1));
+        q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), high(2));
+        q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), high(3));
+      }
+      __m256i scales[8];  // int16 lanes: 8 of sub-block 2g, 8 of 2g + 1
+      for (int g = 0; g < 8; ++g)
+        scales[g] = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * g]), _mm_set1_epi16(sc[2 * g + 1]));
+      const float d = f16(w + 208);
+      for (int r = 0; r < NR; ++r) {
+        const int64_t m = m0 + r;
+        const int8_t* a = x.row(m) + b * 256;
+        __m256i s = _mm256_setzero_si256();
+        for (int g = 0; g < 8; ++g) {
+          const __m256i p = _mm256_maddubs_epi16(q[g], load32(a + 32 * g));
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(p, scales[g]));
+        }
+        int32_t t = 0;
+        for (int j = 0; j < 16; ++j) t += sc[j] * x.sum(m, b * 16 + j);
+        acc[r] = std::fma(d * x.scale(m, b), static_cast<float>(hsum8(s) - 32 * t), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) out[r] = acc[r];
+}
+
+template <int64_t Type>
+void rows_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX& x, int64_t m0,
+               int nr, float* out) {
+  switch (nr) {
+    case 1: row_dot_avx2<Type, 1>(w, blocks, bytes, x, m0, out); break;
+    case 2: row_dot_avx2<Type, 2>(w, blocks, bytes, x, m0, out); break;
+    case 3: row_dot_avx2<Type, 3>(w, blocks, bytes, x, m0, out); break;
+    default: row_dot_avx2<Type, 4>(w, blocks, bytes, x, m0, out); break;
+  }
+}
+#else
+constexpr bool kHasAvx2Path = false;
+constexpr int kRows = 4;
+#endif
+
+// One weight row (`w`, `blocks` blocks) against activation rows m0 .. m0 + nr - 1.
+using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, const QuantX&, int64_t, int, float*);
+
+template <int64_t Type>
+void rows_portable(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX& x, int64_t m0,
+                   int nr, float* out) {
+  for (int r = 0; r < nr; ++r) out[r] = row_dot_portable<Type>(w, blocks, bytes, x, m0 + r);
+}
+
+template <int64_t Type>
+RowsFn rows_fn(bool portable) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if (!portable) return rows_avx2<Type>;
+#endif
+  (void)portable;
+  return rows_portable<Type>;
+}
+
+RowsFn pick(int64_t type, bool portable) {
+  switch (type) {
+    case kQ4_0: return rows_fn<kQ4_0>(portable);
+    case kQ4_1: return rows_fn<kQ4_1>(portable);
+    case kQ5_0: return rows_fn<kQ5_0>(portable);
+    case kQ5_1: return rows_fn<kQ5_1>(portable);
+    case kQ8_0: return rows_fn<kQ8_0>(portable);
+    case kQ4_K: return rows_fn<kQ4_K>(portable);
+    case kQ5_K: return rows_fn<kQ5_K>(portable);
+    default: return rows_fn<kQ6_K>(portable);
+  }
+}
+
+// Output rows per unit of work: a unit's weights (~16 rows of a few KB) stay in cache while
+// every activation row passes over them.
+constexpr int64_t kUnit = 16;
+
+template <typename T>
+at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
+               const std::vector<int64_t>& types, const std::vector<at::Tensor>& rows,
+               bool portable) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const size_t P = parts.size();
+  bool need32 = false, need256 = false;
+  std::vector<int64_t> offset(P + 1, 0);
+  for (size_t p = 0; p < P; ++p) {
+    TypeInfo info;
+    type_info(types[p], &info);
+    (info.block == 32 ? need32 : need256) = true;
+    offset[p + 1] = offset[p] + (rows[p].numel() ? rows[p].numel() : parts[p].size(0));
+  }
+  const int64_t N = offset[P];
+  QuantX x32, x256;
+  const T* xp = x.data_ptr<T>();
+  if (need32) quantize_x(xp, M, K, 32, x32);
+  if (need256) quantize_x(xp, M, K, 256, x256);
+  auto y = at::empty({M, N}, x.options());
+  T* yp = y.data_ptr<T>();
+  const int64_t units = (N + kUnit - 1) / kUnit;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    float out[kRows];
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t n0 = u * kUnit, n1 = std::min(N, n0 + kUnit);
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        const int nr = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+        size_t p = 0;
+        for (int64_t n = n0; n < n1; ++n) {
+          while (n >= offset[p + 1]) ++p;
+          TypeInfo info;
+          type_info(types[p], &info);
+          const int64_t local = n - offset[p];
+          const int64_t src = rows[p].numel() ? rows[p].data_ptr<int64_t>()[local] : local;
+          const auto* w = static_cast<const uint8_t*>(parts[p].data_ptr()) +
+                          src * parts[p].stride(0);
+          pick(types[p], portable)(w, K / info.block, info.bytes,
+                                   info.block == 32 ? x32 : x256, m0, nr, out);
+          for (int r = 0; r < nr; ++r) yp[(m0 + r) * N + n] = static_cast<T>(out[r]);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// ---------------------------------------------------------------------- dequantization
+
+// Block `b` of a row as gguf's numpy code computes it (same operations, no fusing).
+void dequant_block(int64_t type, const uint8_t* w, float* out) {
+  switch (type) {
+    case kQ8_0: {
+      const float d = f16(w);
+      for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(static_cast<int8_t>(w[2 + i])) * d;
+      return;
+    }
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: {
+      const bool hasmin = type == kQ4_1 || type == kQ5_1, five = type == kQ5_0 || type == kQ5_1;
+      const float d = f16(w), mn = hasmin ? f16(w + 2) : 0.f;
+      const uint32_t qh = five ? u32(w + (hasmin ? 4 : 2)) : 0;
+      const uint8_t* qs = w + (hasmin ? 4 : 2) + (five ? 4 : 0);
+      for (int i = 0; i < 32; ++i) {
+        int32_t q = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
+        if (five) q |= ((qh >> i) & 1) << 4;
+        if (hasmin)
+          out[i] = d * static_cast<float>(q) + mn;
+        else
+          out[i] = d * static_cast<float>(q - (five ? 16 : 8));
+      }
+      return;
+    }
+    case kQ4_K: case kQ5_K: {
+      uint8_t sc[8], mn[8];
+      k_scales(w + 4, sc, mn);
+      const float d = f16(w), dmin = f16(w + 2);
+      const uint8_t *qh = w + 16, *qs = w + 16 + (type == kQ5_K ? 32 : 0);
+      for (int j = 0; j < 8; ++j) {
+        const float dl = d * static_cast<float>(sc[j]), ml = dmin * static_cast<float>(mn[j]);
+        for (int i = 0; i < 32; ++i) {
+          int32_t q = (qs[(j / 2) * 32 + i] >> (4 * (j % 2))) & 15;
+          if (type == kQ5_K) q |= ((qh[i] >> j) & 1) << 4;
+          out[j * 32 + i] = dl * static_cast<float>(q) - ml;
+        }
+      }
+      return;
+    }
+    default: {  // Q6_K
+      const uint8_t *ql = w, *qh = w + 128;
+      const auto* sc = reinterpret_cast<const int8_t*>(w + 192);
+      const float d = f16(w + 208);
+      for (int e = 0; e < 256; ++e) {
+        const int h = e / 128, g = (e % 128) / 32, l = e % 32;
+        const int32_t q = ((ql[h * 64 + (g % 2) * 32 + l] >> (4 * (g / 2))) & 15) |
+                          (((qh[h * 32 + l] >> (2 * g)) & 3) << 4);
+        out[e] = d * static_cast<float>(sc[e / 16]) * static_cast<float>(q - 32);
+      }
+      return;
+    }
+  }
+}
+
+void check_part(const char* fn, const at::Tensor& part, int64_t type, int64_t K) {
+  TypeInfo info;
+  TORCH_CHECK(type_info(type, &info), fn, ": GGML type ", type, " has no kernel");
+  TORCH_CHECK(part.dim() == 2 && part.scalar_type() == at::kByte && part.stride(1) == 1,
+              fn, ": a part must be [rows, row bytes] uint8 with contiguous rows");
+  TORCH_CHECK(K % info.block == 0 && part.size(1) == K / info.block * info.bytes, fn,
+              ": a row of ", part.size(1), " bytes is not ", K, " inputs of GGML type ", type);
+}
+
+}  // namespace
+
+bool gguf_supports(int64_t type) {
+  TypeInfo info;
+  return type_info(type, &info);
+}
+
+std::string gguf_path(bool portable) {
+  return !portable && kHasAvx2Path ? "AVX2" : "portable";
+}
+
+// x [M, K] float32 or bf16 times the row-concatenation of `parts` (each [N_p, row bytes], the
+// file's blocks of GGML type types[p]; rows[p] an int64 [N_p] of the rows to take, in output
+// order, or empty for all in order) -> [M, sum N_p] in x's dtype. `portable` takes the
+// plain C++ path (the reference the vector path is tested against).
+at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts,
+                       const std::vector<int64_t>& types, const std::vector<at::Tensor>& rows,
+                       bool portable) {
+  kvs::check_cpu("gguf_linear", x);
+  kvs::check_cpu("gguf_linear", parts);
+  kvs::check_cpu("gguf_linear", rows);
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat ||
+                               x.scalar_type() == at::kBFloat16),
+              "gguf_linear: x must be [M, K] float32 or bf16");
+  TORCH_CHECK(!parts.empty() && parts.size() == types.size() && rows.size() == parts.size(),
+              "gguf_linear: one type and one row list per part");
+  const int64_t K = x.size(1);
+  for (size_t p = 0; p < parts.size(); ++p) {
+    check_part("gguf_linear", parts[p], types[p], K);
+    if (rows[p].numel()) {
+      TORCH_CHECK(rows[p].scalar_type() == at::kLong && rows[p].dim() == 1 &&
+                      rows[p].is_contiguous(), "gguf_linear: rows must be int64 [N]");
+      const auto* r = rows[p].data_ptr<int64_t>();
+      for (int64_t i = 0; i < rows[p].numel(); ++i)
+        TORCH_CHECK(r[i] >= 0 && r[i] < parts[p].size(0), "gguf_linear: row out of range");
+    }
+  }
+  auto xc = x.contiguous();
+  return x.scalar_type() == at::kFloat ? run<float>(xc, parts, types, rows, portable)
+                                       : run<c10::BFloat16>(xc, parts, types, rows, portable);
+}
+
+// Rows `ids` of a [N, row bytes] part of GGML type `type` with K inputs, dequantized into
+// `dtype` (float32, or bf16 rounded from gguf's float32).
+at::Tensor gguf_rows(const at::Tensor& part, int64_t type, int64_t K, const at::Tensor& ids,
+                     at::ScalarType dtype) {
+  kvs::check_cpu("gguf_rows", part, ids);
+  check_part("gguf_rows", part, type, K);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "gguf_rows: ids int64 [T]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "gguf_rows: float32 or bf16");
+  TypeInfo info;
+  type_info(type, &info);
+  auto idc = ids.contiguous();
+  const int64_t T = idc.numel(), N = part.size(0);
+  const auto* ip = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "gguf_rows: id ", ip[t], " out of range [0, ", N, ")");
+  auto out = at::empty({T, K}, at::kFloat);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const auto* w = static_cast<const uint8_t*>(part.data_ptr()) + ip[t] * part.stride(0);
+      for (int64_t b = 0; b < K / info.block; ++b)
+        dequant_block(type, w + b * info.bytes, op + t * K + b * info.block);
+    }
+  });
+  return dtype == at::kFloat ? out : out.to(dtype);
+}

@@ -1,0 +1,133 @@
+"""gguf_linear and gguf_rows: the kernels that read a GGUF file's own blocks.
+
+Each type is checked on random blocks against gguf's own dequantization (gguf_rows bit for
+bit; gguf_linear against the float matmul of those weights with the activations quantized
+as the kernel quantizes them, exactly up to float rounding), the native path against the
+portable one bit for bit (on every machine: the test names the path it compared), and rows
+across batch sizes bit for bit (batch invariance).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+from gguf.constants import GGML_QUANT_SIZES
+
+from kvserve import kernels
+
+pytestmark = pytest.mark.skipif(kernels.ops() is None, reason="C++ kernels unavailable")
+
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+# Byte offsets of the float16 scale fields in each type's block (kept finite and small).
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """[rows, row bytes] uint8: random codes and scales, every scale a finite float16."""
+    qtype = GGMLQuantizationType[kind]
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for off in F16_FIELDS[kind]:
+        scale = rng.uniform(1e-4, 2e-2, size=raw.shape[:2]).astype(np.float16)
+        if off == 2 and kind in ("Q4_1", "Q5_1"):
+            scale = -scale * 8  # a minimum: negative, as a real block's usually is
+        raw[:, :, off:off + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def gguf_weight(kind: str, raw: np.ndarray, cols: int) -> torch.Tensor:
+    w = quants.dequantize(raw, GGMLQuantizationType[kind])
+    return torch.from_numpy(np.asarray(w, dtype=np.float32).reshape(raw.shape[0], cols))
+
+
+def type_id(kind: str) -> int:
+    return int(GGMLQuantizationType[kind])
+
+
+def quantized_x(x: torch.Tensor, block: int) -> torch.Tensor:
+    """The activations as the kernel sees them: int8 per `block` inputs, times its scale."""
+    m, k = x.shape
+    g = x.float().view(m, k // block, block)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(g * inv).clamp(-127, 127)
+    return (q * (amax / 127)).view(m, k)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_rows_are_gguf_dequantization(kind):
+    cols = 512
+    raw = random_blocks(kind, 24, cols, seed=1)
+    ids = torch.tensor([0, 5, 23, 5, 11])
+    got = kernels.ops().gguf_rows(torch.from_numpy(raw), type_id(kind), cols, ids,
+                                  torch.float32)
+    assert torch.equal(got, gguf_weight(kind, raw, cols)[ids])
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_linear_matches_reference_and_portable(kind):
+    k = kernels.ops()
+    cols, rows = 512, 48
+    raw = torch.from_numpy(random_blocks(kind, rows, cols, seed=2))
+    w = gguf_weight(kind, raw.numpy(), cols).double()
+    x = torch.randn(7, cols, generator=torch.Generator().manual_seed(3))
+    block = 256 if kind.endswith("_K") else 32
+    ref = quantized_x(x, block).double() @ w.T
+    native = k.gguf_linear(x, [raw], [type_id(kind)], [torch.empty(0, dtype=torch.long)])
+    portable = k.gguf_linear(x, [raw], [type_id(kind)], [torch.empty(0, dtype=torch.long)],
+                             portable=True)
+    print(f"{kind}: native path {k.gguf_path()} against portable")
+    assert torch.equal(native, portable)
+    scale = ref.abs().max().item()
+    assert (native.double() - ref).abs().max().item() <= 1e-5 * scale + 1e-6
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
+def test_rows_do_not_depend_on_the_batch(kind):
+    k = kernels.ops()
+    cols = 256
+    raw = torch.from_numpy(random_blocks(kind, 32, cols, seed=4))
+    x = torch.randn(300, cols, generator=torch.Generator().manual_seed(5))
+    none = [torch.empty(0, dtype=torch.long)]
+    whole = k.gguf_linear(x, [raw], [type_id(kind)], none)
+    for m in (1, 2, 3, 5, 17, 64, 299):
+        assert torch.equal(k.gguf_linear(x[:m], [raw], [type_id(kind)], none), whole[:m])
+    assert torch.equal(k.gguf_linear(x[150:151], [raw], [type_id(kind)], none), whole[150:151])
+
+
+def test_parts_row_orders_and_bf16():
+    k = kernels.ops()
+    cols = 256
+    a = torch.from_numpy(random_blocks("Q4_K", 32, cols, seed=6))
+    b = torch.from_numpy(random_blocks("Q6_K", 16, cols, seed=7))
+    c = torch.from_numpy(random_blocks("Q8_0", 16, cols, seed=8))
+    order = torch.randperm(32, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(10))
+    types = [type_id("Q4_K"), type_id("Q6_K"), type_id("Q8_0")]
+    none = torch.empty(0, dtype=torch.long)
+    y = k.gguf_linear(x, [a, b, c], types, [order, none, none])
+    alone = [k.gguf_linear(x, [p], [t], [none]) for p, t in zip((a, b, c), types, strict=True)]
+    assert torch.equal(y, torch.cat([alone[0][:, order], alone[1], alone[2]], 1))
+    yb = k.gguf_linear(x.bfloat16(), [a, b, c], types, [order, none, none])
+    assert yb.dtype == torch.bfloat16
+    xb = x.bfloat16().float()
+    assert torch.equal(yb, k.gguf_linear(xb, [a, b, c], types, [order, none, none]).bfloat16())
+
+
+def test_bad_input_is_refused():
+    k = kernels.ops()
+    raw = torch.from_numpy(random_blocks("Q4_K", 16, 256, seed=11))
+    x = torch.randn(2, 256)
+    none = [torch.empty(0, dtype=torch.long)]
+    with pytest.raises(RuntimeError, match="no kernel"):
+        k.gguf_linear(x, [raw], [10], none)  # Q2_K
+    with pytest.raises(RuntimeError, match="is not"):
+        k.gguf_linear(torch.randn(2, 512), [raw], [type_id("Q4_K")], none)
+    with pytest.raises(RuntimeError, match="out of range"):
+        k.gguf_linear(x, [raw], [type_id("Q4_K")], [torch.tensor([0, 16])])
+    with pytest.raises(RuntimeError, match="out of range"):
+        k.gguf_rows(raw, type_id("Q4_K"), 256, torch.tensor([16]), torch.float32)
