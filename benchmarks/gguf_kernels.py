@@ -7,7 +7,7 @@ model's shape, at decode (1 row) and prefill (512 rows) sizes.
 Weights are random blocks of each type (the kernels' speed does not depend on the values).
 For each matrix it prints the median time of --repeats calls, the bytes each form reads per
 call and, at 1 row, the bandwidth that implies; at 512 rows, the int8 multiply-adds per
-second. Both kernels run on all cores (torch's thread count). The CPU is printed first: its
+second. Both kernels run on torch's threads (--threads to set them). The CPU is printed first: its
 instruction set decides the path (`gguf_path`).
 """
 
@@ -69,7 +69,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's own)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ops = kernels.ops()
     if ops is None:
         sys.exit("the C++ kernels are unavailable here")

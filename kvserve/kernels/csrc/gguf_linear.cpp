@@ -57,10 +57,14 @@ bool type_info(int64_t type, TypeInfo* info) {
   }
 }
 
-inline float f16(const uint8_t* p) {
+inline float f16(const uint8_t* p) {  // exact, however converted
   uint16_t h;
   std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
 }
 
 inline uint32_t u32(const uint8_t* p) {
@@ -70,27 +74,37 @@ inline uint32_t u32(const uint8_t* p) {
 }
 
 // The 6-bit scales and minimums of a Q4_K/Q5_K block's 8 sub-blocks, from its 12 bytes.
+// Four bytes at a time: sc[j] = s[j] & 63, mn[j] = s[j + 4] & 63 for j < 4; for j >= 4 the
+// low and high nibbles of s[j + 4] below the top two bits of s[j - 4] and s[j].
 inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 63;
-    mn[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
-    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-  }
+  uint32_t u[3];
+  std::memcpy(u, s, 12);
+  const uint32_t lo = u[0] & 0x3f3f3f3fu, mlo = u[1] & 0x3f3f3f3fu;
+  const uint32_t hi = (u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u);
+  const uint32_t mhi = ((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u);
+  std::memcpy(sc, &lo, 4);
+  std::memcpy(sc + 4, &hi, 4);
+  std::memcpy(mn, &mlo, 4);
+  std::memcpy(mn + 4, &mhi, 4);
 }
 
 // The activations, quantized per row: q [M, K] int8, x ~ q * d per block of `block` inputs
-// (32 or 256), with per-block sums (32) or per-16 sums (256) of q.
+// (32 or 256), with sums of q: per block of 32, its 8 lanes' (lane l: inputs 4l .. 4l + 3);
+// per block of 256, its 16 runs of 16 (int16, as the AVX2 path loads them).
 struct QuantX {
   int64_t block = 0, K = 0;
   std::vector<int8_t> q;
   std::vector<float> d;
-  std::vector<int32_t> sums;  // per 32 inputs (block 32) or per 16 (block 256)
+  std::vector<int32_t> lanes;  // block 32: [M, K / 32, 8]
+  std::vector<int16_t> runs;   // block 256: [M, K / 256, 16]
 
   const int8_t* row(int64_t m) const { return q.data() + m * K; }
   float scale(int64_t m, int64_t b) const { return d[m * (K / block) + b]; }
-  int32_t sum(int64_t m, int64_t i) const {  // i: the sum's index within the row
-    return sums[m * (K / (block == 32 ? 32 : 16)) + i];
+  const int32_t* lane_sums(int64_t m, int64_t b) const {
+    return lanes.data() + (m * (K / 32) + b) * 8;
+  }
+  const int16_t* run_sums(int64_t m, int64_t b) const {
+    return runs.data() + (m * (K / 256) + b) * 16;
   }
 };
 
@@ -100,8 +114,7 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t block, QuantX& out) {
   out.K = K;
   out.q.resize(M * K);
   out.d.resize(M * K / block);
-  const int64_t per = block == 32 ? 32 : 16;
-  out.sums.resize(M * K / per);
+  (block == 32 ? out.lanes.resize(M * K / 4) : out.runs.resize(M * K / 16));
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> v(block);
     for (int64_t m = begin; m < end; ++m) {
@@ -118,10 +131,14 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t block, QuantX& out) {
           q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
         }
         out.d[m * (K / block) + b] = amax / 127.f;
-        for (int64_t s = 0; s < block / per; ++s) {
+        const int64_t per = block == 32 ? 4 : 16;
+        for (int64_t g = 0; g < block / per; ++g) {
           int32_t total = 0;
-          for (int64_t i = 0; i < per; ++i) total += q[s * per + i];
-          out.sums[m * (K / per) + b * (block / per) + s] = total;
+          for (int64_t i = 0; i < per; ++i) total += q[g * per + i];
+          if (block == 32)
+            out.lanes[(m * (K / 32) + b) * 8 + g] = total;
+          else
+            out.runs[(m * (K / 256) + b) * 16 + g] = static_cast<int16_t>(total);
         }
       }
     }
@@ -129,81 +146,99 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t block, QuantX& out) {
 }
 
 // ---------------------------------------------------------------------- portable path
+//
+// A dot product is 8 float lanes, each accumulated with one fma per block and term from the
+// block's integer sums of that lane, then summed in one tree (sum_lanes). Lane l holds, of
+// every run of 32 inputs, inputs 4l .. 4l + 3 (each times its scale, for the K-quants): the
+// int32 lanes vpmaddwd leaves. The K-quants' correction terms are lane-wise too: Q4_K/Q5_K's
+// lane l is sub-block l's minimum times its sum of x, Q6_K's the scales of runs of 16 2l
+// and 2l + 1 times their sums of x. The AVX2 path computes the same integers in the same
+// lanes, so the same float operations follow.
 
-// Block `b` of one weight row against one activation row: its contribution added to acc.
+inline float sum_lanes(const float* a) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
+  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+// Code i (0..31) of a block of 32 (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0), as stored (Q8_0: signed).
 template <int64_t Type>
-inline float block_dot(const uint8_t* w, const QuantX& x, int64_t m, int64_t b, float acc) {
-  const int8_t* xq = x.row(m);
+inline int32_t code32(const uint8_t* w, int i) {
+  if constexpr (Type == kQ8_0) return static_cast<int8_t>(w[2 + i]);
+  const bool hasmin = Type == kQ4_1 || Type == kQ5_1, five = Type == kQ5_0 || Type == kQ5_1;
+  const uint8_t* qs = w + (hasmin ? 4 : 2) + (five ? 4 : 0);
+  int32_t q = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
+  if constexpr (five) q |= ((u32(w + (hasmin ? 4 : 2)) >> i) & 1) << 4;
+  return q;
+}
+
+// Code e (0..255) of a K-quant block.
+template <int64_t Type>
+inline int32_t code256(const uint8_t* w, int e) {
+  if constexpr (Type == kQ6_K) {
+    const int h = e / 128, g = (e % 128) / 32, l = e % 32;
+    return ((w[h * 64 + (g % 2) * 32 + l] >> (4 * (g / 2))) & 15) |
+           (((w[128 + h * 32 + l] >> (2 * g)) & 3) << 4);
+  } else {
+    const int j = e / 32, i = e % 32;
+    const uint8_t* qs = w + 16 + (Type == kQ5_K ? 32 : 0);
+    int32_t q = (qs[(j / 2) * 32 + i] >> (4 * (j % 2))) & 15;
+    if constexpr (Type == kQ5_K) q |= ((w[16 + i] >> j) & 1) << 4;
+    return q;
+  }
+}
+
+// Block `b` of one weight row against activation row m: its terms added to the lanes.
+template <int64_t Type>
+inline void block_lanes(const uint8_t* w, const QuantX& x, int64_t m, int64_t b, float* acc) {
+  int32_t s[8] = {0}, t[8] = {0};
+  const float dx = x.scale(m, b);
   if constexpr (Type == kQ4_0 || Type == kQ4_1 || Type == kQ5_0 || Type == kQ5_1 ||
                 Type == kQ8_0) {
-    const int8_t* xb = xq + b * 32;
-    const float d = f16(w), dx = x.scale(m, b);
-    const int32_t sx = x.sum(m, b);
-    int32_t s = 0;
-    if constexpr (Type == kQ8_0) {
-      const auto* q = reinterpret_cast<const int8_t*>(w + 2);
-      for (int i = 0; i < 32; ++i) s += q[i] * xb[i];
-    } else {
-      const bool hasmin = Type == kQ4_1 || Type == kQ5_1;
-      const uint8_t* qs = w + (hasmin ? 4 : 2) + (Type == kQ5_0 || Type == kQ5_1 ? 4 : 0);
-      const uint32_t qh = Type == kQ5_0 || Type == kQ5_1 ? u32(w + (hasmin ? 4 : 2)) : 0;
-      for (int i = 0; i < 32; ++i) {
-        int32_t q = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
-        if constexpr (Type == kQ5_0 || Type == kQ5_1) q |= ((qh >> i) & 1) << 4;
-        s += q * xb[i];
-      }
-      if constexpr (Type == kQ4_0) s -= 8 * sx;
-      if constexpr (Type == kQ5_0) s -= 16 * sx;
+    const int8_t* xb = x.row(m) + b * 32;
+    const int32_t* xs = x.lane_sums(m, b);
+    for (int l = 0; l < 8; ++l) {
+      for (int i = 4 * l; i < 4 * l + 4; ++i) s[l] += code32<Type>(w, i) * xb[i];
+      if constexpr (Type == kQ4_0) s[l] -= 8 * xs[l];
+      if constexpr (Type == kQ5_0) s[l] -= 16 * xs[l];
     }
-    acc = std::fma(d * dx, static_cast<float>(s), acc);
-    if constexpr (Type == kQ4_1 || Type == kQ5_1)
-      acc = std::fma(f16(w + 2) * dx, static_cast<float>(sx), acc);
-    return acc;
-  } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
-    const int8_t* xb = xq + b * 256;
+    const float dd = f16(w) * dx;
+    for (int l = 0; l < 8; ++l) acc[l] = std::fma(dd, static_cast<float>(s[l]), acc[l]);
+    if constexpr (Type == kQ4_1 || Type == kQ5_1) {
+      const float md = f16(w + 2) * dx;
+      for (int l = 0; l < 8; ++l) acc[l] = std::fma(md, static_cast<float>(xs[l]), acc[l]);
+    }
+  } else {
+    const int8_t* xb = x.row(m) + b * 256;
+    const int16_t* runs = x.run_sums(m, b);
     uint8_t sc[8], mn[8];
-    k_scales(w + 4, sc, mn);
-    const uint8_t* qh = w + 16;
-    const uint8_t* qs = w + 16 + (Type == kQ5_K ? 32 : 0);
-    int32_t s = 0, t = 0;
-    for (int j = 0; j < 8; ++j) {
-      int32_t dot = 0;
-      for (int i = 0; i < 32; ++i) {
-        int32_t q = (qs[(j / 2) * 32 + i] >> (4 * (j % 2))) & 15;
-        if constexpr (Type == kQ5_K) q |= ((qh[i] >> j) & 1) << 4;
-        dot += q * xb[j * 32 + i];
-      }
-      s += sc[j] * dot;
-      t += mn[j] * (x.sum(m, b * 16 + 2 * j) + x.sum(m, b * 16 + 2 * j + 1));
+    if constexpr (Type != kQ6_K) k_scales(w + 4, sc, mn);
+    const auto* sc6 = reinterpret_cast<const int8_t*>(w + 192);
+    for (int e = 0; e < 256; ++e) {
+      const int32_t scale = Type == kQ6_K ? sc6[e / 16] : sc[e / 32];
+      s[(e % 32) / 4] += scale * code256<Type>(w, e) * xb[e];
     }
-    const float dx = x.scale(m, b);
-    acc = std::fma(f16(w) * dx, static_cast<float>(s), acc);
-    return std::fma(-(f16(w + 2) * dx), static_cast<float>(t), acc);
-  } else {  // Q6_K: ql[128], qh[64], scales[16], d
-    const int8_t* xb = xq + b * 256;
-    const uint8_t *ql = w, *qh = w + 128;
-    const auto* sc = reinterpret_cast<const int8_t*>(w + 192);
-    int32_t s = 0;
-    for (int j = 0; j < 16; ++j) {  // sub-blocks of 16
-      int32_t dot = 0;
-      for (int i = 0; i < 16; ++i) {
-        const int e = j * 16 + i, h = e / 128, g = (e % 128) / 32, l = e % 32;
-        const int32_t q = ((ql[h * 64 + (g % 2) * 32 + l] >> (4 * (g / 2))) & 15) |
-                          (((qh[h * 32 + l] >> (2 * g)) & 3) << 4);
-        dot += q * xb[e];
-      }
-      s += sc[j] * (dot - 32 * x.sum(m, b * 16 + j));
+    for (int l = 0; l < 8; ++l) {
+      if constexpr (Type == kQ6_K)
+        s[l] -= 32 * (sc6[2 * l] * runs[2 * l] + sc6[2 * l + 1] * runs[2 * l + 1]);
+      else
+        t[l] = mn[l] * runs[2 * l] + mn[l] * runs[2 * l + 1];
     }
-    return std::fma(f16(w + 208) * x.scale(m, b), static_cast<float>(s), acc);
+    const float dd = f16(Type == kQ6_K ? w + 208 : w) * dx;
+    for (int l = 0; l < 8; ++l) acc[l] = std::fma(dd, static_cast<float>(s[l]), acc[l]);
+    if constexpr (Type != kQ6_K) {
+      const float md = -(f16(w + 2) * dx);
+      for (int l = 0; l < 8; ++l) acc[l] = std::fma(md, static_cast<float>(t[l]), acc[l]);
+    }
   }
 }
 
 template <int64_t Type>
-float row_dot_portable(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX& x,
-                       int64_t m) {
-  float acc = 0.f;
-  for (int64_t b = 0; b < blocks; ++b) acc = block_dot<Type>(w + b * bytes, x, m, b, acc);
-  return acc;
+void rows_portable(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX& x, int64_t m0,
+                   int nr, float* out) {
+  for (int r = 0; r < nr; ++r) {
+    float acc[8] = {0.f};
+    for (int64_t b = 0; b < blocks; ++b) block_lanes<Type>(w + b * bytes, x, m0 + r, b, acc);
+    out[r] = sum_lanes(acc);
+  }
 }
 
 // ---------------------------------------------------------------------- AVX2 path
@@ -211,13 +246,6 @@ float row_dot_portable(const uint8_t* w, int64_t blocks, int64_t bytes, const Qu
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr bool kHasAvx2Path = true;
 constexpr int kRows = 4;  // activation rows per pass over a weight row
-
-inline int32_t hsum8(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
 
 // 32 bits -> 32 bytes, byte i = 0xFF where bit i is set.
 inline __m256i bits_to_bytes(uint32_t bits) {
@@ -229,23 +257,25 @@ inline __m256i bits_to_bytes(uint32_t bits) {
   return _mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask);
 }
 
-// Unsigned weights u (< 128) times signed activations a: 8 int32 partial sums.
-inline __m256i dot_u8(__m256i u, __m256i a) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1));
-}
-
 inline __m256i load32(const void* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
-// One weight row against NR activation rows (m0 .. m0 + NR - 1): NR accumulated dot products,
-// each in the portable path's order of float operations.
+inline float sum_lanes8(__m256 v) {
+  alignas(32) float a[8];
+  _mm256_store_ps(a, v);
+  return sum_lanes(a);
+}
+
+// One weight row against NR activation rows (m0 .. m0 + NR - 1): the portable path's lanes
+// and float operations, from vpmaddubsw (unsigned codes x signed activations, pairs summed in
+// int16: at most 2 * 63 * 127) and vpmaddwd (pairs of those times the scales, in int32).
 template <int64_t Type, int NR>
 void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX& x, int64_t m0,
                   float* out) {
-  float acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = 0.f;
-  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < blocks; ++b, w += bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(w + 8 * bytes), _MM_HINT_T0);
     if constexpr (Type == kQ4_0 || Type == kQ4_1 || Type == kQ5_0 || Type == kQ5_1 ||
@@ -259,27 +289,26 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
         const bool five = Type == kQ5_0 || Type == kQ5_1;
         const __m128i qs = _mm_loadu_si128(
             reinterpret_cast<const __m128i*>(w + (hasmin ? 4 : 2) + (five ? 4 : 0)));
-        q = _mm256_and_si256(
-            _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low);
+        q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low);
         if constexpr (five)
           q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes(u32(w + (hasmin ? 4 : 2))),
                                                   _mm256_set1_epi8(16)));
       }
+      __m256i qa = q;  // Q8_0: |q|, x taking q's sign
+      if constexpr (Type == kQ8_0) qa = _mm256_abs_epi8(q);
       for (int r = 0; r < NR; ++r) {
         const int64_t m = m0 + r;
-        const __m256i a = load32(x.row(m) + b * 32);
-        int32_t s;
-        if constexpr (Type == kQ8_0)
-          s = hsum8(dot_u8(_mm256_abs_epi8(q), _mm256_sign_epi8(a, q)));
-        else
-          s = hsum8(dot_u8(q, a));
-        const int32_t sx = x.sum(m, b);
-        if constexpr (Type == kQ4_0) s -= 8 * sx;
-        if constexpr (Type == kQ5_0) s -= 16 * sx;
+        __m256i a = load32(x.row(m) + b * 32);
+        if constexpr (Type == kQ8_0) a = _mm256_sign_epi8(a, q);
+        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(qa, a), ones);
+        const __m256i xs = load32(x.lane_sums(m, b));
+        if constexpr (Type == kQ4_0) s = _mm256_sub_epi32(s, _mm256_slli_epi32(xs, 3));
+        if constexpr (Type == kQ5_0) s = _mm256_sub_epi32(s, _mm256_slli_epi32(xs, 4));
         const float dx = x.scale(m, b);
-        acc[r] = std::fma(d * dx, static_cast<float>(s), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(s), acc[r]);
         if constexpr (Type == kQ4_1 || Type == kQ5_1)
-          acc[r] = std::fma(f16(w + 2) * dx, static_cast<float>(sx), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16(w + 2) * dx), _mm256_cvtepi32_ps(xs),
+                                   acc[r]);
       }
     } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
       uint8_t sc[8], mn[8];
@@ -301,6 +330,17 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
           }
         }
       }
+      // int16 pairs of minimums (m_l for runs 2l and 2l + 1), against the runs' sums of x
+      const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)),
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn))));
+      // each run's scale in every int16 lane: word j of the 8 scales, picked by a shuffle
+      const __m256i words = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+      __m256i scale[8];
+      for (int j = 0; j < 8; ++j)
+        scale[j] = _mm256_shuffle_epi8(words, _mm256_set1_epi16(
+            static_cast<int16_t>((2 * j) | ((2 * j + 1) << 8))));
       const float d = f16(w), dmin = f16(w + 2);
       for (int r = 0; r < NR; ++r) {
         const int64_t m = m0 + r;
@@ -308,14 +348,12 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
         __m256i s = _mm256_setzero_si256();
         for (int j = 0; j < 8; ++j) {
           const __m256i p = _mm256_maddubs_epi16(q[j], load32(a + 32 * j));
-          s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[j])));
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(p, scale[j]));
         }
-        int32_t t = 0;
-        for (int j = 0; j < 8; ++j)
-          t += mn[j] * (x.sum(m, b * 16 + 2 * j) + x.sum(m, b * 16 + 2 * j + 1));
+        const __m256i t = _mm256_madd_epi16(load32(x.run_sums(m, b)), mins);
         const float dx = x.scale(m, b);
-        acc[r] = std::fma(d * dx, static_cast<float>(hsum8(s)), acc[r]);
-        acc[r] = std::fma(-(dmin * dx), static_cast<float>(t), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(s), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(-(dmin * dx)), _mm256_cvtepi32_ps(t), acc[r]);
       }
     } else {  // Q6_K
       const auto* sc = reinterpret_cast<const int8_t*>(w + 192);
@@ -331,9 +369,21 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
         q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), high(2));
         q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), high(3));
       }
-      __m256i scales[8];  // int16 lanes: 8 of sub-block 2g, 8 of 2g + 1
-      for (int g = 0; g < 8; ++g)
-        scales[g] = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * g]), _mm_set1_epi16(sc[2 * g + 1]));
+      // the 16 scales as int16: lanes 0..7 of run g's register take scale 2g, 8..15 2g + 1
+      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(sc)));
+      // run g's register: lanes 0..7 take scale 2g, lanes 8..15 scale 2g + 1 (shuffles of
+      // the scales' words, the 8 of the first half or of the second in both lanes)
+      const __m256i halves[2] = {
+          _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sc16)),
+          _mm256_broadcastsi128_si256(_mm256_extracti128_si256(sc16, 1))};
+      __m256i scales[8];
+      for (int g = 0; g < 8; ++g) {
+        const int lo = 2 * (g % 4), hi = lo + 1;
+        scales[g] = _mm256_shuffle_epi8(halves[g / 4], _mm256_setr_m128i(
+            _mm_set1_epi16(static_cast<int16_t>((2 * lo) | ((2 * lo + 1) << 8))),
+            _mm_set1_epi16(static_cast<int16_t>((2 * hi) | ((2 * hi + 1) << 8)))));
+      }
       const float d = f16(w + 208);
       for (int r = 0; r < NR; ++r) {
         const int64_t m = m0 + r;
@@ -343,13 +393,14 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
           const __m256i p = _mm256_maddubs_epi16(q[g], load32(a + 32 * g));
           s = _mm256_add_epi32(s, _mm256_madd_epi16(p, scales[g]));
         }
-        int32_t t = 0;
-        for (int j = 0; j < 16; ++j) t += sc[j] * x.sum(m, b * 16 + j);
-        acc[r] = std::fma(d * x.scale(m, b), static_cast<float>(hsum8(s) - 32 * t), acc[r]);
+        const __m256i c = _mm256_madd_epi16(load32(x.run_sums(m, b)), sc16);
+        s = _mm256_sub_epi32(s, _mm256_slli_epi32(c, 5));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.scale(m, b)), _mm256_cvtepi32_ps(s),
+                                 acc[r]);
       }
     }
   }
-  for (int r = 0; r < NR; ++r) out[r] = acc[r];
+  for (int r = 0; r < NR; ++r) out[r] = sum_lanes8(acc[r]);
 }
 
 template <int64_t Type>
@@ -369,12 +420,6 @@ constexpr int kRows = 4;
 
 // One weight row (`w`, `blocks` blocks) against activation rows m0 .. m0 + nr - 1.
 using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, const QuantX&, int64_t, int, float*);
-
-template <int64_t Type>
-void rows_portable(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX& x, int64_t m0,
-                   int nr, float* out) {
-  for (int r = 0; r < nr; ++r) out[r] = row_dot_portable<Type>(w, blocks, bytes, x, m0 + r);
-}
 
 template <int64_t Type>
 RowsFn rows_fn(bool portable) {
