@@ -89,8 +89,9 @@ def main() -> None:
         tiles = QuantizedWeight(w, "int8" if kind == "Q6_K" else "int4")
         for m in (1, 512):
             x = torch.randn(m, k)
-            g = median_s(lambda x=x: ops.gguf_linear(x, [raw], [tid], none), args.repeats)
-            q = median_s(lambda x=x: tiles.matmul(x), args.repeats)
+            g = median_s(lambda x=x, raw=raw, tid=tid: ops.gguf_linear(x, [raw], [tid], none),
+                         args.repeats)
+            q = median_s(lambda x=x, tiles=tiles: tiles.matmul(x), args.repeats)
             totals[m][0] += g
             totals[m][1] += q
             gb = raw.numel() / g / 1e9

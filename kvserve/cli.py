@@ -1,5 +1,5 @@
 """kvserve command line: generate | chat | serve | router | plan | roofline | trace |
-bench serve | bench soak | train-mtp."""
+bench serve | bench soak | train-mtp | cache list | cache clear."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvserve.models.loader import (
     DEFAULT_MODEL,
@@ -20,6 +21,9 @@ from kvserve.models.loader import (
     resolve_model,
 )
 from kvserve.outputs import OutputKind
+
+if TYPE_CHECKING:
+    from kvserve.models.cache_budget import StoredEntry
 
 log = logging.getLogger("kvserve")
 
@@ -570,6 +574,108 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache_list(args: argparse.Namespace) -> int:
+    """Each weight cache entry (most recently used first): last use, size, whether this kvserve
+    can start from it, and its model file; the total against the budget; the kernels' build
+    notes (listed, never removed here)."""
+    from kvserve import kernels
+    from kvserve.disk_cache import cache_dir, cache_off
+    from kvserve.models.cache_budget import (
+        CURRENT,
+        WRITING,
+        Budget,
+        model_bytes,
+        scan,
+        size_text,
+        status,
+    )
+    from kvserve.models.weight_cache import code_versions
+
+    budget = Budget.from_env()
+    root = cache_dir()
+    weights = root / "weights"
+    entries = scan(weights)
+    versions = code_versions()
+    off = " (off: KVSERVE_NO_WEIGHT_CACHE is set)" if cache_off() else ""
+    print(f"weight cache: {weights}{off}")
+    stale = 0
+    if entries:
+        print(f"  {'last used':<16}  {'size':>10}  {'status':<28}  model file (dtype, "
+              f"quantization)")
+    for e in reversed(entries):
+        state = status(e, versions)
+        stale += state not in (CURRENT, WRITING)
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used))
+        print(f"  {when:<16}  {size_text(e.bytes):>10}  {state:<28}  {_entry_text(e)}")
+    total = sum(e.bytes for e in entries)
+    print(f"total {size_text(total)} in {len(entries)} "
+          f"entr{'y' if len(entries) == 1 else 'ies'}; budget {budget.describe()}")
+    per_model: dict[str, list[int]] = {}  # model path: [its size, its entries' bytes]
+    for e in entries:
+        if e.header is not None:
+            model = e.header["model"]
+            per_model.setdefault(model["path"], [model_bytes(model), 0])[1] += e.bytes
+    over = [m for m, (size, held) in per_model.items() if held > budget.for_model(size)]
+    if total > budget.total or over:
+        print(f"over budget{' (' + ', '.join(over) + ')' if over else ''}: the next start "
+              f"that uses or writes an entry removes the least recently used")
+    if stale:
+        print(f"{stale} not current: `kvserve cache clear --stale` removes "
+              f"{'it' if stale == 1 else 'them'}")
+    notes = kernels.noted_builds(root / "kernels")
+    if notes:
+        this = kernels.build_id()
+        print(f"kernel builds noted in {root / 'kernels'} (listed only):")
+        for marker, note in notes:
+            if note is None:
+                print(f"  {marker.stem}: unreadable")
+                continue
+            so = Path(str(note.get("so", "")))
+            which = "this kvserve's build" if note.get("key") == this else "another build"
+            print(f"  {marker.stem}: {which}, library {so}"
+                  f"{'' if so.is_file() else ' (missing)'}")
+    return 0
+
+
+def _entry_text(e: StoredEntry) -> str:
+    """An entry's model file and configuration, or its files when it has no readable
+    manifest."""
+    h = e.header
+    if h is None:
+        return "(no manifest) " + ", ".join(sorted(f.name for f in e.files))
+    dtype = str(h.get("dtype", "?")).removeprefix("torch.")
+    rank, size = h.get("tp", [0, 1])
+    tp = f", rank {rank} of {size}" if size > 1 else ""
+    return f"{h['model']['path']} ({dtype}, {h.get('quantization', '?')}{tp})"
+
+
+def cmd_cache_clear(args: argparse.Namespace) -> int:
+    """Remove every weight cache entry, or with --stale those this kvserve cannot start from
+    (`kvserve cache list` says why of each)."""
+    from kvserve.disk_cache import cache_dir
+    from kvserve.models.cache_budget import CURRENT, WRITING, scan, size_text, status
+    from kvserve.models.weight_cache import code_versions
+
+    weights = cache_dir() / "weights"
+    entries = scan(weights)
+    if args.stale:
+        versions = code_versions()
+        chosen = [e for e in entries if status(e, versions) not in (CURRENT, WRITING)]
+    else:
+        chosen = entries
+    try:
+        for e in chosen:
+            e.remove()
+    except OSError as err:
+        print(f"kvserve: error: cannot remove {err.filename}: {err.strerror}", file=sys.stderr)
+        return 1
+    kept = [e for e in entries if e not in chosen]
+    print(f"removed {len(chosen)} of {len(entries)} entries "
+          f"({size_text(sum(e.bytes for e in chosen))}) from {weights}; "
+          f"{size_text(sum(e.bytes for e in kept))} kept")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvserve", description="LLM inference engine")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -726,6 +832,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-download", action="store_true",
                    help="fail instead of installing a missing default model")
     t.set_defaults(func=cmd_train_mtp)
+
+    ca = sub.add_parser("cache", help="the start-up weight cache: list or clear its entries",
+                        description="The weight cache under $KVSERVE_CACHE_DIR/weights. Its "
+                        "budget: KVSERVE_WEIGHT_CACHE_BUDGET (all entries, default 4GiB) and "
+                        "KVSERVE_WEIGHT_CACHE_MODEL_BUDGET (one model's entries: a size, or a "
+                        "multiple of the model file's size, default 1x, at least 256MiB).")
+    cache_sub = ca.add_subparsers(dest="cache_command", required=True, metavar="{list,clear}")
+    cl = cache_sub.add_parser("list", help="each entry's model file, size, last use and "
+                                           "whether this kvserve can use it; total vs budget")
+    cl.set_defaults(func=cmd_cache_list)
+    cc = cache_sub.add_parser("clear", help="remove every entry (or only stale ones)")
+    cc.add_argument("--stale", action="store_true",
+                    help="only entries this kvserve cannot start from: model file gone or "
+                         "changed, made by another kvserve version or kernels build, damaged")
+    cc.set_defaults(func=cmd_cache_clear)
     return p
 
 

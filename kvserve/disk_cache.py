@@ -9,6 +9,8 @@ slower start. Its users: `kvserve.models.weight_cache`, `Tokenizer.from_gguf`,
 - `KVSERVE_CACHE_DIR`: the directory (default `$XDG_CACHE_HOME/kvserve`, else
   `~/.cache/kvserve`).
 - `KVSERVE_NO_WEIGHT_CACHE=1`: the cache is off; nothing is read from or written to it.
+- `KVSERVE_WEIGHT_CACHE_BUDGET`, `KVSERVE_WEIGHT_CACHE_MODEL_BUDGET`: the weights' size
+  budget (kvserve.models.cache_budget; `kvserve cache list|clear`).
 
 Invariants: an entry is named by a digest of everything its content depends on, so a changed
 input is a different name, never a stale hit; an entry appears whole or not at all (written to a
@@ -36,14 +38,22 @@ HEAD_BYTES = 1 << 20
 
 def cache_root() -> Path | None:
     """The cache directory (not created here), or None when the cache is off."""
-    if os.environ.get(ENV_OFF, "") not in ("", "0"):
-        return None
+    return None if cache_off() else cache_dir()
+
+
+def cache_dir() -> Path:
+    """The cache directory, on or off (what `kvserve cache` lists and clears)."""
     explicit = os.environ.get(ENV_DIR)
     if explicit:
         return Path(explicit).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "kvserve"
+
+
+def cache_off() -> bool:
+    """True when KVSERVE_NO_WEIGHT_CACHE turns the cache off."""
+    return os.environ.get(ENV_OFF, "") not in ("", "0")
 
 
 def digest(obj: Any, size: int = 16) -> str:

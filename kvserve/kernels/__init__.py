@@ -37,6 +37,7 @@ import threading
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -115,6 +116,13 @@ def loaded_build_id() -> str:
     return "none" if ops() is None else build_id()
 
 
+def expected_build_id() -> str:
+    """loaded_build_id() as far as it is known without loading the kernels (a listing of the
+    weight cache): "none" under KVSERVE_NO_CPP, else build_id() (a build that fails is only
+    known by trying it)."""
+    return "none" if _flag("KVSERVE_NO_CPP") else build_id()
+
+
 @cache
 def build_id(name: str | None = None) -> str:
     """A digest of everything the kernels' build depends on: the sources and headers, flags,
@@ -129,6 +137,19 @@ def build_id(name: str | None = None) -> str:
 def _marker_path(name: str) -> Path | None:
     root = cache_root()
     return None if root is None else root / "kernels" / f"{name}.json"
+
+
+def noted_builds(directory: Path) -> list[tuple[Path, dict[str, Any] | None]]:
+    """The build notes in a cache's kernels/ directory, for a listing: each marker with its
+    note ({"key", "module", "so", "stat"}), None for one that cannot be read."""
+    notes: list[tuple[Path, dict[str, Any] | None]] = []
+    for marker in sorted(directory.glob("*.json")):
+        try:
+            note = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            note = None
+        notes.append((marker, note if isinstance(note, dict) else None))
+    return notes
 
 
 def _load_noted(marker: Path, key: str) -> ModuleType | None:

@@ -21,7 +21,10 @@ kernels' build (kernels.build_id: sources, flags, CPU), torch's version, this en
 the source of the code whose output an entry holds (`_CODE`), so any change is another key, and
 a start never reads an entry made by other code. `slot` digests the parts a user chooses (model
 path, dtype, device, quantization, rank): writing an entry removes the slot's older ones, which
-bounds the cache to one entry per way a model is served.
+bounds the cache to one entry per way a model is served. A size budget bounds the rest
+(kvserve.models.cache_budget: `KVSERVE_WEIGHT_CACHE_BUDGET`, least recently used entries go
+first; an entry larger than its model's budget is not written), and `kvserve cache list` and
+`kvserve cache clear [--stale]` show and remove entries.
 
 Reading checks everything it can (manifest header = fingerprint, data file size, every tensor's
 dtype, shape, strides and checksum, every parameter of the module present, in its dtype); any
@@ -55,6 +58,16 @@ from kvserve.disk_cache import atomic_write, cache_root, digest, model_fingerpri
 from kvserve.distributed.parallel import SINGLE, TensorParallel
 from kvserve.layers.linear import LinearBase
 from kvserve.layers.quant import DenseWeight, QuantGroups, QuantizedWeight
+from kvserve.models.cache_budget import (
+    ENV_BUDGET,
+    ENV_MODEL_BUDGET,
+    Budget,
+    StoredEntry,
+    make_room,
+    model_bytes,
+    size_text,
+    touch,
+)
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import (
     DeferredReader,
@@ -100,6 +113,14 @@ class CacheEntry:
     slot: str
 
 
+def code_versions(kernels_build: str | None = None) -> dict[str, Any]:
+    """The header fields that tie an entry to the code that made it, as this code writes
+    them; `kernels_build` defaults to the kernels' build as known without loading them (a
+    listing: kvserve.kernels.expected_build_id)."""
+    return {"format": FORMAT, "code": sources_digest(_CODE), "torch": torch.__version__,
+            "kernels": kernels.expected_build_id() if kernels_build is None else kernels_build}
+
+
 def find_entry(path: Path, dtype: torch.dtype, device: torch.device, quantization: str,
                tp: TensorParallel = SINGLE) -> CacheEntry | None:
     """The entry for serving `path` so, present or not; None when the cache is off, the device
@@ -109,14 +130,12 @@ def find_entry(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
         return None
     try:
         model = model_fingerprint(path)
-        code = sources_digest(_CODE)
     except OSError as e:
         log.debug("weight cache: cannot fingerprint %s: %s", path, e)
         return None
     chosen = {"path": model["path"], "dtype": str(dtype), "device": device.type,
               "quantization": quantization, "tp": [tp.rank, tp.size]}
-    header = {**chosen, "model": model, "format": FORMAT, "code": code,
-              "kernels": kernels.loaded_build_id(), "torch": torch.__version__}
+    header = {**chosen, "model": model, **code_versions(kernels.loaded_build_id())}
     slot, key = digest(chosen, 6), digest(header, 10)
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", path.stem)[:80]
     base = root / "weights" / f"{stem}-{slot}-{key}"
@@ -134,6 +153,7 @@ def load_packed(path: Path, dtype: torch.dtype, device: torch.device,
     `pack` (which returns the quantization it applied), then saved for the next start. A
     restored model's GGUF reader is a DeferredReader (the tokenizer has a cache of its own)."""
     entry = find_entry(path, dtype, device, quantization, tp)
+    budget = Budget.from_env()  # a bad setting fails the start, cache on or off
     if entry is not None and entry.manifest.is_file():
         t0 = time.perf_counter()
         try:
@@ -141,6 +161,12 @@ def load_packed(path: Path, dtype: torch.dtype, device: torch.device,
         except Exception as e:  # damaged or foreign: rebuilt below, and said so
             log.warning("weight cache: %s is unusable (%s); rebuilding it", entry.data.name, e)
         else:
+            touch(entry.manifest)
+            try:
+                _make_room(entry, entry.data.stat().st_size + entry.manifest.stat().st_size,
+                           budget, sweep=False)
+            except OSError as e:  # a read-only cache: it stays as it is
+                log.debug("weight cache: cannot keep it within its budget: %s", e)
             log.info("weights of %s mapped from the weight cache in %.2fs (%s)", path.name,
                      time.perf_counter() - t0, entry.data)
             return loaded, applied
@@ -155,7 +181,7 @@ def load_packed(path: Path, dtype: torch.dtype, device: torch.device,
         log.info("weight cache: %s is served from the file's memory map, nothing to cache",
                  path.name)
     elif entry is not None:
-        save(entry, loaded, applied)
+        save(entry, loaded, applied, budget)
     return loaded, applied
 
 
@@ -204,24 +230,36 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
     return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-def _write_tensors(f: IO[bytes], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Write each tensor's bytes at the next aligned offset; their specs for the manifest."""
+def _layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], int]:
+    """Each tensor's spec for the manifest at the next aligned offset, and the data file's
+    size. The crc is left at its widest value (written by _write_tensors), so a manifest
+    measured before the write is no smaller than the one written."""
     specs: dict[str, Any] = {}
     offset = 0
     for tid, t in tensors.items():
         if t.device.type != "cpu" or not t.is_contiguous():
             raise _Uncacheable(f"a {'non-contiguous' if t.device.type == 'cpu' else t.device.type}"
                                f" tensor of shape {tuple(t.shape)}")
-        pad = -offset % ALIGN
-        f.write(b"\0" * pad)
-        offset += pad
+        offset += -offset % ALIGN
+        nbytes = t.numel() * t.element_size()
+        specs[tid] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                      "stride": list(t.stride()), "offset": offset, "bytes": nbytes,
+                      "crc": 0xFFFFFFFF}
+        offset += nbytes
+    return specs, offset
+
+
+def _write_tensors(f: IO[bytes], tensors: dict[str, torch.Tensor], specs: dict[str, Any]
+                   ) -> None:
+    """Write each tensor's bytes where `specs` (_layout) puts it, and fill in its crc."""
+    offset = 0
+    for tid, t in tensors.items():
+        spec = specs[tid]
+        f.write(b"\0" * (spec["offset"] - offset))
         data = _bytes(t)
         f.write(memoryview(data))
-        specs[tid] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                      "stride": list(t.stride()), "offset": offset, "bytes": data.nbytes,
-                      "crc": zlib.crc32(data)}
-        offset += data.nbytes
-    return specs
+        spec["crc"] = zlib.crc32(data)
+        offset = spec["offset"] + data.nbytes
 
 
 def model_state(model: LlamaForCausalLM) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -268,21 +306,44 @@ def _config_from_json(d: dict[str, Any]) -> ModelConfig:
                        rope_scaling=rope)
 
 
-def save(entry: CacheEntry, loaded: LoadedModel, quantization: str) -> None:
-    """Write `entry` for a loaded and packed model (tensors, then the manifest) and remove the
-    slot's older entries. Never raises: a model the format cannot hold, or a cache that cannot
-    be written, is logged and left uncached."""
+def _make_room(entry: CacheEntry, need: int, budget: Budget, sweep: bool
+               ) -> list[StoredEntry] | None:
+    """cache_budget.make_room for `entry` taking `need` bytes, saying what it removed."""
+    model = entry.header["model"]
+    removed = make_room(entry.data.parent, entry.data.stem, need, model["path"],
+                        model_bytes(model), budget, sweep)
+    if removed:
+        log.info("weight cache: removed %d entries (%s) to make room (%s): %s", len(removed),
+                 size_text(sum(e.bytes for e in removed)), budget.describe(),
+                 ", ".join(e.stem for e in removed))
+    return removed
+
+
+def save(entry: CacheEntry, loaded: LoadedModel, quantization: str,
+         budget: Budget | None = None) -> None:
+    """Write `entry` for a loaded and packed model (tensors, then the manifest), first making
+    room within `budget` (default: the environment's; cache_budget.make_room removes the
+    slot's older entries, then the least recently used). Never raises: a model the format
+    cannot hold, one over its budget, or a cache that cannot be written, is logged and left
+    uncached."""
     t0 = time.perf_counter()
     try:
+        budget = budget or Budget.from_env()
         cfg = loaded.checkpoint_config
         if cfg is None or _config_from_json(json.loads(json.dumps(_config_json(cfg)))) != cfg:
             raise _Uncacheable("its config does not survive JSON")
         state, tensors = model_state(loaded.model)
-        specs: dict[str, Any] = {}
-        atomic_write(entry.data, lambda f: specs.update(_write_tensors(f, tensors)))
-        manifest = {"header": entry.header, "data_bytes": entry.data.stat().st_size,
+        specs, data_bytes = _layout(tensors)
+        manifest = {"header": entry.header, "data_bytes": data_bytes,
                     "config": _config_json(cfg), "weight_format": loaded.weight_format,
                     "quantization": quantization, "state": state, "tensors": specs}
+        need = data_bytes + len(json.dumps(manifest))
+        if _make_room(entry, need, budget, sweep=True) is None:
+            limit = budget.for_model(model_bytes(entry.header["model"]))
+            raise _Uncacheable(
+                f"its entry would take {size_text(need)}, over the model's budget of "
+                f"{size_text(limit)} ({budget.describe()}; {ENV_BUDGET}, {ENV_MODEL_BUDGET})")
+        atomic_write(entry.data, lambda f: _write_tensors(f, tensors, specs))
         text = json.dumps(manifest).encode()
         atomic_write(entry.manifest, lambda f: f.write(text))
     except _Uncacheable as e:
@@ -291,9 +352,6 @@ def save(entry: CacheEntry, loaded: LoadedModel, quantization: str) -> None:
     except Exception as e:  # a full or read-only disk, or a bug here: serve, uncached
         log.warning("weight cache: could not write %s (%s)", entry.data, e)
         return
-    for old in entry.data.parent.glob(f"{entry.slot}*"):
-        if old not in (entry.data, entry.manifest) and old.suffix in (".bin", ".json"):
-            old.unlink(missing_ok=True)
     log.info("weight cache: saved %s (%.0f MB) in %.2fs", entry.data.name,
              entry.data.stat().st_size / 1e6, time.perf_counter() - t0)
 
