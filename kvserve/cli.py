@@ -511,7 +511,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan_kv,
         weight_bytes,
     )
-    from kvserve.models.loader import read_model_config
+    from kvserve.models.loader import gguf_weight_bytes, read_model_config
 
     budget = parse_size(args.kv_cache_memory)
     for name in ("prompt_len", "output_len"):
@@ -542,18 +542,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"model: {cfg.name or path.name} ({cfg.architecture}): {cfg.num_layers} layers, "
           f"{cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}, "
           f"context {cfg.max_position}")
-    print(f"weights: {param_count(cfg):,} parameters = {weight_bytes(cfg, dtype) / mib:.1f} MiB "
-          f"in {dtype_name(dtype)}")
+    held = gguf_weight_bytes(path, dtype)
+    if held is None:
+        print(f"weights: {param_count(cfg):,} parameters = "
+              f"{weight_bytes(cfg, dtype) / mib:.1f} MiB in {dtype_name(dtype)}")
+    else:  # a GGUF, as --quantization auto serves it
+        print(f"weights: {param_count(cfg):,} parameters = {held.resident / mib:.1f} MiB "
+              f"resident ({held.in_place / mib:.1f} MiB of it read in place from the file); "
+              f"a decode step reads {held.per_token / mib:.1f} MiB of them")
     print(f"KV budget: {budget:,} B ({budget / mib:.1f} MiB), blocks of {args.block_size} "
           f"tokens; a sequence = {args.prompt_len} prompt + {args.output_len} output = "
           f"{seq_len} tokens = {plans[0].blocks_per_seq} blocks\n")
     print(f"{'KV dtype':<10}{'bytes/token':>12}{'blocks':>10}{'tokens':>10}{'KV MiB':>10}"
           f"{'+ weights MiB':>15}{f'seqs of {seq_len}':>15}{f'seqs of {max_len}':>15}")
+    resident = weight_bytes(cfg, dtype) if held is None else held.resident
     for p, f in zip(plans, full, strict=True):
         tb = p.token_bytes
         print(f"{dtype_name(tb.storage_dtype):<10}{tb.total:>12}{p.num_blocks:>10}"
               f"{p.num_tokens:>10}{p.kv_bytes / mib:>10.1f}"
-              f"{(p.kv_bytes + weight_bytes(cfg, dtype)) / mib:>15.1f}"
+              f"{(p.kv_bytes + resident) / mib:>15.1f}"
               f"{p.max_seqs:>15}{f.max_seqs:>15}")
     print()
     for p in plans:

@@ -476,6 +476,45 @@ def read_model_config(path: Path) -> ModelConfig:
     return gguf_model_config(reader)
 
 
+@dataclass(frozen=True)
+class WeightBytes:
+    """A model's weights as `--quantization auto` serves them: `resident`, the bytes held
+    (matrices read in place count their bytes in the file; the others their packed or
+    compute-dtype size), and `per_token`, the bytes a decode step reads (every layer matrix
+    and the LM head, not the embedding, whose lookups read one row per token)."""
+
+    resident: int
+    per_token: int
+    in_place: int  # of resident: the file's own pages (a read-only map, shared, evictable)
+
+
+def gguf_weight_bytes(path: Path, dtype: torch.dtype) -> WeightBytes | None:
+    """WeightBytes of a GGUF file from its tensor table (no weights read); None for a model
+    that is not a GGUF file. A matrix of a type gguf_linear reads counts its file bytes; one
+    of another quantized type counts the int4 or int8 tiles it is repacked into (0.625 or
+    1.125 bytes a weight); float tensors count `dtype`'s size."""
+    if path.suffix != ".gguf":
+        return None
+    reader = open_gguf(path)
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    resident = per_token = in_place = 0
+    item = torch.empty(0, dtype=dtype).element_size()
+    for t in reader.tensors:
+        kind, count = t.tensor_type.name, int(np.prod([int(x) for x in t.shape]))
+        if len(t.shape) == 2 and gguf_native(kind):
+            size = int(t.n_bytes)
+            in_place += size
+        elif len(t.shape) == 2 and kind in INT4_SOURCES | INT8_SOURCES:
+            size = int(count * (0.625 if kind in INT4_SOURCES else 1.125))
+        else:
+            size = count * item
+        resident += size
+        if t.name.startswith("blk.") or t.name == "output.weight" or (
+                tied and t.name == "token_embd.weight"):
+            per_token += size
+    return WeightBytes(resident, per_token, in_place)
+
+
 # ------------------------------------------------------------------------------- loading
 
 
