@@ -54,16 +54,18 @@ import torch.nn.functional as F
 
 from kvserve import kernels
 from kvserve.layers.linear import LinearBase
-from kvserve.layers.quant import QuantizedWeight
+from kvserve.layers.quant import GGUFWeight, QuantizedWeight
 
 ARITHMETIC = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
-INT8 = "int8"  # kvserve's quant_linear: int8 x int8 VNNI dot products (int8 or int4 weights)
+# kvserve's quant_linear and gguf_linear: int8 x int8 dot products (int8 or int4 weights, or a
+# GGUF file's own blocks)
+INT8 = "int8"
 
 
 def arithmetic_of(layer: LinearBase, activations: torch.dtype) -> str:
     """The arithmetic `layer`'s matmul runs in (see the module docstring)."""
     p = layer.packed
-    if isinstance(p, QuantizedWeight) and p.kernels is not None:
+    if isinstance(p, GGUFWeight) or isinstance(p, QuantizedWeight) and p.kernels is not None:
         return INT8
     return ARITHMETIC[activations]
 
