@@ -29,7 +29,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16", "int8"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=256)
@@ -46,7 +47,7 @@ def main() -> None:
               kv_cache_dtype=args.kv_cache_dtype)
     vocab = llm.engine.model_config.vocab_size
     print(f"model {llm.engine.config.model} dtype {llm.engine.config.dtype} "
-          f"kv {args.kv_cache_dtype} "
+          f"kv {args.kv_cache_dtype} ({llm.engine.config.cache.kv_cache_dtype}) "
           f"threads {torch.get_num_threads()}")
     llm.generate(random_prompts(2, 64, vocab, 0), SamplingParams(max_tokens=8))  # warm up
 

@@ -95,9 +95,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weight-only int8/int4 quantization (CPU); auto keeps a GGUF's "
                         "precision class (Q4_1 -> int4) where kvserve's int4/int8 kernel runs "
                         "(AVX512-VNNI or AVX2), unless --dtype float32 is given; else none")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
-                   help="auto = the compute dtype; int8 = per-token, per-head quantized K/V "
-                        "(~1.9x the tokens in the same memory)")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16", "int8"],
+                   help="how K/V are stored: auto = float16 where the CPU kernel reads it "
+                        "under float32 activations (AVX2), unless --dtype float32 is given; "
+                        "else the compute dtype. float16/bfloat16 under float32 activations "
+                        "halve a token's bytes; int8 = per-token, per-head quantized K/V "
+                        "(~1.9x the tokens of a 16-bit cache)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse K/V of shared prompt prefixes")
     g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
@@ -502,7 +506,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Print what the KV budget holds for the model, per KV dtype, from its config alone."""
     import torch
 
-    from kvserve.config import parse_size, resolve_dtype
+    from kvserve import kernels
+    from kvserve.config import parse_size, resolve_dtype, resolve_kv_cache_dtype
     from kvserve.kv_cache.layout import KVLayout
     from kvserve.kv_cache.planner import (
         capacity_gain,
@@ -534,10 +539,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError("--max-num-batched-tokens must be >= 1")
     layout = KVLayout.for_model(cfg, free_windows=not args.disable_hybrid_kv_cache_manager)
     chunk = args.max_num_batched_tokens
+    # The compute dtype, a 16-bit cache under float32 activations, int8.
+    kvs = ["auto", *(["float16"] if dtype == torch.float32 else []), "int8"]
     plans = [plan_kv(cfg, budget, args.block_size, kv, dtype, seq_len, layout, chunk)
-             for kv in ("auto", "int8")]
+             for kv in kvs]
     full = [plan_kv(cfg, budget, args.block_size, kv, dtype, max_len, layout, chunk)
-            for kv in ("auto", "int8")]
+            for kv in kvs]
+    # What the engine's --kv-cache-dtype auto stores here (loads the kernels to ask them).
+    picked = kernels.kv_cache_dtype_for(resolve_kv_cache_dtype("auto", args.dtype), dtype,
+                                        torch.device(args.device), cfg.head_dim)
+    auto = plans[0] if picked in ("auto", "float32") else plans[kvs.index(picked)]
     mib = 2**20
     print(f"model: {cfg.name or path.name} ({cfg.architecture}): {cfg.num_layers} layers, "
           f"{cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}, "
@@ -565,9 +576,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print()
     for p in plans:
         print(f"{dtype_name(p.token_bytes.storage_dtype)}: {p.token_bytes.breakdown()} per token")
-    auto, int8 = plans
+    why = ("float32 asked for by name keeps the cache exact" if picked == "float32" else
+           "the CPU kernel widens it as it reads, under float32 activations"
+           if picked == "float16" else "no kernel here reads a 16-bit cache under float32"
+           if dtype == torch.float32 else "the compute dtype")
+    print(f"--kv-cache-dtype auto: {dtype_name(auto.token_bytes.storage_dtype)} here ({why})")
     if any(layout.group_windows):
-        kept = [plan_kv(cfg, budget, args.block_size, "auto", dtype, n) for n in (seq_len, max_len)]
+        kept = [plan_kv(cfg, budget, args.block_size, auto.token_bytes.kv_cache_dtype, dtype, n)
+                for n in (seq_len, max_len)]
         held = auto.blocks_per_seq * auto.block_bytes
         print(f"sliding windows: {layout.describe()}; blocks before a window are handed back "
               f"while a sequence runs: one of {seq_len} tokens holds at most "
@@ -575,9 +591,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"{seq_len * auto.token_bytes.total / mib:.1f} MiB keeping every block "
               f"(--disable-hybrid-kv-cache-manager: {kept[0].max_seqs} and "
               f"{kept[1].max_seqs} sequences)")
-    seqs = f"{int8.max_seqs / auto.max_seqs:.2f}x" if auto.max_seqs else "n/a"
-    print(f"int8 holds {capacity_gain(cfg, 'int8', dtype):.2f}x the tokens of "
-          f"{dtype_name(dtype)} ({seqs} the sequences of {seq_len} tokens)")
+    for p in plans[1:]:
+        seqs = f"{p.max_seqs / plans[0].max_seqs:.2f}x" if plans[0].max_seqs else "n/a"
+        kv = p.token_bytes.kv_cache_dtype
+        print(f"{kv} holds {capacity_gain(cfg, kv, dtype):.2f}x the tokens of "
+              f"{dtype_name(dtype)} ({seqs} the sequences of {seq_len} tokens)")
     return 0
 
 

@@ -96,11 +96,12 @@ class ModelConfig:
                              "(supported: silu, gelu_tanh)")
 
 
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 
 def check_kv_cache_dtype(name: str) -> str:
-    """Validate a --kv-cache-dtype value: 'auto' (the compute dtype) or 'int8'."""
+    """Validate a --kv-cache-dtype value: 'auto' (the compute dtype once the engine has
+    resolved it, see resolve_kv_cache_dtype), a float dtype K/V are stored in, or 'int8'."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                          f"got {name!r}")
@@ -114,7 +115,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int = 1 << 30  # bytes
     num_blocks: int | None = None  # overrides the budget (tests, planning)
-    kv_cache_dtype: str = "auto"  # "auto" = the compute dtype, or "int8"
+    kv_cache_dtype: str = "auto"  # resolved: "auto" = the compute dtype, a float dtype, "int8"
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -269,6 +270,18 @@ def supports_fast_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str | torch.dtype) -> str:
+    """--kv-cache-dtype as the engine passes it on (to every rank): `auto` is float32 when
+    float32 was asked for by name (which asks for exactness, as it does of the weights: see
+    resolve_quantization), else left for the model's attention layers to resolve against the
+    kernels (kernels.kv_cache_dtype_for: float16 on AVX2 CPUs under float32 activations)."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "auto" and (dtype is torch.float32 or
+                                     isinstance(dtype, str) and dtype in ("float32", "fp32")):
+        return "float32"
+    return kv_cache_dtype
 
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:

@@ -172,14 +172,17 @@ def _check(args: EngineArgs, requests, alone: Alone) -> None:
 def test_tiny_model_requests_are_independent_of_their_batch(request, tmp_path_factory, alone,
                                                             dtype, arch):
     """mistral and gemma3: sliding windows of 8 tokens, far shorter than the prompts;
-    llama_bf16: a bf16 checkpoint in float32 (16-bit weights on AVX2's dense kernel)."""
+    llama_bf16: a bf16 checkpoint in float32 (16-bit weights on AVX2's dense kernel). K/V
+    stored in the compute dtype, int8, and, under float32 activations, float16 or bf16 (the
+    16-bit cache --kv-cache-dtype auto picks on AVX2 unless float32 is asked for by name)."""
     model = str(request.getfixturevalue(f"tiny_{arch}_dir"))
+    kvs = ["auto", "auto", "int8"] + (["float16", "bfloat16"] if dtype == "float32" else [])
 
     @settings(max_examples=20, deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(cfg=engine_strategy(model, model),
            requests=workloads(vocab=320, max_prompt=40, max_tokens=14, max_requests=7),
-           kv=st.sampled_from(["auto", "auto", "int8"]))
+           kv=st.sampled_from(kvs))
     def check(cfg, requests, kv):
         _check(engine_args(cfg, dtype, tmp_path_factory.mktemp("kv"), kv_cache_dtype=kv),
                requests, alone)

@@ -36,9 +36,22 @@ def _torch_path(monkeypatch, compute):
         kernels.ops.cache_clear()
 
 
-def _attention_or_skip(dtype: torch.dtype) -> None:
-    if kernels.attention_kernels(dtype, "cpu", 64) is None:
-        pytest.skip(f"paged_attention has no {dtype} kernel on this CPU")
+def _attention_or_skip(dtype: torch.dtype, kv: str = "auto") -> None:
+    backend = TorchPagedAttention(4, 2, 64, kv)
+    if backend.ops_for(dtype, torch.device("cpu")) is None:
+        pytest.skip(f"paged_attention has no {dtype} kernel for a {kv} cache on this CPU")
+
+
+# (activations, KV storage) pairs the kernels serve somewhere: the compute dtype, int8, and
+# 16-bit K/V under float32 activations (AVX2).
+ATTENTION_CASES = [(torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.bfloat16, "int8"),
+                   (torch.float32, "int8"), (torch.float32, "float16"),
+                   (torch.float32, "bfloat16")]
+
+
+def _attention_cases_here() -> list[tuple[torch.dtype, str]]:
+    return [(d, kv) for d, kv in ATTENTION_CASES
+            if TorchPagedAttention(4, 2, 64, kv).ops_for(d, torch.device("cpu")) is not None]
 
 
 def _paged_case(dtype, spans, block_size=16, heads=9, kv_heads=3, head_dim=64, kv="auto",
@@ -50,7 +63,8 @@ def _paged_case(dtype, spans, block_size=16, heads=9, kv_heads=3, head_dim=64, k
     backend = TorchPagedAttention(heads, kv_heads, head_dim, kv)
     num_blocks = 256
     values = torch.randn(2, kv_heads, num_blocks * block_size, head_dim, generator=g)
-    cache = quantize_int8(values) if kv == "int8" else values.to(dtype)
+    cache = quantize_int8(values) if kv == "int8" else \
+        values.to(backend.kv_cache_tensor_dtype(dtype))
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, slots, used = [], [], shared
     for q, ctx in spans:
@@ -68,8 +82,7 @@ def _paged_case(dtype, spans, block_size=16, heads=9, kv_heads=3, head_dim=64, k
     return backend, q, k, v, cache, meta, tables
 
 
-@pytest.mark.parametrize("dtype,kv", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
-                                      (torch.bfloat16, "int8"), (torch.float32, "int8")])
+@pytest.mark.parametrize("dtype,kv", ATTENTION_CASES)
 @pytest.mark.parametrize("head_dim,heads,kv_heads,block_size", [
     (16, 4, 2, 4), (64, 9, 3, 16), (128, 8, 2, 16), (80, 4, 4, 16)])
 @pytest.mark.parametrize("window", [0, 23])
@@ -77,8 +90,8 @@ def test_paged_attention_matches_torch_path(monkeypatch, dtype, kv, head_dim, he
                                             block_size, window):
     """A step of prompt chunks (with and without cached context, lengths not multiples of
     16), decode rows and a verification, against the torch path (SDPA and the batched
-    decode), with and without a sliding window."""
-    _attention_or_skip(dtype)
+    decode; a 16-bit cache widened on read), with and without a sliding window."""
+    _attention_or_skip(dtype, kv)
     spans = [(37, 37), (21, 150), (1, 40), (1, 1), (70, 83), (3, 20)]
     backend, q, k, v, cache, meta, _ = _paged_case(dtype, spans, block_size, heads, kv_heads,
                                                    head_dim, kv)
@@ -104,17 +117,20 @@ def _rows_alone(ops, q, cache, tables, spans, block_size, scale, window=0):
 
 
 @settings(max_examples=30, deadline=None)
-@given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       kv=st.sampled_from(["auto", "int8"]), head_dim=st.sampled_from([16, 32, 64]),
+@given(data=st.data(), head_dim=st.sampled_from([16, 32, 64]),
        kv_heads=st.sampled_from([1, 2]), block_size=st.sampled_from([4, 16]),
        threads=st.sampled_from([1, 2]), window=st.sampled_from([0, 0, 5, 17, 40]))
-def test_paged_attention_rows_are_batch_invariant(data, dtype, kv, head_dim, kv_heads,
-                                                  block_size, threads, window):
+def test_paged_attention_rows_are_batch_invariant(data, head_dim, kv_heads, block_size,
+                                                  threads, window):
     """Random steps (prompt chunks, decodes, verifications, shared prefixes): each row of
     the step is bit for bit the row attended alone as a decode, and a chunk split anywhere
     gives the same rows. This covers both ways the kernel reads K/V (packed per step for
-    long chunks, or straight from the cache for short sequences), and sliding windows."""
-    _attention_or_skip(dtype)
+    long chunks, or straight from the cache for short sequences), every K/V storage the
+    kernel serves here, and sliding windows."""
+    cases = _attention_cases_here()
+    if not cases:
+        pytest.skip("paged_attention has no kernel on this CPU")
+    dtype, kv = data.draw(st.sampled_from(cases))
     spans = data.draw(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 60)).map(
         lambda t: (t[0], t[0] + t[1])), min_size=1, max_size=5))
     shared = data.draw(st.integers(0, min(c for _, c in spans) // block_size))
@@ -316,13 +332,14 @@ def test_rms_norm_kernel_matches_reference(monkeypatch, dtype, rows, cols):
     torch.testing.assert_close(fast, slow)
 
 
-def _paged_model(path, dtype: torch.dtype, quantization: str):
-    """A tiny model from `path` on the torch paged backend, its weights quantized as asked."""
+def _paged_model(path, dtype: torch.dtype, quantization: str, kv: str = "auto"):
+    """A tiny model from `path` on the torch paged backend (K/V stored as `kv`), its weights
+    quantized as asked."""
     from kvserve.models.loader import load_model
 
     model = load_model(path, dtype, torch.device("cpu"),
                        lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads,
-                                                     c.head_dim)).model
+                                                     c.head_dim, kv)).model
     model.pack_(quantization)
     return model
 
@@ -344,20 +361,22 @@ def _assert_fused_equals_modules(model, caches: list[torch.Tensor], bs: int, ste
 # mistral: sliding windows; gemma3: windows with their own RoPE, float32 norms around
 # attention and MLP, GELU
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3"])
-@pytest.mark.parametrize("dtype,quantization", [(torch.float32, "none"),
-                                                (torch.bfloat16, "none"),
-                                                (torch.bfloat16, "int8"),
-                                                (torch.bfloat16, "int4")])
+# float16: K/V rounded by store_kv, widened by paged_attention, under float32 activations
+@pytest.mark.parametrize("dtype,quantization,kv", [(torch.float32, "none", "auto"),
+                                                   (torch.float32, "none", "float16"),
+                                                   (torch.bfloat16, "none", "auto"),
+                                                   (torch.bfloat16, "int8", "auto"),
+                                                   (torch.bfloat16, "int4", "auto")])
 @pytest.mark.parametrize("batch", [1, 3, 12])
-def test_fused_decode_layers_equal_the_modules(tmp_path, arch, dtype, quantization, batch):
+def test_fused_decode_layers_equal_the_modules(tmp_path, arch, dtype, quantization, kv, batch):
     """A decode-only step through the C++ run_layers gives exactly the hidden states (and
     K/V) of the Python modules: the same ATen calls in the same order."""
     from kvserve.worker.model_runner import ForwardItem, allocate_kv_caches, run_forward
     from tests.conftest import build_tiny_model
 
-    _attention_or_skip(dtype)
+    _attention_or_skip(dtype, kv)
     path = build_tiny_model(tmp_path / arch, arch, tie=arch != "llama")
-    model = _paged_model(path, dtype, quantization)
+    model = _paged_model(path, dtype, quantization, kv)
     bs, g = 4, torch.Generator().manual_seed(1)
     caches = allocate_kv_caches(model, 16 * batch * bs, dtype, torch.device("cpu"))
     prompts = [torch.randint(2, 300, (5 + 3 * i,), generator=g).tolist() for i in range(batch)]
@@ -373,22 +392,25 @@ def test_fused_decode_layers_equal_the_modules(tmp_path, arch, dtype, quantizati
     _assert_fused_equals_modules(model, caches, bs, step)
 
 
-@pytest.mark.parametrize("dtype,quantization", [(torch.float32, "none"),
-                                                (torch.bfloat16, "none"),
-                                                (torch.bfloat16, "int8"),
-                                                (torch.bfloat16, "int4")])
+# float16: K/V rounded by store_kv, widened by paged_attention, under float32 activations
+@pytest.mark.parametrize("dtype,quantization,kv", [(torch.float32, "none", "auto"),
+                                                   (torch.float32, "none", "float16"),
+                                                   (torch.bfloat16, "none", "auto"),
+                                                   (torch.bfloat16, "int8", "auto"),
+                                                   (torch.bfloat16, "int4", "auto")])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_fused_layers_with_prompt_work_equal_the_modules(tmp_path, dtype, quantization, arch):
+def test_fused_layers_with_prompt_work_equal_the_modules(tmp_path, dtype, quantization, kv,
+                                                         arch):
     """A step with prompt work through the C++ run_layers gives exactly the hidden states and
     K/V of the Python modules. The step holds a decode row, a chunk after cached context, a
     fresh prompt and a verification of drafts."""
     from kvserve.worker.model_runner import ForwardItem, allocate_kv_caches, run_forward
     from tests.conftest import build_tiny_model
 
-    _attention_or_skip(dtype)
+    _attention_or_skip(dtype, kv)
     path = build_tiny_model(tmp_path, arch, hidden_size=128, num_heads=4, num_kv_heads=2,
                             tie=arch == "gemma3")
-    model = _paged_model(path, dtype, quantization)
+    model = _paged_model(path, dtype, quantization, kv)
     bs, g = 4, torch.Generator().manual_seed(2)
     caches = allocate_kv_caches(model, 64 * bs, dtype, torch.device("cpu"))
     tokens = lambda n: torch.randint(2, 300, (n,), generator=g).tolist()  # noqa: E731
@@ -407,15 +429,19 @@ def test_fused_layers_with_prompt_work_equal_the_modules(tmp_path, dtype, quanti
     _assert_fused_equals_modules(model, caches, bs, step)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_kv_writes_what_index_copy_writes(dtype):
+@pytest.mark.parametrize("dtype,kv_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float16), (torch.float32, torch.bfloat16)])
+def test_store_kv_writes_what_index_copy_writes(dtype, kv_dtype):
+    """Float32 rows into a 16-bit cache: what index_copy_ writes from rows converted with
+    .to() (rounded to nearest even); head_dim 36 leaves a tail after the 8-wide vectors."""
     g = torch.Generator().manual_seed(5)
-    cache = torch.randn(2, 3, 64, 32, generator=g).to(dtype)
-    qkv = torch.randn(7, 12, 32, generator=g).to(dtype)  # k and v are views, as in a layer
+    cache = torch.randn(2, 3, 64, 36, generator=g).to(kv_dtype)
+    qkv = torch.randn(7, 12, 36, generator=g).to(dtype)  # k and v are views, as in a layer
     k, v = qkv.narrow(1, 6, 3), qkv.narrow(1, 9, 3)
     slots = torch.randperm(64, generator=g)[:7]
     want = cache.clone()
-    want.index_copy_(2, slots, torch.stack((k, v)).transpose(1, 2))
+    want.index_copy_(2, slots, torch.stack((k, v)).to(kv_dtype).transpose(1, 2))
     kernels.ops().store_kv(cache, slots, k, v)
     assert torch.equal(cache, want)
     with pytest.raises(RuntimeError, match="slot out of range"):

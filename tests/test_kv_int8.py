@@ -151,9 +151,10 @@ def test_engine_batching_and_preemption_with_int8(tiny_llama_dir):
 
 
 def test_bad_kv_cache_dtype_is_refused_clearly(tiny_llama_dir):
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8; got 'fp8'"):
+    names = "auto, float32, bfloat16, float16, int8"
+    with pytest.raises(ValueError, match=f"kv_cache_dtype must be one of {names}; got 'fp8'"):
         CacheConfig(kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8"):
+    with pytest.raises(ValueError, match=f"kv_cache_dtype must be one of {names}"):
         LLM(str(tiny_llama_dir), kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="even head_dim"):
         TorchPagedAttention(4, 2, 15, "int8")

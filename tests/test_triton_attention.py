@@ -160,7 +160,8 @@ def test_kernel_choice_on_cuda_and_the_cpu_switch(monkeypatch):
     meta = torch.device("meta")
     assert kernels.attention_kernels(torch.float32, meta, 64) is None
     assert kernels.attention_kernels(torch.bfloat16, "cuda", 64) is kernels._triton()
-    assert kernels.attention_kernels(torch.bfloat16, "cuda", 64, kv_int8=True) is None
+    assert kernels.attention_kernels(torch.bfloat16, "cuda", 64, torch.int8) is None
+    assert kernels.attention_kernels(torch.float32, "cuda", 64, torch.float16) is None
     monkeypatch.setenv("KVSERVE_TRITON_ON_CPU", "1")
     assert kernels.attention_kernels(torch.float32, "cpu", 64) is kernels._triton()
 

@@ -27,7 +27,8 @@ class AttentionBatch:
 
 
 class AttentionBackend(ABC):
-    kv_cache_dtype: str = "auto"  # how K/V are stored: "auto" (compute dtype) or "int8"
+    # how K/V are stored: "auto" (the compute dtype), a float dtype or "int8" (kv_quant)
+    kv_cache_dtype: str = "auto"
 
     @abstractmethod
     def kv_cache_shape(self, num_slots: int) -> tuple[int, ...]:

@@ -1,6 +1,11 @@
 """How a K or V row (one token of one KV head) is stored in the paged cache.
 
-`auto` stores rows as they are, in the compute dtype: width head_dim.
+`auto` stores rows as they are, in the compute dtype: width head_dim. (The engine resolves
+the user's `auto` first: kernels.kv_cache_dtype_for.)
+
+`float32`, `bfloat16` and `float16` store rows in that dtype, width head_dim: the compute
+dtype itself, or a 16-bit dtype under float32 activations, the rows rounded to nearest even
+on the way in and widened (exactly) as they are read: half the bytes of float32.
 
 `int8` stores each row quantized symmetrically with its own scale (absmax / 127 over the
 head_dim values; K and V rows are quantized separately), followed by the scale as a float16
@@ -21,16 +26,30 @@ INT8_SCALE_BYTES = 2  # one float16 per row
 _FP16 = torch.finfo(torch.float16)
 
 
+_FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def kv_storage_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype) -> torch.dtype:
-    """Dtype of the cache tensor."""
+    """Dtype of the cache tensor. Raises ValueError for a float dtype that is neither the
+    compute dtype nor a 16-bit one under float32 activations (a wider cache than the
+    activations, or one 16-bit format read as another, would only cost)."""
     check_kv_cache_dtype(kv_cache_dtype)
-    return torch.int8 if kv_cache_dtype == "int8" else compute_dtype
+    if kv_cache_dtype == "int8":
+        return torch.int8
+    if kv_cache_dtype == "auto":
+        return compute_dtype
+    storage = _FLOATS[kv_cache_dtype]
+    if compute_dtype not in (storage, torch.float32):
+        need = "float32" if storage == torch.float32 else f"float32 or {kv_cache_dtype}"
+        raise ValueError(f"a {kv_cache_dtype} KV cache needs {need} activations, not "
+                         f"{str(compute_dtype).removeprefix('torch.')}")
+    return storage
 
 
 def kv_row_width(head_dim: int, kv_cache_dtype: str) -> int:
     """Elements (of the cache tensor's dtype) one stored row takes."""
     check_kv_cache_dtype(kv_cache_dtype)
-    if kv_cache_dtype == "auto":
+    if kv_cache_dtype != "int8":
         return head_dim
     if head_dim % 2:
         # the float16 scale is read in place with .view(), which needs 2-byte alignment

@@ -4,7 +4,8 @@ ops elsewhere.
 The cache of one layer is laid out head-major, [2, Hkv, num_slots, W] (W = head_dim D, or
 D + 2 for int8), addressed by slot = block id * block size + offset.
 
-On a CPU with AVX-512 or AVX2 (float32) or AVX512-BF16 (bf16), every row of a step goes
+On a CPU with AVX-512 or AVX2 (float32; on AVX2 also K/V stored in float16 or bf16) or
+AVX512-BF16 (bf16), every row of a step goes
 through one C++ call, `paged_attention`, which computes a row the same way whether it is a
 decode token, a draft being verified or part of a prompt chunk, and whatever else is in the
 step (see kernels/csrc/attention.cpp): a request's output does not depend on its batch or on
@@ -19,9 +20,10 @@ in the [Hkv, B, L, W] order the batched matmuls want); prompt chunks go one requ
 through SDPA.
 
 With `kv_cache_dtype="int8"` rows are quantized on write (layout in `kv_quant`) and
-dequantized on read, by the kernel as by the torch path. A prompt chunk with no earlier
-context attends its own fresh K/V on the torch path, but passed through the same
-quantize/dequantize round trip, so every query sees the K/V the cache holds.
+dequantized on read, by the kernel as by the torch path; with a 16-bit cache under float32
+activations they are rounded on write and widened on read. A prompt chunk with no earlier
+context attends its own fresh K/V on the torch path, but passed through the same round trip,
+so every query sees the K/V the cache holds.
 """
 
 from __future__ import annotations
@@ -170,12 +172,15 @@ class TorchPagedAttention(AttentionBackend):
         return kv_storage_dtype(self.kv_cache_dtype, compute_dtype)
 
     def _store(self, x: torch.Tensor) -> torch.Tensor:
-        """K or V rows [..., D] as the cache stores them."""
-        return quantize_int8(x) if self.quantized else x
+        """K or V rows [..., D] (compute dtype) as the cache stores them: quantized, rounded
+        to a 16-bit cache's dtype (nearest even), or as they are."""
+        if self.quantized:
+            return quantize_int8(x)
+        return x.to(self.kv_cache_tensor_dtype(x.dtype))
 
     def _load(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Stored rows [..., W] -> [..., D] values in the compute dtype."""
-        return dequantize_int8(rows, dtype) if self.quantized else rows
+        """Stored rows [..., W] -> [..., D] values in the compute dtype (exact but for int8)."""
+        return dequantize_int8(rows, dtype) if self.quantized else rows.to(dtype)
 
     def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         device = batch.slot_mapping.device
@@ -194,7 +199,7 @@ class TorchPagedAttention(AttentionBackend):
         """The kernels serving this layer's store_kv and paged_attention: the C++ module on a
         CPU, Triton's on a GPU (see kvserve.kernels); None for torch's ops."""
         return kernels.attention_kernels(dtype, device, self.head_dim,
-                                         kv_int8=self.quantized)
+                                         self.kv_cache_tensor_dtype(dtype))
 
     def graph_safe(self, dtype: torch.dtype, device: torch.device) -> bool:
         return kernels.graph_safe(self.ops_for(dtype, device))
@@ -205,8 +210,8 @@ class TorchPagedAttention(AttentionBackend):
                                       tables, None)
 
     def fused_inputs(self, meta: TorchAttentionMetadata, dtype: torch.dtype) -> tuple | None:
-        # The C++ path stores K/V unquantized (store_kv) and reads them with paged_attention,
-        # as forward() does.
+        # The C++ path stores K/V unquantized (store_kv, rounding to a 16-bit cache) and reads
+        # them with paged_attention, as forward() does.
         device = meta.slot_mapping.device
         if self.quantized or device.type != "cpu" or \
                 self.ops_for(dtype, device) is not kernels.ops():
@@ -219,7 +224,7 @@ class TorchPagedAttention(AttentionBackend):
         ops = self.ops_for(q.dtype, kv_cache.device)
         rows = None
         if ops is not None and not self.quantized:
-            ops.store_kv(kv_cache, meta.slot_mapping, k, v)  # what index_copy_ writes
+            ops.store_kv(kv_cache, meta.slot_mapping, k, v)  # what index_copy_ of _store writes
         else:
             # K and V written with one copy: [2, T, Hkv, W] -> slots of [2, Hkv, num_slots, W].
             rows = self._store(torch.stack((k, v)))

@@ -21,6 +21,7 @@ from collections import deque
 import torch
 
 from kvserve import faults
+from kvserve.attention.kv_quant import kv_storage_dtype
 from kvserve.config import (
     CacheConfig,
     EngineConfig,
@@ -28,6 +29,7 @@ from kvserve.config import (
     SpecConfig,
     parse_size,
     resolve_dtype,
+    resolve_kv_cache_dtype,
 )
 from kvserve.distributed.parallel import SINGLE, TensorParallel, check_split
 from kvserve.engine.args import EngineArgs
@@ -110,6 +112,8 @@ class EngineCore:
         if device.type == "cuda":
             torch.cuda.set_device(device)  # cuda:N's kernels and allocations, not cuda:0's
         dtype = resolve_dtype(args.dtype, device)
+        kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype)
+        kv_storage_dtype(kv_cache_dtype, dtype)  # a bad pair refused before loading anything
         torch.manual_seed(args.seed)
         path = resolve_model(args.model)
         t0 = time.perf_counter()
@@ -121,7 +125,7 @@ class EngineCore:
             cfg = read_model_config(path)  # metadata only: refuse a bad split before spawning
             check_split(cfg.num_heads, cfg.num_kv_heads, args.tensor_parallel_size)
             self.workers = TensorParallelWorkers(
-                str(path), dtype, str(device), args.kv_cache_dtype,
+                str(path), dtype, str(device), kv_cache_dtype,
                 resolve_quantization(args.quantization, args.dtype),
                 args.block_size, args.tensor_parallel_size, args.tp_timeout,
                 args.max_model_len)
@@ -130,18 +134,20 @@ class EngineCore:
         elif args.tensor_parallel_size != 1:
             raise ValueError("--tensor-parallel-size must be >= 1")
         try:
-            self._build(args, path, dtype, device, tp, t0)
+            self._build(args, path, dtype, kv_cache_dtype, device, tp, t0)
         except BaseException:
             if self.workers is not None:
                 self.workers.close(timeout=1.0)
             raise
 
-    def _build(self, args: EngineArgs, path, dtype: torch.dtype, device: torch.device,
-               tp: TensorParallel, t0: float) -> None:
+    def _build(self, args: EngineArgs, path, dtype: torch.dtype, kv_cache_dtype: str,
+               device: torch.device, tp: TensorParallel, t0: float) -> None:
         """Load this rank's model shard and set up the cache, scheduler and drafter."""
         loaded, self.quantization = load_target(
-            str(path), dtype, device, args.kv_cache_dtype,
+            str(path), dtype, device, kv_cache_dtype,
             resolve_quantization(args.quantization, args.dtype), tp, args.max_model_len)
+        # `auto` as the attention layers resolved it (kernels.kv_cache_dtype_for)
+        kv_cache_dtype = loaded.model.layers[0].self_attn.backend.kv_cache_dtype
         self.model_config = cfg = loaded.config
         if loaded.gguf_reader is not None:
             self.tokenizer = Tokenizer.from_gguf(path, reader=loaded.gguf_reader)
@@ -165,7 +171,7 @@ class EngineCore:
         drafter = (build_drafter(spec, loaded.model, path, dtype, device, sched)
                    if spec is not None else None)
         cache = CacheConfig(args.block_size, kv_cache_budget(args, device),
-                            args.num_kv_blocks, args.kv_cache_dtype)
+                            args.num_kv_blocks, kv_cache_dtype)
         self.config = EngineConfig(str(path), dtype, device, cache, sched, args.seed)
         extra = drafter.kv_bytes_per_token() if drafter is not None else 0
         # A draft model keeps its K/V at the slots of group 0's table, which must then cover
@@ -199,7 +205,8 @@ class EngineCore:
             self.speculation = SpecCoordinator(spec, drafter, self.kv)
             self.runner.keep_hidden = drafter.needs_hidden
             log.info("speculative decoding: %s", spec)
-        per_tok = kv_token_bytes(shard_config(cfg, tp), cache.kv_cache_dtype, dtype).total
+        token_bytes = kv_token_bytes(shard_config(cfg, tp), cache.kv_cache_dtype, dtype)
+        per_tok, kv_name = token_bytes.total, dtype_name(token_bytes.storage_dtype)
         log.info("loaded %s (%s, %d layers, %s weights, %s; quantization %s: %s) in %.1fs",
                  path.name, cfg.architecture, cfg.num_layers, loaded.weight_format,
                  dtype_name(dtype), self.quantization, loaded.model.weight_kernel(),
@@ -213,22 +220,24 @@ class EngineCore:
             # layers and nothing more in a sliding-window layer once it leaves the window.
             blk = slot_bytes(shard_config(cfg, tp), cache.kv_cache_dtype, dtype, layout)
             log.info("KV cache%s: %d blocks x %d tokens x %d layers, %.2f GiB; %s; a token "
-                     "takes %.1f KiB in every layer, %.1f KiB once older than the windows",
-                     " (rank 0's heads)" if tp.size > 1 else "", num_blocks,
+                     "takes %.1f KiB (%s K/V) in every layer, %.1f KiB once older than the "
+                     "windows", " (rank 0's heads)" if tp.size > 1 else "", num_blocks,
                      cache.block_size, layout.group_size,
                      num_blocks * cache.block_size * blk / 2**30, layout.describe(),
-                     per_tok / 1024, blk * layout.group_windows.count(0) / 1024)
+                     per_tok / 1024, kv_name, blk * layout.group_windows.count(0) / 1024)
         else:
-            log.info("KV cache%s: %d blocks x %d tokens = %d tokens, %.1f KiB per token, "
-                     "%.2f GiB%s", " (rank 0's heads)" if tp.size > 1 else "", num_blocks,
-                     cache.block_size, num_blocks * cache.block_size, per_tok / 1024,
+            log.info("KV cache%s: %d blocks x %d tokens = %d tokens, %.1f KiB per token "
+                     "(%s K/V), %.2f GiB%s", " (rank 0's heads)" if tp.size > 1 else "",
+                     num_blocks, cache.block_size, num_blocks * cache.block_size,
+                     per_tok / 1024, kv_name,
                      num_blocks * cache.block_size * per_tok / 2**30,
                      "" if not any(cfg.window(i) for i in range(cfg.num_layers)) else
                      f"; {layout.describe()}" if layout.group_windows[0] else
                      "; blocks before the sliding windows kept")
-        if cache.kv_cache_dtype == "int8":
-            log.info("int8 KV: %.2fx the tokens of %s", capacity_gain(cfg, "int8", dtype),
-                     dtype_name(dtype))
+        if token_bytes.storage_dtype != dtype:
+            log.info("%s KV%s: %.2fx the tokens of %s", kv_name,
+                     " (--kv-cache-dtype auto)" if args.kv_cache_dtype == "auto" else "",
+                     capacity_gain(cfg, cache.kv_cache_dtype, dtype), dtype_name(dtype))
         if device.type == "cuda" and not args.enforce_eager:
             if self.runner.can_capture_graphs():
                 self.runner.capture_decode_graphs(args.max_num_seqs, max_len)

@@ -195,22 +195,42 @@ def _cpu(device: torch.device | str) -> ModuleType | None:
 
 
 def attention_kernels(dtype: torch.dtype, device: torch.device | str, head_dim: int,
-                      kv_int8: bool = False) -> ModuleType | TritonPagedAttention | None:
-    """What serves a layer's `store_kv` and `paged_attention`: on the CPU the C++ module,
-    activations in float32 (AVX-512 or AVX2) or bf16 (AVX512-BF16), head_dim a multiple of
-    16, any K/V storage; on a GPU the Triton kernels (triton_paged), activations in bf16,
-    float16 or float32, K/V stored unquantized, where Triton imports and KVSERVE_NO_TRITON
-    is unset. KVSERVE_TRITON_ON_CPU=1 with TRITON_INTERPRET=1 puts the Triton kernels on the
-    CPU, under Triton's interpreter: a test of them, slow, not a way to serve."""
+                      kv_dtype: torch.dtype | None = None
+                      ) -> ModuleType | TritonPagedAttention | None:
+    """What serves a layer's `store_kv` and `paged_attention` for activations in `dtype` and a
+    cache tensor in `kv_dtype` (None: `dtype`; int8: quantized rows): on the CPU the C++
+    module, activations in float32 (AVX-512 or AVX2) or bf16 (AVX512-BF16), head_dim a
+    multiple of 16, K/V in the compute dtype or int8, or in float16/bf16 under float32
+    activations on AVX2 (`has_paged_attention` says which); on a GPU the Triton kernels
+    (triton_paged), activations in bf16, float16 or float32, K/V in the same dtype, where
+    Triton imports and KVSERVE_NO_TRITON is unset. KVSERVE_TRITON_ON_CPU=1 with
+    TRITON_INTERPRET=1 puts the Triton kernels on the CPU, under Triton's interpreter: a test
+    of them, slow, not a way to serve."""
+    kv_dtype = kv_dtype or dtype
     kind = torch.device(device).type
     if kind == "cuda" or kind == "cpu" and _flag("KVSERVE_TRITON_ON_CPU"):
-        if kv_int8 or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if kv_dtype != dtype or dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return None
         return _triton()
     kernels = _cpu(device)
     if kernels is None or head_dim % 16 or dtype not in (torch.float32, torch.bfloat16):
         return None
-    return kernels if kernels.has_paged_attention(dtype) else None
+    return kernels if kernels.has_paged_attention(dtype, kv_dtype) else None
+
+
+def kv_cache_dtype_for(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device | str,
+                       head_dim: int) -> str:
+    """The KV storage a layer with `head_dim` gets for --kv-cache-dtype `kv_cache_dtype` and
+    activations in `dtype`: another name as it is; `auto` is float16 where the CPU kernel
+    reads a float16 cache under float32 activations (the AVX2 build: F16C widens it exactly
+    as it is read), which halves a token's K/V bytes (llama.cpp's default cache type), and
+    the compute dtype ("auto") everywhere else: bf16 or float16 activations, GPUs, AVX-512
+    builds (their kernel reads K/V only in the compute dtype) and machines without the
+    kernels, where torch's path would convert the whole context on every read."""
+    if kv_cache_dtype != "auto" or dtype != torch.float32:
+        return kv_cache_dtype
+    fast = attention_kernels(dtype, device, head_dim, torch.float16) is not None
+    return "float16" if fast else "auto"
 
 
 def _flag(name: str) -> bool:

@@ -25,7 +25,7 @@ import torch
 from kvserve import kernels
 from kvserve.attention.backend import AttentionBatch
 from kvserve.attention.torch_paged import TorchPagedAttention
-from kvserve.config import CacheConfig
+from kvserve.config import CacheConfig, ModelConfig
 from kvserve.distributed.parallel import SINGLE, TensorParallel
 from kvserve.kv_cache.layout import KVLayout
 from kvserve.layers.quant import check_quantization
@@ -51,8 +51,9 @@ def load_target(model: str | None, dtype: torch.dtype, device: torch.device,
     where kvserve's int4/int8 kernel runs them on the compute dtype (bf16, or float32 on CPUs
     without native bf16: see resolve_quantization for a float32 asked for), and is none
     elsewhere: torch's int4/int8 kernels are slower than the float weights at prompt sizes
-    (and in float32 at every size). `max_model_len` chooses LongRoPE's factors (see
-    RopeScaling.for_context)."""
+    (and in float32 at every size). `kv_cache_dtype` `auto` is resolved per model against
+    the kernels (kernels.kv_cache_dtype_for); the attention backends hold the result.
+    `max_model_len` chooses LongRoPE's factors (see RopeScaling.for_context)."""
     path = resolve_model(model)
 
     def pack(loaded: LoadedModel) -> str:
@@ -70,9 +71,11 @@ def load_target(model: str | None, dtype: torch.dtype, device: torch.device,
         return applied
 
     # Packed once per model, dtype, quantization and rank, then mapped from the weight cache.
-    return load_packed(path, dtype, device,
-                       lambda c: TorchPagedAttention.for_model(c, kv_cache_dtype), pack,
-                       quantization, tp, max_model_len)
+    def backend(c: ModelConfig) -> TorchPagedAttention:
+        kv = kernels.kv_cache_dtype_for(kv_cache_dtype, dtype, device, c.head_dim)
+        return TorchPagedAttention.for_model(c, kv)
+
+    return load_packed(path, dtype, device, backend, pack, quantization, tp, max_model_len)
 
 
 def resolve_quantization(quantization: str, dtype: str | torch.dtype) -> str:

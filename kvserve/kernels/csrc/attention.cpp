@@ -5,10 +5,13 @@
 // prompt was chunked, on what else is in the step, or on where its K/V came from.
 //
 // q [T, H, D] (float32 or bf16; rows may be strided), cache [2, Hkv, slots, W]: K then V,
-// in q's dtype (W = D) or int8 rows with a float16 scale after them (W = D + 2, see
-// attention/kv_quant.py). seqs [S, 3] int64: (first row in q, rows, context length), the
-// rows being the sequence's last positions; tables [S, nb] int64 block ids. Query heads
-// h * G .. h * G + G - 1 share KV head h.
+// in q's dtype (W = D), int8 rows with a float16 scale after them (W = D + 2, see
+// attention/kv_quant.py), or, under float32 q on AVX2, float16 or bf16 (W = D): widened
+// exactly as they are read (F16C's vcvtph2ps; a shift for bf16), so a row's result is bit
+// for bit the float32 kernel's on a cache holding the same values in float32. seqs [S, 3]
+// int64: (first row in q, rows, context length), the rows being the sequence's last
+// positions; tables [S, nb] int64 block ids. Query heads h * G .. h * G + G - 1 share KV
+// head h.
 //
 // A row's arithmetic, in float32 (a "unit" is 32 bits: one float32 value, or a pair of bf16):
 //   scores: one accumulator lane per key, summed over the head dimension in order, a unit at
@@ -75,8 +78,9 @@ inline void prefetch_rows(const uint32_t* const* rows, int64_t from, int64_t to,
 
 // Each instruction set's pieces of a row block (below): the scores of NR rows for tile kt,
 // into sc[r] + 16 kt; one row's softmax over keys first .. n - 1 into P (pb, by absolute
-// key), returning 1 / sum.
-template <typename T, int NR, bool Direct>
+// key), returning 1 / sum. KV is the type of the cache rows a direct row block reads (T, or
+// a 16-bit type under float32 T: AVX2 only); packed copies hold T.
+template <typename T, typename KV, int NR, bool Direct>
 inline void scores_tile(const uint32_t* const* q, const Context& c, int64_t kt, int64_t U,
                         float* const* sc);
 template <typename T>
@@ -85,7 +89,7 @@ inline float softmax_row(const float* s, int64_t first, int64_t n, int64_t t_lo,
 
 // The first half of a row block: the tiles t_lo .. tiles - 1 its rows see, their scores and
 // each row's P and 1 / sum (inv). Returns {t_lo, tiles}.
-template <typename T, int NR, bool Direct>
+template <typename T, typename KV, int NR, bool Direct>
 inline std::pair<int64_t, int64_t> score_rows(const uint32_t* const* q, const int64_t* first,
                                               const int64_t* nkeys, float* const* sc,
                                               uint32_t* const* pb, const Context& c, int64_t D,
@@ -97,13 +101,13 @@ inline std::pair<int64_t, int64_t> score_rows(const uint32_t* const* q, const in
   }
   const int64_t tiles = (most + kTile - 1) / kTile, t_lo = least / kTile;
   for (int64_t t = t_lo; t < tiles; ++t)
-    scores_tile<T, NR, Direct>(q, c, t, D / kvs::kPer<T>, sc);
+    scores_tile<T, KV, NR, Direct>(q, c, t, D / kvs::kPer<T>, sc);
   for (int r = 0; r < NR; ++r)
     inv[r] = softmax_row<T>(sc[r], first[r], nkeys[r], t_lo, tiles, scale, pb[r]);
   return {t_lo, tiles};
 }
 
-// A row block, row_block<T, NR, Direct> of each instruction set.
+// A row block, row_block<T, KV, NR, Direct> of each instruction set.
 template <typename T>
 using RowBlockFn = void (*)(const uint32_t* const*, const int64_t*, const int64_t*,
                             float* const*, uint32_t* const*, const Context&, int64_t, float,
@@ -112,9 +116,10 @@ using RowBlockFn = void (*)(const uint32_t* const*, const int64_t*, const int64_
 
 #if defined(__AVX512F__)
 // The scores of NR rows for tile kt, into sc[r] + 16 kt.
-template <typename T, int NR, bool Direct>
+template <typename T, typename KV, int NR, bool Direct>
 inline void scores_tile(const uint32_t* const* q, const Context& c, int64_t kt, int64_t U,
                         float* const* sc) {
+  static_assert(std::is_same_v<KV, T>, "the AVX-512 kernel reads K/V in the compute dtype");
   __m512 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
   if (!Direct || U % 16) {
@@ -220,13 +225,15 @@ inline __m512i v_unit(const Context& c, int64_t j, int64_t d0, int64_t D) {
 
 // NR rows of one KV head; row r sees keys first[r] .. nkeys[r] - 1. sc and pb: per row,
 // room for the scores and P of every tile (indexed by absolute key).
-template <typename T, int NR, bool Direct>
+template <typename T, typename KV, int NR, bool Direct>
 void row_block(const uint32_t* const* q, const int64_t* first, const int64_t* nkeys,
                float* const* sc, uint32_t* const* pb, const Context& c, int64_t D, float scale,
                T* const* out) {
+  static_assert(std::is_same_v<KV, T>, "the AVX-512 kernel reads K/V in the compute dtype");
   constexpr int64_t per = kvs::kPer<T>;
   float inv[NR];
-  const auto [t_lo, tiles] = score_rows<T, NR, Direct>(q, first, nkeys, sc, pb, c, D, scale, inv);
+  const auto [t_lo, tiles] =
+      score_rows<T, KV, NR, Direct>(q, first, nkeys, sc, pb, c, D, scale, inv);
   const int64_t vunits = tiles * kTile / per, tile_units = kTile / per;
   constexpr bool fetch = Direct;  // V rows 2 tiles ahead, on the first pass
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
@@ -246,15 +253,17 @@ void row_block(const uint32_t* const* q, const int64_t* first, const int64_t* nk
   }
 }
 
-template <typename T, bool Direct>
+template <typename T, typename KV, bool Direct>
 constexpr RowBlockFn<T> kRowBlocks[kRowBlock] = {
-    row_block<T, 1, Direct>, row_block<T, 2, Direct>,  row_block<T, 3, Direct>,
-    row_block<T, 4, Direct>, row_block<T, 5, Direct>,  row_block<T, 6, Direct>,
-    row_block<T, 7, Direct>, row_block<T, 8, Direct>,  row_block<T, 9, Direct>,
-    row_block<T, 10, Direct>, row_block<T, 11, Direct>, row_block<T, 12, Direct>};
+    row_block<T, KV, 1, Direct>,  row_block<T, KV, 2, Direct>,  row_block<T, KV, 3, Direct>,
+    row_block<T, KV, 4, Direct>,  row_block<T, KV, 5, Direct>,  row_block<T, KV, 6, Direct>,
+    row_block<T, KV, 7, Direct>,  row_block<T, KV, 8, Direct>,  row_block<T, KV, 9, Direct>,
+    row_block<T, KV, 10, Direct>, row_block<T, KV, 11, Direct>, row_block<T, KV, 12, Direct>};
 
 // The 16 K rows of a tile (nullptr past the context) -> [U][16]: unit u of key j at 16u + j.
+template <typename KV>
 inline void pack_k(const uint32_t* const* rows, int64_t U, uint32_t* dst) {
+  static_assert(sizeof(KV) == 4 || sizeof(KV) == 2, "rows of units");  // T: float32 or bf16
   int64_t u0 = 0;
   for (; u0 + 16 <= U; u0 += 16) {
     __m512i r[16];
@@ -269,8 +278,9 @@ inline void pack_k(const uint32_t* const* rows, int64_t U, uint32_t* dst) {
 
 // The 16 V rows of a tile -> [16 / per][D] units: float32 rows as they are; bf16 dimension d
 // of keys 2i (low half) and 2i + 1 (high half) in unit (i, d), as v_unit builds them.
-template <typename T>
+template <typename T, typename KV>
 inline void pack_v(const uint32_t* const* rows, int64_t D, uint32_t* dst) {
+  static_assert(std::is_same_v<KV, T>, "the AVX-512 kernel reads K/V in the compute dtype");
   constexpr int64_t per = kvs::kPer<T>;
   for (int64_t j = 0; j < kTile / per; ++j)
     for (int64_t d0 = 0; d0 < D; d0 += 16)
@@ -279,13 +289,34 @@ inline void pack_v(const uint32_t* const* rows, int64_t D, uint32_t* dst) {
 }
 
 #elif defined(KVS_AVX2)
-// AVX2 (float32 only): a tile's 16 lanes are two 8-lane registers, lo (keys or dimensions
-// 0..7) and hi (8..15); every lane's sum runs in the order described at the top.
+// AVX2 (float32 activations): a tile's 16 lanes are two 8-lane registers, lo (keys or
+// dimensions 0..7) and hi (8..15); every lane's sum runs in the order described at the top.
+// K/V rows may be stored as float32 (KV = float), float16 (c10::Half) or bf16
+// (c10::BFloat16): every load widens them to float32 exactly, so the arithmetic after it is
+// the same whatever KV is.
 struct F16 {
   __m256 lo, hi;
 };
 inline F16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-inline F16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+
+// 8 stored values from p, as float32: exact for each KV (float16 and bf16 are subsets of
+// float32).
+template <typename KV>
+inline __m256 load8(const KV* p) {
+  if constexpr (std::is_same_v<KV, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (std::is_same_v<KV, c10::Half>)
+      return _mm256_cvtph_ps(h);
+    else
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+template <typename KV>
+inline F16 load16(const KV* p) {
+  return {load8(p), load8(p + 8)};
+}
 inline void store16(float* p, F16 v) {
   _mm256_storeu_ps(p, v.lo);
   _mm256_storeu_ps(p + 8, v.hi);
@@ -296,18 +327,19 @@ inline F16 fma16(float a, F16 b, F16 acc) {
 }
 
 // Units u0 .. u0 + 7 of the 16 keys rows[0..15] (nullptr: zeros) -> dst[i * 16 + j] = unit
-// u0 + i of key j: two 8 x 8 transposes.
-inline void transpose_keys(const float* const* rows, int64_t u0, float* dst) {
+// u0 + i of key j, as float32: two 8 x 8 transposes.
+template <typename KV>
+inline void transpose_keys(const KV* const* rows, int64_t u0, float* dst) {
   for (int h = 0; h < 2; ++h) {
     __m256 r[8];
     for (int j = 0; j < 8; ++j)
-      r[j] = rows[8 * h + j] ? _mm256_loadu_ps(rows[8 * h + j] + u0) : _mm256_setzero_ps();
+      r[j] = rows[8 * h + j] ? load8(rows[8 * h + j] + u0) : _mm256_setzero_ps();
     kvs::transpose8(r);
     for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + i * 16 + 8 * h, r[i]);
   }
 }
 
-template <typename T, int NR, bool Direct>
+template <typename T, typename KV, int NR, bool Direct>
 inline void scores_tile(const uint32_t* const* q, const Context& c, int64_t kt, int64_t U,
                         float* const* sc) {
   static_assert(std::is_same_v<T, float>, "the AVX2 kernel is float32 only");
@@ -323,11 +355,11 @@ inline void scores_tile(const uint32_t* const* q, const Context& c, int64_t kt, 
   } else {
     if (kt * kTile + 2 * kTile < c.len)
       prefetch_rows(c.krows, kt * kTile + 2 * kTile,
-                    std::min(c.len, kt * kTile + 3 * kTile), U * 4);
-    const float* rows[16];
+                    std::min(c.len, kt * kTile + 3 * kTile), U * sizeof(KV));
+    const KV* rows[16];
     for (int j = 0; j < 16; ++j) {
       const int64_t t = kt * kTile + j;
-      rows[j] = t < c.len ? reinterpret_cast<const float*>(c.krows[t]) : nullptr;
+      rows[j] = t < c.len ? reinterpret_cast<const KV*>(c.krows[t]) : nullptr;
     }
     alignas(32) float local[8 * 16];
     for (int64_t u0 = 0; u0 < U; u0 += 8) {
@@ -375,13 +407,14 @@ inline float softmax_row(const float* s, int64_t first, int64_t n, int64_t t_lo,
   return 1.f / kvs::hsum8_ps(_mm256_add_ps(sum[0], sum[1]));
 }
 
-template <typename T, int NR, bool Direct>
+template <typename T, typename KV, int NR, bool Direct>
 void row_block(const uint32_t* const* q, const int64_t* first, const int64_t* nkeys,
                float* const* sc, uint32_t* const* pb, const Context& c, int64_t D, float scale,
                T* const* out) {
   static_assert(std::is_same_v<T, float>, "the AVX2 kernel is float32 only");
   float inv[NR];
-  const auto [t_lo, tiles] = score_rows<T, NR, Direct>(q, first, nkeys, sc, pb, c, D, scale, inv);
+  const auto [t_lo, tiles] =
+      score_rows<T, KV, NR, Direct>(q, first, nkeys, sc, pb, c, D, scale, inv);
   const F16 zeros = zero16();
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
     F16 acc[NR];
@@ -390,11 +423,11 @@ void row_block(const uint32_t* const* q, const int64_t* first, const int64_t* nk
       if (Direct && d0 == 0 && j % kTile == 0) {
         const int64_t ahead = j + 2 * kTile;
         if (ahead < c.len)
-          prefetch_rows(c.vrows, ahead, std::min(c.len, ahead + kTile), D * sizeof(T));
+          prefetch_rows(c.vrows, ahead, std::min(c.len, ahead + kTile), D * sizeof(KV));
       }
       const F16 v = !Direct ? load16(reinterpret_cast<const float*>(c.vpk) +
                                      (j - c.t0 * kTile) * D + d0)
-                    : j < c.len ? load16(reinterpret_cast<const float*>(c.vrows[j]) + d0)
+                    : j < c.len ? load16(reinterpret_cast<const KV*>(c.vrows[j]) + d0)
                                 : zeros;
       for (int r = 0; r < NR; ++r)
         acc[r] = fma16(reinterpret_cast<const float*>(pb[r])[j], v, acc[r]);
@@ -406,34 +439,42 @@ void row_block(const uint32_t* const* q, const int64_t* first, const int64_t* nk
   }
 }
 
-template <typename T, bool Direct>
+template <typename T, typename KV, bool Direct>
 constexpr RowBlockFn<T> kRowBlocks[kRowBlock] = {
-    row_block<T, 1, Direct>, row_block<T, 2, Direct>, row_block<T, 3, Direct>,
-    row_block<T, 4, Direct>, row_block<T, 5, Direct>, row_block<T, 6, Direct>};
+    row_block<T, KV, 1, Direct>, row_block<T, KV, 2, Direct>, row_block<T, KV, 3, Direct>,
+    row_block<T, KV, 4, Direct>, row_block<T, KV, 5, Direct>, row_block<T, KV, 6, Direct>};
 
+// Packed copies hold float32 whatever KV is: rows are widened once, as they are packed.
+template <typename KV>
 inline void pack_k(const uint32_t* const* rows, int64_t U, uint32_t* dst) {
-  const auto* const* f = reinterpret_cast<const float* const*>(rows);
+  const auto* const* s = reinterpret_cast<const KV* const*>(rows);
   for (int64_t u0 = 0; u0 < U; u0 += 8)
-    transpose_keys(f, u0, reinterpret_cast<float*>(dst) + u0 * kTile);
+    transpose_keys(s, u0, reinterpret_cast<float*>(dst) + u0 * kTile);
 }
 
-template <typename T>
+template <typename T, typename KV>
 inline void pack_v(const uint32_t* const* rows, int64_t D, uint32_t* dst) {
+  auto* f = reinterpret_cast<float*>(dst);
   for (int64_t j = 0; j < kTile; ++j) {
-    if (rows[j])
-      std::memcpy(dst + j * D, rows[j], D * sizeof(float));
-    else
-      std::memset(dst + j * D, 0, D * sizeof(float));
+    if (!rows[j]) {
+      std::memset(f + j * D, 0, D * sizeof(float));
+    } else if constexpr (std::is_same_v<KV, float>) {
+      std::memcpy(f + j * D, rows[j], D * sizeof(float));
+    } else {
+      const auto* r = reinterpret_cast<const KV*>(rows[j]);
+      for (int64_t d0 = 0; d0 < D; d0 += 8) _mm256_storeu_ps(f + j * D + d0, load8(r + d0));
+    }
   }
 }
 #endif
 
 #if defined(__AVX512F__) || defined(KVS_AVX2)
 
-// Rows of the cache as compute-dtype values: in place, or dequantized from int8 into `into`
-// exactly as attention/kv_quant.py's dequantize_int8 does (value * scale in float32, then
-// rounded to the compute dtype).
-template <typename T>
+// Rows of the cache as the kernel reads them: in place (KV values: T, or 16-bit values the
+// loads widen), or dequantized from int8 into `into` (KV = T) exactly as
+// attention/kv_quant.py's dequantize_int8 does (value * scale in float32, then rounded to
+// the compute dtype).
+template <typename T, typename KV>
 struct CacheRows {
   const uint8_t* base;
   int64_t hkv, slots, width_bytes, D, block_size;
@@ -462,9 +503,9 @@ struct CacheRows {
         rows[j] = t < len ? row(kv, g, table, t, scratch + j * D) : nullptr;
       }
       if (kv == 0)
-        pack_k(rows, D / kvs::kPer<T>, kdst);
+        pack_k<KV>(rows, D / kvs::kPer<T>, kdst);
       else
-        pack_v<T>(rows, D, vdst);
+        pack_v<T, KV>(rows, D, vdst);
     }
   }
 };
@@ -473,16 +514,17 @@ struct Item {
   int64_t seq, g, r0, nr;  // rows r0 .. r0 + nr - 1 of KV head g: position r / G, head r % G
 };
 
-template <typename T>
+// KV: how the cache holds K/V rows (see CacheRows); T for an int8 cache.
+template <typename T, typename KV>
 void attend(const at::Tensor& q, const at::Tensor& cache, const std::vector<Seq>& seqs,
             int64_t block_size, int64_t window, float scale, at::Tensor& out) {
   constexpr int64_t per = kvs::kPer<T>;
   const int64_t H = q.size(1), D = q.size(2), Hkv = cache.size(1), G = H / Hkv;
   const int64_t U = D / per, tile_units = 2 * kTile * D / per, qstride = q.stride(0);
   const int64_t S = static_cast<int64_t>(seqs.size());
-  const CacheRows<T> rows{static_cast<const uint8_t*>(cache.data_ptr()), Hkv, cache.size(2),
-                          cache.size(3) * cache.element_size(), D, block_size,
-                          cache.scalar_type() == at::kChar};
+  const CacheRows<T, KV> rows{static_cast<const uint8_t*>(cache.data_ptr()), Hkv,
+                              cache.size(2), cache.size(3) * cache.element_size(), D,
+                              block_size, cache.scalar_type() == at::kChar};
   const int threads = at::get_num_threads();
   // Packed: long chunks; sequences of an int8 cache, whose rows must be dequantized once;
   // and every sequence when there are fewer (sequence, KV head) pairs than threads.
@@ -593,7 +635,7 @@ void attend(const at::Tensor& q, const at::Tensor& cache, const std::vector<Seq>
           first[r] = window ? std::max<int64_t>(0, nkeys[r] - window) : 0;
           orows[r] = op + ((sq.first + pos) * H + h) * D;
         }
-        (ctx.kpk != nullptr ? kRowBlocks<T, false> : kRowBlocks<T, true>)[nr - 1](
+        (ctx.kpk != nullptr ? kRowBlocks<T, T, false> : kRowBlocks<T, KV, true>)[nr - 1](
             qrows, first, nkeys, sc, pb, ctx, D, scale, orows);
         r0 += nr;
       }
@@ -604,17 +646,21 @@ void attend(const at::Tensor& q, const at::Tensor& cache, const std::vector<Seq>
 
 }  // namespace
 
-bool has_paged_attention(at::ScalarType dtype) {
-  return dtype == at::kFloat ? kvs::kAvx512 || kvs::kAvx2
-                             : dtype == at::kBFloat16 && kvs::kAvx512Bf16;
+bool has_paged_attention(at::ScalarType dtype, at::ScalarType kv) {
+  if (kv == dtype || kv == at::kChar)
+    return dtype == at::kFloat ? kvs::kAvx512 || kvs::kAvx2
+                               : dtype == at::kBFloat16 && kvs::kAvx512Bf16;
+  // 16-bit K/V under float32 activations: the AVX2 kernel's loads widen them (the AVX-512
+  // kernel has no such loads).
+  return dtype == at::kFloat && (kv == at::kHalf || kv == at::kBFloat16) && kvs::kAvx2;
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& seqs,
                            const at::Tensor& tables, int64_t block_size, double scale,
                            int64_t window) {
   kvs::check_cpu("paged_attention", q, cache, seqs, tables);
-  TORCH_CHECK(has_paged_attention(q.scalar_type()),
-              "paged_attention: no kernel for this dtype on this CPU");
+  TORCH_CHECK(has_paged_attention(q.scalar_type(), cache.scalar_type()),
+              "paged_attention: no kernel for this dtype and cache dtype on this CPU");
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 4 && cache.size(0) == 2, "bad shapes");
   const int64_t D = q.size(2), H = q.size(1), Hkv = cache.size(1);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "q rows must be contiguous heads");
@@ -623,9 +669,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
   TORCH_CHECK(H % Hkv == 0, "heads must be a multiple of KV heads");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   const bool int8 = cache.scalar_type() == at::kChar;
-  TORCH_CHECK(int8 ? cache.size(3) == D + 2
-                   : cache.scalar_type() == q.scalar_type() && cache.size(3) == D,
-              "cache rows must be head_dim values of q's dtype, or int8 rows with a scale");
+  TORCH_CHECK(cache.size(3) == (int8 ? D + 2 : D),
+              "cache rows must be head_dim values, or int8 rows with a scale");
   TORCH_CHECK(seqs.scalar_type() == at::kLong && tables.scalar_type() == at::kLong,
               "seqs and tables must be int64");
   TORCH_CHECK(seqs.dim() == 2 && seqs.size(1) == 3 && tables.dim() == 2 &&
@@ -647,16 +692,22 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
     list.push_back({first, rows, len, t + i * nb, t0});
   }
   auto out = at::empty({q.size(0), H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  const float sc = static_cast<float>(scale);
 #if defined(__AVX512F__)
   if (q.scalar_type() == at::kFloat) {
-    attend<float>(q, cache, list, block_size, window, static_cast<float>(scale), out);
+    attend<float, float>(q, cache, list, block_size, window, sc, out);
   } else {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    attend<c10::BFloat16>(q, cache, list, block_size, window, static_cast<float>(scale), out);
+    attend<c10::BFloat16, c10::BFloat16>(q, cache, list, block_size, window, sc, out);
 #endif
   }
 #elif defined(KVS_AVX2)
-  attend<float>(q, cache, list, block_size, window, static_cast<float>(scale), out);
+  if (cache.scalar_type() == at::kHalf)
+    attend<float, c10::Half>(q, cache, list, block_size, window, sc, out);
+  else if (cache.scalar_type() == at::kBFloat16)
+    attend<float, c10::BFloat16>(q, cache, list, block_size, window, sc, out);
+  else
+    attend<float, float>(q, cache, list, block_size, window, sc, out);
 #endif
   return out;
 }

@@ -30,7 +30,7 @@
 #include <vector>
 
 // attention.cpp
-bool has_paged_attention(at::ScalarType dtype);
+bool has_paged_attention(at::ScalarType dtype, at::ScalarType kv);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& seqs,
                            const at::Tensor& tables, int64_t block_size, double scale,
                            int64_t window);

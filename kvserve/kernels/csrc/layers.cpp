@@ -7,7 +7,8 @@
 // the reference computes it (float32 statistics), each row alone; with a float32 weight for
 // bf16 x (Gemma), times the weight in float32 before the one rounding.
 //
-// store_kv: K/V rows into their cache slots (what index_copy_ does, without the stacked copy).
+// store_kv: K/V rows into their cache slots (what index_copy_ does, without the stacked copy);
+// float32 rows into a float16 or bf16 cache rounded to nearest even, as torch's .to() rounds.
 #include "common.h"
 
 #include <cmath>
@@ -84,32 +85,78 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+namespace {
+
+// n float32 values -> float16 (N = c10::Half) or bf16 (c10::BFloat16), rounded to nearest
+// even as torch's .to() rounds: F16C's vcvtps2ph in round-to-nearest mode; for bf16, the
+// upper half after adding 0x7fff plus the lowest kept bit, a NaN becoming 0x7fc0
+// (c10::BFloat16's own rule). The vector and scalar forms give the same bits.
+template <typename N>
+void narrow_row(const float* src, N* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(src + i);
+    __m128i h;
+    if constexpr (std::is_same_v<N, c10::Half>) {
+      h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    } else {
+      const __m256i b = _mm256_castps_si256(x);
+      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+      __m256i r = _mm256_srli_epi32(
+          _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+      const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+      r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+      // 8 x 32-bit (each < 2^16) -> 8 x 16-bit: pack within 128-bit lanes, then gather them.
+      r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+      h = _mm256_castsi256_si128(r);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<N>(src[i]);
+}
+
+}  // namespace
+
 // K and V rows [T, Hkv, W] (rows contiguous) into the slots of cache [2, Hkv, slots, W]: the
-// same bytes as index_copy_ from a stacked, transposed copy, moved row by row.
+// same bytes as index_copy_ from a stacked, transposed copy, moved row by row. Float32 rows
+// into a float16 or bf16 cache are rounded on the way (narrow_row): the bytes of
+// index_copy_ from rows converted with .to(cache.dtype).
 void store_kv(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v) {
   kvs::check_cpu("store_kv", cache, slots, k, v);
   TORCH_CHECK(cache.dim() == 4 && cache.size(0) == 2 && cache.is_contiguous(), "cache shape");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == cache.size(1) &&
                   k.size(2) == cache.size(3), "k and v must be [T, Hkv, W]");
-  TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(),
-              "k, v and cache dtypes differ");
+  const auto kv = cache.scalar_type();
+  const bool narrow = k.scalar_type() == at::kFloat && (kv == at::kHalf || kv == at::kBFloat16);
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == kv || narrow),
+              "k and v must be in the cache's dtype, or float32 for a float16/bf16 cache");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v rows must be contiguous");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0), "slots");
   const int64_t T = k.size(0), Hkv = k.size(1), W = k.size(2), S = cache.size(2);
-  const int64_t es = cache.element_size(), row = W * es;
+  const int64_t es = cache.element_size(), row = W * es, src_es = k.element_size();
   auto sl = slots.contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
   auto* dst = static_cast<char*>(cache.data_ptr());
   const auto* kp = static_cast<const char*>(k.data_ptr());
   const auto* vp = static_cast<const char*>(v.data_ptr());
+  const auto put = [&](char* to, const char* from) {
+    if (!narrow)
+      std::memcpy(to, from, row);
+    else if (kv == at::kHalf)
+      narrow_row(reinterpret_cast<const float*>(from), reinterpret_cast<c10::Half*>(to), W);
+    else
+      narrow_row(reinterpret_cast<const float*>(from), reinterpret_cast<c10::BFloat16*>(to), W);
+  };
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "slot out of range");
     for (int64_t h = 0; h < Hkv; ++h) {
-      std::memcpy(dst + ((0 * Hkv + h) * S + sp[t]) * row,
-                  kp + (t * k.stride(0) + h * k.stride(1)) * es, row);
-      std::memcpy(dst + ((1 * Hkv + h) * S + sp[t]) * row,
-                  vp + (t * v.stride(0) + h * v.stride(1)) * es, row);
+      put(dst + ((0 * Hkv + h) * S + sp[t]) * row,
+          kp + (t * k.stride(0) + h * k.stride(1)) * src_es);
+      put(dst + ((1 * Hkv + h) * S + sp[t]) * row,
+          vp + (t * v.stride(0) + h * v.stride(1)) * src_es);
     }
   }
 }
@@ -226,7 +273,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", [] { return kvs::kAvx512 ? "AVX-512" : kvs::kAvx2 ? "AVX2" : "none"; },
         "the vector instruction set the kernels were built for");
   m.def("has_paged_attention", &has_paged_attention,
-        "whether paged_attention is built for this dtype");
+        "whether paged_attention is built for q in `dtype` and a cache in `kv`",
+        py::arg("dtype"), py::arg("kv"));
   m.def("paged_attention", &paged_attention, "attention of a step's rows, paged K/V (CPU)",
         py::arg("q"), py::arg("cache"), py::arg("seqs"), py::arg("tables"),
         py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, nogil());
