@@ -1,22 +1,27 @@
-"""C++ kernels for the CPU, compiled on first use with the system compiler, Triton kernels for
-paged attention on a GPU (triton_paged), and the one place that decides whether a kernel or
-torch's fallback serves an operation.
+"""C++ kernels for the CPU, built when kvserve is installed (or else compiled on first use with
+the system compiler), Triton kernels for paged attention on a GPU (triton_paged), and the one
+place that decides whether a kernel or torch's fallback serves an operation.
 
-`torch.utils.cpp_extension` builds `csrc/*.cpp` with ninja (a pinned dependency) into the torch
-extensions cache (~/.cache/torch_extensions) the first time they are needed (~30 s here; the
+The install (setup.py) builds `csrc/*.cpp` into `kvserve.kernels._cpu_ops`, with a record of
+the sources' fingerprint, the CPU's flags (-march=native) and torch's version
+(build_spec.build_info). `ops()` imports it when that record is this checkout's, CPU's and
+torch's. Otherwise (csrc edited since the install, a venv copied to another CPU, another
+torch, an install without it) it says why and `torch.utils.cpp_extension` compiles
+`csrc/*.cpp` with ninja (a pinned dependency) into the torch extensions cache
+(~/.cache/torch_extensions) the first time they are needed (about a minute on 2 cores; the
 model runner asks at start-up, not in the first request) and loads the cached build
 afterwards. Where no compiler is available, the build fails, or KVSERVE_NO_CPP=1, `ops()`
 returns None and callers keep their torch implementation.
 
-That load still imports torch's extension builder (setuptools) and runs ninja over the build:
+The run-time load imports torch's extension builder (setuptools) and runs ninja over the build:
 ~0.2 s of every start. Once a build has loaded, the start-up cache (kvserve.disk_cache) notes
 which library file it was for a digest of everything the build depends on (sources, flags,
 torch, Python, CPU flags, TORCH_EXTENSIONS_DIR); later starts with the same digest import that
 file directly, provided it still has the size and mtime noted.
 
-The build is named for the CPU and for this checkout's csrc directory (`_name`): two checkouts
-(git worktrees) on one machine then keep builds of their own instead of rebuilding one
-library from alternating sources (a minute each time on 2 cores).
+The run-time build is named for the CPU and for this checkout's csrc directory (`_name`): two
+checkouts (git worktrees) on one machine then keep builds of their own instead of rebuilding
+one library from alternating sources (a minute each time on 2 cores).
 
 The kernels are batch-invariant (see csrc/common.h): a row's result does not depend on the
 other rows of the call. torch's CPU matmuls and attention are not (their blocking, and so
@@ -31,7 +36,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 import sys
 import threading
 from functools import cache
@@ -41,42 +45,30 @@ from typing import Any
 
 import torch
 
-from kvserve.disk_cache import atomic_write, cache_root, digest, sources_digest
-from kvserve.kernels import triton_paged
+from kvserve.disk_cache import atomic_write, cache_root, digest
+from kvserve.kernels import build_spec, triton_paged
+from kvserve.kernels.build_spec import CFLAGS, CSRC, LDFLAGS
 from kvserve.kernels.triton_paged import TritonPagedAttention
 
 log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "layers.cpp", CSRC / "attention.cpp", CSRC / "linear.cpp",
-           CSRC / "gguf_linear.cpp"]
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
-LDFLAGS = ("-fopenmp",)
 # A load slower than this is a build: say so, so a first start does not look hung.
 BUILD_NOTICE_S = 2.0
 
 
-def _cpu_tag() -> str:
-    """A short hash of the CPU's feature flags: the build uses -march=native,
-    so a cached build from another CPU (a shared home directory) must not be loaded here."""
-    try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                      if ln.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.blake2b(flags.encode(), digest_size=4).hexdigest()
-
-
 def _name() -> str:
-    """The extension's name: per CPU (see _cpu_tag) and per checkout."""
+    """The run-time build's name: per CPU (build_spec.cpu_tag) and per checkout."""
     where = hashlib.blake2b(str(CSRC).encode(), digest_size=3).hexdigest()
-    return f"kvserve_cpu_ops_{_cpu_tag()}_{where}"
+    return f"kvserve_cpu_ops_{build_spec.cpu_tag()}_{where}"
 
 
 @cache
 def ops() -> ModuleType | None:
     if _flag("KVSERVE_NO_CPP"):
         return None
+    module = _load_prebuilt()
+    if module is not None:
+        return module
     name = _name()
     key = build_id(name)
     marker = _marker_path(name)
@@ -91,12 +83,8 @@ def ops() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        if shutil.which("ninja") is None:  # the pinned `ninja` package's binary, unactivated venv
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-        module = load(name=name, sources=[str(s) for s in SOURCES],
+        build_spec.ensure_ninja()
+        module = load(name=name, sources=[str(s) for s in build_spec.sources()],
                       extra_include_paths=[str(CSRC)], extra_cflags=list(CFLAGS),
                       extra_ldflags=list(LDFLAGS), verbose=False)  # lists load() extends
     except Exception as e:  # no compiler, no ninja, a failed build: keep the torch path
@@ -108,6 +96,48 @@ def ops() -> ModuleType | None:
     if marker is not None:
         _note(marker, key, module)
     return module
+
+
+def prebuilt_path() -> Path | None:
+    """The install's library (setup.py), without loading it; None when it was not built."""
+    try:
+        spec = importlib.util.find_spec(build_spec.EXTENSION)
+    except ImportError:
+        return None
+    return None if spec is None or spec.origin is None else Path(spec.origin)
+
+
+def _load_prebuilt() -> ModuleType | None:
+    """The install's library when its record (build_spec.build_info) is what this checkout,
+    CPU and torch would build now, else None after saying why (the run-time compile follows)."""
+    path = prebuilt_path()
+    if path is None:
+        log.info("no prebuilt C++ CPU kernels (kvserve was installed without them): "
+                 "taking the run-time build")
+        return None
+    try:
+        built = build_spec.read_build_info(path)
+    except (OSError, ValueError) as e:
+        built, reason = None, f"unreadable record: {e}"
+    else:
+        reason = "it carries no build record"
+    if built is not None:
+        now = build_spec.build_info(torch.__version__)
+        what = {"fingerprint": "kernel sources or flags (csrc edited since the install)",
+                "cpu": "CPU flags (built with -march=native on another CPU)",
+                "torch": f"torch version (built against {built.get('torch')})"}
+        differ = [what.get(k, k) for k in sorted(set(now) | set(built))
+                  if now.get(k) != built.get(k)]
+        if not differ:
+            try:
+                return importlib.import_module(build_spec.EXTENSION)
+            except ImportError as e:
+                reason = f"it does not import: {e}"
+        else:
+            reason = "its build record differs: " + "; ".join(differ)
+    log.info("not using the prebuilt C++ CPU kernels %s: %s; taking the run-time build "
+             "(scripts/setup.sh rebuilds the prebuilt one)", path.name, reason)
+    return None
 
 
 def loaded_build_id() -> str:
@@ -129,7 +159,7 @@ def build_id(name: str | None = None) -> str:
     torch and Python versions, the CPU's flags (-march=native) and TORCH_EXTENSIONS_DIR. Also
     part of the weight cache's fingerprint (packed layouts are the kernels')."""
     return digest({"name": name or _name(),
-                   "sources": sources_digest(sorted(CSRC.glob("*.[ch]*"))),
+                   "sources": build_spec.fingerprint(),
                    "flags": [list(CFLAGS), list(LDFLAGS)], "torch": torch.__version__,
                    "python": sys.version, "ext_dir": os.environ.get("TORCH_EXTENSIONS_DIR", "")})
 
