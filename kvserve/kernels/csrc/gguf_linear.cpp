@@ -453,16 +453,29 @@ at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
                bool portable) {
   const int64_t M = x.size(0), K = x.size(1);
   const size_t P = parts.size();
+  // Everything a row needs, read off the tensors once: their accessors cost tens of
+  // nanoseconds a call, and a call has up to 150k rows (an LM head) times M / kRows passes.
+  struct Part {
+    const uint8_t* base;
+    int64_t stride, blocks, bytes, end;  // end: one past its last output row
+    const int64_t* order;
+    RowsFn fn;
+    const QuantX* x;
+  };
+  QuantX x32, x256;
+  std::vector<Part> part(P);
   bool need32 = false, need256 = false;
-  std::vector<int64_t> offset(P + 1, 0);
   for (size_t p = 0; p < P; ++p) {
     TypeInfo info;
     type_info(types[p], &info);
     (info.block == 32 ? need32 : need256) = true;
-    offset[p + 1] = offset[p] + (rows[p].numel() ? rows[p].numel() : parts[p].size(0));
+    const int64_t n = rows[p].numel() ? rows[p].numel() : parts[p].size(0);
+    part[p] = {static_cast<const uint8_t*>(parts[p].data_ptr()), parts[p].stride(0),
+               K / info.block, info.bytes, (p ? part[p - 1].end : 0) + n,
+               rows[p].numel() ? rows[p].data_ptr<int64_t>() : nullptr,
+               pick(types[p], portable), info.block == 32 ? &x32 : &x256};
   }
-  const int64_t N = offset[P];
-  QuantX x32, x256;
+  const int64_t N = part[P - 1].end;
   const T* xp = x.data_ptr<T>();
   if (need32) quantize_x(xp, M, K, 32, x32);
   if (need256) quantize_x(xp, M, K, 256, x256);
@@ -477,15 +490,11 @@ at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
         const int nr = static_cast<int>(std::min<int64_t>(kRows, M - m0));
         size_t p = 0;
         for (int64_t n = n0; n < n1; ++n) {
-          while (n >= offset[p + 1]) ++p;
-          TypeInfo info;
-          type_info(types[p], &info);
-          const int64_t local = n - offset[p];
-          const int64_t src = rows[p].numel() ? rows[p].data_ptr<int64_t>()[local] : local;
-          const auto* w = static_cast<const uint8_t*>(parts[p].data_ptr()) +
-                          src * parts[p].stride(0);
-          pick(types[p], portable)(w, K / info.block, info.bytes,
-                                   info.block == 32 ? x32 : x256, m0, nr, out);
+          while (n >= part[p].end) ++p;
+          const Part& q = part[p];
+          const int64_t local = n - (p ? part[p - 1].end : 0);
+          const uint8_t* w = q.base + (q.order ? q.order[local] : local) * q.stride;
+          q.fn(w, q.blocks, q.bytes, *q.x, m0, nr, out);
           for (int r = 0; r < nr; ++r) yp[(m0 + r) * N + n] = static_cast<T>(out[r]);
         }
       }
