@@ -91,10 +91,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="on a GPU without --kv-cache-memory: the share of the device this "
                         "process may use in all (weights, KV cache, activations)")
-    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+    g.add_argument("--quantization", default="auto",
+                   choices=["auto", "none", "int8", "int4", "gguf"],
                    help="weight-only int8/int4 quantization (CPU); auto keeps a GGUF's "
                         "precision class (Q4_1 -> int4) where kvserve's int4/int8 kernel runs "
-                        "(AVX512-VNNI or AVX2), unless --dtype float32 is given; else none")
+                        "(AVX512-VNNI or AVX2), unless --dtype float32 is given; else none; "
+                        "gguf reads a GGUF's matrices in place in the file's own blocks (its "
+                        "bytes and memory, slower kernels for now)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16", "int8"],
                    help="how K/V are stored: auto = float16 where the CPU kernel reads it "
@@ -553,14 +556,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"model: {cfg.name or path.name} ({cfg.architecture}): {cfg.num_layers} layers, "
           f"{cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}, "
           f"context {cfg.max_position}")
-    held = gguf_weight_bytes(path, dtype)
+    held = gguf_weight_bytes(path, dtype, in_place=False)
     if held is None:
         print(f"weights: {param_count(cfg):,} parameters = "
               f"{weight_bytes(cfg, dtype) / mib:.1f} MiB in {dtype_name(dtype)}")
-    else:  # a GGUF, as --quantization auto serves it
-        print(f"weights: {param_count(cfg):,} parameters = {held.resident / mib:.1f} MiB "
-              f"resident ({held.in_place / mib:.1f} MiB of it read in place from the file); "
-              f"a decode step reads {held.per_token / mib:.1f} MiB of them")
+    else:
+        mapped = gguf_weight_bytes(path, dtype, in_place=True)
+        assert mapped is not None
+        print(f"weights: {param_count(cfg):,} parameters = {held.resident / mib:.1f} MiB as "
+              f"--quantization auto holds them; a decode step reads "
+              f"{held.per_token / mib:.1f} MiB")
+        print(f"  --quantization gguf: {mapped.resident / mib:.1f} MiB "
+              f"({mapped.in_place / mib:.1f} MiB of it read in place from the file); a decode "
+              f"step reads {mapped.per_token / mib:.1f} MiB")
     print(f"KV budget: {budget:,} B ({budget / mib:.1f} MiB), blocks of {args.block_size} "
           f"tokens; a sequence = {args.prompt_len} prompt + {args.output_len} output = "
           f"{seq_len} tokens = {plans[0].blocks_per_seq} blocks\n")
@@ -829,7 +837,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "decode and prefill steps sit against them")
     r.add_argument("--model", default=None, help="model (default: the default model)")
     r.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    r.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
+    r.add_argument("--quantization", default="auto",
+                   choices=["auto", "none", "int8", "int4", "gguf"])
     r.add_argument("--batches", default="1,8,32,128", help="decode batch sizes")
     r.add_argument("--prefill", type=int, default=512, help="prefill chunk (0: none)")
     r.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")

@@ -110,18 +110,23 @@ def test_plan_cli_on_the_default_model(real_model_path, capsys):
     assert "= 23040 B per token" in out and "= 11880 B per token" in out
     assert "134,515,008 parameters" in out
     assert "int8 holds 1.94x the tokens of bfloat16" in out
-    # The weights as served: every matrix (Q4_1, the Q8_0 embedding) read in place, counted
-    # as its bytes in the file (gguf's own reader); a step reads all of them (the head is
-    # tied to the embedding) and the bf16 norms.
+    # The weights in place: every matrix (Q4_1, the Q8_0 embedding) counted as its bytes in
+    # the file (gguf's own reader); a step reads all of them (the head is tied to the
+    # embedding) and the bf16 norms.
     reader = parsed_gguf(real_model_path)
     matrices = [t for t in reader.tensors if len(t.shape) == 2]
     in_place = sum(int(t.n_bytes) for t in matrices)
     norms = sum(int(t.n_elements) * 2 for t in reader.tensors if len(t.shape) == 1)
     assert {t.tensor_type.name for t in matrices} == {"Q4_1", "Q8_0"}
     mib = 2**20
-    assert (f"= {(in_place + norms) / mib:.1f} MiB resident ({in_place / mib:.1f} MiB of it "
-            f"read in place from the file); a decode step reads "
+    assert (f"--quantization gguf: {(in_place + norms) / mib:.1f} MiB ({in_place / mib:.1f} "
+            f"MiB of it read in place from the file); a decode step reads "
             f"{(in_place + norms - 576 * 2) / mib:.1f} MiB") in out
+    # auto: the layers' int4 tiles (0.625 B a weight), the bf16 embedding, its int8 head copy
+    layers = sum(int(t.n_elements) for t in matrices if t.name.startswith("blk."))
+    embedding = 49152 * 576
+    held = int(layers * 0.625) + embedding * 2 + int(embedding * 1.125) + norms
+    assert f"= {held / mib:.1f} MiB as --quantization auto holds them" in out
 
 
 @pytest.mark.parametrize("args, message", [

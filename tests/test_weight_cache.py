@@ -103,12 +103,13 @@ def _messages(caplog) -> str:
 @pytest.mark.real_model
 def test_gguf_read_in_place_is_the_files_pages_and_not_cached(real_model_path, cache_dir,
                                                               caplog):
-    """`auto` on the default model reads every matrix in the GGUF's own blocks: each one a
-    view of the file's mapping (no weight in anonymous memory), and nothing is cached."""
+    """`--quantization gguf` on the default model reads every matrix in the GGUF's own
+    blocks: each one a view of the file's mapping (no weight in anonymous memory), and
+    nothing is cached."""
     caplog.set_level(logging.INFO, logger="kvserve")
-    loaded, applied = _load(real_model_path)
+    loaded, applied = _load(real_model_path, quantization="gguf")
     model = loaded.model
-    assert applied == "auto" and model.reads_gguf_in_place()
+    assert applied == "gguf" and model.reads_gguf_in_place()
     assert "nothing to cache" in _messages(caplog)
     assert not list((cache_dir / "weights").glob("*"))
     target = str(real_model_path.resolve())
@@ -122,7 +123,7 @@ def test_gguf_read_in_place_is_the_files_pages_and_not_cached(real_model_path, c
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("quantization", ["auto", "int8"])
 def test_hit_restores_the_fresh_model_bit_for_bit(real_model_path, cache_dir, caplog,
                                                  quantization):
     caplog.set_level(logging.INFO, logger="kvserve")
@@ -171,7 +172,7 @@ def test_hit_generates_the_same_tokens(real_model_path, cache_dir, monkeypatch):
     from kvserve.engine.llm import LLM
 
     def llm():
-        return LLM(str(real_model_path), kv_cache_memory="64MiB", quantization="int4")
+        return LLM(str(real_model_path), kv_cache_memory="64MiB")
 
     monkeypatch.setenv("KVSERVE_NO_WEIGHT_CACHE", "1")
     uncached = _greedy(llm())
@@ -299,8 +300,7 @@ def test_cli_says_what_it_prepares_then_starts_from_the_cache(cache_dir):
 
     def run():
         r = subprocess.run([sys.executable, "-m", "kvserve", "generate", "Hello",
-                            "--max-tokens", "8", "--temperature", "0", "--ignore-eos",
-                            "--quantization", "int4"],
+                            "--max-tokens", "8", "--temperature", "0", "--ignore-eos"],
                            capture_output=True, text=True, timeout=600, env=env)
         assert r.returncode == 0, r.stderr
         return r

@@ -29,7 +29,8 @@ class EngineArgs:
     num_kv_blocks: int | None = None  # exact block count, overriding the memory budget
     kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or "int8"
     # weight-only quantization: auto (a GGUF's precision class where kvserve's int4/int8
-    # kernel runs, unless dtype is float32 by name; else none) | none | int8 | int4
+    # kernel runs, unless dtype is float32 by name; else none) | none | int8 | int4 | gguf
+    # (a GGUF's matrices read in place in the file's own blocks)
     quantization: str = "auto"
     enable_prefix_caching: bool = True
     # keep blocks before the windows of sliding-window layers (see kv_cache.layout)

@@ -22,6 +22,7 @@ from kvserve.distributed.parallel import (
     vocab_shard,
 )
 from kvserve.layers.quant import (
+    IN_PLACE,
     INT4_GROUP,
     DenseWeight,
     GGUFTensor,
@@ -75,16 +76,18 @@ class LinearBase(nn.Module):
         stays in its place) unless `keep_weight`; so do its GGUF groups, which only packing
         reads (and a layer without its weight cannot be packed again).
 
-        `auto` serves a layer whose every part is a GGUF tensor of a type gguf_linear reads
-        in the file's own blocks, in place (GGUFWeight). Otherwise a GGUF weight whose type has
-        an exact form (see models/gguf_quants.py) keeps its own codes on the VNNI kernel,
-        4-bit ones widened to 8 for int8 or where parts mix; other weights are quantized
-        again. `auto` (per layer) then is the layer's own GGUF precision class, none for float
-        weights."""
-        if quantization == "auto" and (native := self.gguf_weight()) is not None:
-            self.packed = native
-            self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
-            return
+        `gguf` (IN_PLACE) serves a layer whose every part is a GGUF tensor of a type
+        gguf_linear reads in the file's own blocks, in place (GGUFWeight), and any other layer
+        as `auto` does. Otherwise a GGUF weight whose type has an exact form (see
+        models/gguf_quants.py) keeps its own codes on the VNNI kernel, 4-bit ones widened to
+        8 for int8 or where parts mix; other weights are quantized again. `auto` (per layer):
+        the layer's own GGUF precision class, none for float weights."""
+        if quantization == IN_PLACE:
+            if (native := self.gguf_weight()) is not None:
+                self.packed = native
+                self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+                return
+            quantization = "auto"
         self.materialize()
         w = self.weight.data
         if quantization == "auto":

@@ -32,6 +32,9 @@ import torch
 from kvserve import kernels
 
 QUANTIZATIONS = ("none", "int8", "int4")
+# --quantization gguf: a GGUF's matrices read in place in the file's own blocks (GGUFWeight);
+# a layer whose types gguf_linear does not read falls back to auto's form.
+IN_PLACE = "gguf"
 INT4_GROUP = 32
 # GGUF tensor types by the weight-only format that keeps their precision class.
 INT4_SOURCES = {"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "IQ3_S",

@@ -28,7 +28,7 @@ from kvserve.layers.linear import (
     VocabParallelEmbedding,
 )
 from kvserve.layers.norm import RMSNorm
-from kvserve.layers.quant import INT4_GROUP, DenseWeight, GGUFWeight, QuantizedWeight
+from kvserve.layers.quant import IN_PLACE, INT4_GROUP, DenseWeight, GGUFWeight, QuantizedWeight
 from kvserve.layers.rotary import RotaryEmbedding
 
 
@@ -268,21 +268,21 @@ class LlamaForCausalLM(nn.Module):
     def pack_(self, quantization: str) -> None:
         """Every projection in the form its kernel reads (see LinearBase.pack_): quantized
         copies for int4/int8/auto, where the LM head gets int8 whatever the method (its logits
-        feed sampling directly), or under auto its GGUF blocks in place where gguf_linear
-        reads them (also for a head tied to an embedding read in place); the weights repacked
-        for the dense kernel for none. Only auto keeps the embedding in the file's blocks."""
+        feed sampling directly); the weights repacked for the dense kernel for none. Under
+        gguf (IN_PLACE) the layers, the embedding and the head (tied or not) read the file's
+        own blocks in place where gguf_linear reads their types."""
         self._fused = None
         for module in self.modules():
             if isinstance(module, LinearBase) and module is not self.lm_head:
                 module.pack_(quantization)
         head, embedding = self.lm_head, self.embed_tokens
-        if quantization == "auto" and (native := head.gguf_weight()) is not None:
+        if quantization == IN_PLACE and (native := head.gguf_weight()) is not None:
             head.packed = native
             head.weight = nn.Parameter(head.weight.data.new_empty(0), requires_grad=False)
             return
-        # A quantization asked for by name re-packs the file's weights (the weight cache keeps
-        # them): the embedding too is held as floats then.
-        if quantization != "auto" or self.config.tie_word_embeddings:
+        # Any other form re-packs the file's weights (the weight cache keeps them): the
+        # embedding too is held as floats then.
+        if quantization != IN_PLACE or self.config.tie_word_embeddings:
             embedding.materialize()
         if self.config.tie_word_embeddings:
             head.gguf_tensors = {}

@@ -478,41 +478,50 @@ def read_model_config(path: Path) -> ModelConfig:
 
 @dataclass(frozen=True)
 class WeightBytes:
-    """A model's weights as `--quantization auto` serves them: `resident`, the bytes held
-    (matrices read in place count their bytes in the file; the others their packed or
-    compute-dtype size), and `per_token`, the bytes a decode step reads (every layer matrix
-    and the LM head, not the embedding, whose lookups read one row per token)."""
+    """A GGUF model's weights as a --quantization serves them: `resident`, the bytes held,
+    and `per_token`, the bytes a decode step reads (every layer matrix and the LM head, not
+    the embedding, whose lookups read one row per token); `in_place`, of resident, the
+    file's own pages (a read-only map: shared, evictable)."""
 
     resident: int
     per_token: int
-    in_place: int  # of resident: the file's own pages (a read-only map, shared, evictable)
+    in_place: int
 
 
-def gguf_weight_bytes(path: Path, dtype: torch.dtype) -> WeightBytes | None:
-    """WeightBytes of a GGUF file from its tensor table (no weights read); None for a model
-    that is not a GGUF file. A matrix of a type gguf_linear reads counts its file bytes; one
-    of another quantized type counts the int4 or int8 tiles it is repacked into (0.625 or
-    1.125 bytes a weight); float tensors count `dtype`'s size."""
+def gguf_weight_bytes(path: Path, dtype: torch.dtype, in_place: bool) -> WeightBytes | None:
+    """WeightBytes of a GGUF file from its tensor table (no weights read), served in place
+    (`--quantization gguf`) or as `auto` serves it; None for a model that is not a GGUF file.
+    In place, a matrix of a type gguf_linear reads counts its bytes in the file. Otherwise a
+    quantized matrix counts the int4 or int8 tiles it is packed into (0.625 or 1.125 bytes a
+    weight), the embedding `dtype`'s floats and a tied head an int8 copy; float tensors
+    count `dtype`'s size."""
     if path.suffix != ".gguf":
         return None
     reader = open_gguf(path)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
-    resident = per_token = in_place = 0
+    resident = per_token = mapped = 0
     item = torch.empty(0, dtype=dtype).element_size()
     for t in reader.tensors:
         kind, count = t.tensor_type.name, int(np.prod([int(x) for x in t.shape]))
-        if len(t.shape) == 2 and gguf_native(kind):
+        quantized = len(t.shape) == 2 and (gguf_native(kind) or kind in INT4_SOURCES |
+                                           INT8_SOURCES)
+        head = 0
+        if in_place and len(t.shape) == 2 and gguf_native(kind):
             size = int(t.n_bytes)
-            in_place += size
-        elif len(t.shape) == 2 and kind in INT4_SOURCES | INT8_SOURCES:
+            mapped += size
+        elif t.name == "token_embd.weight":
+            size = count * item
+            head = int(count * 1.125) if tied else 0  # the tied head's int8 copy
+        elif quantized:
             size = int(count * (0.625 if kind in INT4_SOURCES else 1.125))
         else:
             size = count * item
-        resident += size
-        if t.name.startswith("blk.") or t.name == "output.weight" or (
-                tied and t.name == "token_embd.weight"):
+        resident += size + head
+        if t.name.startswith("blk.") or t.name == "output.weight":
             per_token += size
-    return WeightBytes(resident, per_token, in_place)
+        elif t.name == "token_embd.weight" and tied:
+            per_token += size if in_place else head
+    return WeightBytes(resident, per_token, mapped)
 
 
 # ------------------------------------------------------------------------------- loading

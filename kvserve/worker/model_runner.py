@@ -28,7 +28,7 @@ from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.config import CacheConfig, ModelConfig
 from kvserve.distributed.parallel import SINGLE, TensorParallel
 from kvserve.kv_cache.layout import KVLayout
-from kvserve.layers.quant import check_quantization
+from kvserve.layers.quant import IN_PLACE, check_quantization
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import LoadedModel, auto_quantization, resolve_model
 from kvserve.models.weight_cache import load_packed
@@ -63,7 +63,10 @@ def load_target(model: str | None, dtype: torch.dtype, device: torch.device,
             # Each layer its own GGUF class (LinearBase.pack_), where kvserve's kernel runs it.
             applied = "auto" if fast and auto_quantization(loaded.weight_format) != "none" \
                 else "none"
-        if applied != "auto" and check_quantization(applied) != "none" and \
+        if applied == IN_PLACE and device.type != "cpu":
+            raise ValueError(f"--quantization gguf reads the file on CPU kernels; use none on "
+                             f"{device.type}")
+        if applied not in ("auto", IN_PLACE) and check_quantization(applied) != "none" and \
                 device.type != "cpu":
             raise ValueError(f"--quantization int8/int4 uses CPU kernels; use none on "
                              f"{device.type}")
