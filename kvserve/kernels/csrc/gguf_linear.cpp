@@ -261,6 +261,16 @@ inline __m256i load32(const void* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
+// The 8 runs of 32 of a K-quant block: codes q (unsigned) times activations a, each run's
+// int16 pair sums times its scales' int16 lanes (vpmaddwd), added up in 8 int32 lanes.
+inline __m256i scaled_runs(const __m256i* q, const __m256i* scales, const int8_t* a) {
+  __m256i s = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j)
+    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load32(a + 32 * j)),
+                                              scales[j]));
+  return s;
+}
+
 inline float sum_lanes8(__m256 v) {
   alignas(32) float a[8];
   _mm256_store_ps(a, v);
@@ -344,12 +354,7 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
       const float d = f16(w), dmin = f16(w + 2);
       for (int r = 0; r < NR; ++r) {
         const int64_t m = m0 + r;
-        const int8_t* a = x.row(m) + b * 256;
-        __m256i s = _mm256_setzero_si256();
-        for (int j = 0; j < 8; ++j) {
-          const __m256i p = _mm256_maddubs_epi16(q[j], load32(a + 32 * j));
-          s = _mm256_add_epi32(s, _mm256_madd_epi16(p, scale[j]));
-        }
+        const __m256i s = scaled_runs(q, scale, x.row(m) + b * 256);
         const __m256i t = _mm256_madd_epi16(load32(x.run_sums(m, b)), mins);
         const float dx = x.scale(m, b);
         acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(s), acc[r]);
@@ -387,12 +392,7 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
       const float d = f16(w + 208);
       for (int r = 0; r < NR; ++r) {
         const int64_t m = m0 + r;
-        const int8_t* a = x.row(m) + b * 256;
-        __m256i s = _mm256_setzero_si256();
-        for (int g = 0; g < 8; ++g) {
-          const __m256i p = _mm256_maddubs_epi16(q[g], load32(a + 32 * g));
-          s = _mm256_add_epi32(s, _mm256_madd_epi16(p, scales[g]));
-        }
+        __m256i s = scaled_runs(q, scales, x.row(m) + b * 256);
         const __m256i c = _mm256_madd_epi16(load32(x.run_sums(m, b)), sc16);
         s = _mm256_sub_epi32(s, _mm256_slli_epi32(c, 5));
         acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.scale(m, b)), _mm256_cvtepi32_ps(s),
