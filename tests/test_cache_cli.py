@@ -79,10 +79,10 @@ def test_budget_parses_and_bounds_each_model(monkeypatch):
     monkeypatch.delenv("KVSERVE_WEIGHT_CACHE_BUDGET", raising=False)
     monkeypatch.delenv("KVSERVE_WEIGHT_CACHE_MODEL_BUDGET", raising=False)
     default = Budget.from_env()
-    assert default == Budget(4 << 30, None, 1.0)
+    assert default == Budget(4 << 30, None, 4.0)
     assert default.for_model(10 << 20) == MODEL_FLOOR  # small models: the floor
-    assert default.for_model(1 << 30) == 1 << 30  # about the model file
-    assert default.for_model(8 << 30) == 4 << 30  # never over the total
+    assert default.for_model(512 << 20) == 2 << 30  # a few times the model file
+    assert default.for_model(2 << 30) == 4 << 30  # never over the total
     monkeypatch.setenv("KVSERVE_WEIGHT_CACHE_BUDGET", "10GiB")
     monkeypatch.setenv("KVSERVE_WEIGHT_CACHE_MODEL_BUDGET", "2.5x")
     assert Budget.from_env().for_model(1 << 30) == int(2.5 * (1 << 30))
@@ -210,7 +210,7 @@ def test_list_shows_entries_total_budget_and_kernel_notes(models, cache_dir, cap
                     f"current {m0} (float32, none)",
                     f"incomplete (no manifest) {orphan.name}"]
     assert rows[2][3] in ("KiB", "MiB") and rows[3][2:4] == ["100", "B"]
-    assert "in 4 entries; budget 4.0 GiB in all, per model 1x the model file" in out
+    assert "in 4 entries; budget 4.0 GiB in all, per model 4x the model file" in out
     assert "3 not current: `kvserve cache clear --stale` removes them" in out
     assert "kernel builds noted in" in out and "kvserve_cpu_ops_test: another build, " \
         "library /nonexistent.so (missing)" in out
