@@ -4,8 +4,9 @@
 // Every type is read one output row at a time, a row being the file's run of blocks for it.
 // The activations are quantized to int8 once per call, per 32 inputs for the types with
 // blocks of 32 (GGML's Q8_0 form with the block's sum) and per 256 for the K-quants (Q8_K:
-// one scale per 256, sums per 16). Each weight block then gives an exact integer sum, and
-// every float operation after it is the same on every path, in the same order:
+// one scale per 256, sums per 16). Each weight block then gives exact integer sums, and
+// every float operation after them is the same on every path, in the same order (per lane
+// of 8: see the portable path below for which inputs a lane holds):
 //
 //   Q4_0, Q5_0, Q8_0   s = sum q x - o sum x (o = 8, 16, 0)     acc = fma(d dx, s, acc)
 //   Q4_1, Q5_1         s = sum q x                              acc = fma(d dx, s, acc)
@@ -211,7 +212,7 @@ inline void block_lanes(const uint8_t* w, const QuantX& x, int64_t m, int64_t b,
     const int16_t* runs = x.run_sums(m, b);
     uint8_t sc[8], mn[8];
     if constexpr (Type != kQ6_K) k_scales(w + 4, sc, mn);
-    const auto* sc6 = reinterpret_cast<const int8_t*>(w + 192);
+    const auto* sc6 = reinterpret_cast<const int8_t*>(w + (Type == kQ6_K ? 192 : 0));
     for (int e = 0; e < 256; ++e) {
       const int32_t scale = Type == kQ6_K ? sc6[e / 16] : sc[e / 32];
       s[(e % 32) / 4] += scale * code256<Type>(w, e) * xb[e];
