@@ -17,7 +17,6 @@ import argparse
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,7 @@ from gguf.constants import GGML_QUANT_SIZES
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvserve import kernels  # noqa: E402
 from kvserve.layers.quant import QuantizedWeight  # noqa: E402
+from kvserve.roofline import run_times  # noqa: E402
 
 # (name, out, in, GGUF type) of one decoder layer, as a Q4_K_M file stores them.
 SHAPES = {
@@ -56,13 +56,7 @@ def random_blocks(kind: str, rows: int, cols: int) -> torch.Tensor:
 
 
 def median_s(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(run_times(fn, repeats))
 
 
 def main() -> None:

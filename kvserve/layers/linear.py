@@ -190,7 +190,8 @@ class LinearBase(nn.Module):
         """x W^T without the bias."""
         if self.packed is not None:
             return self.packed.matmul(x)
-        self.materialize()  # an unpacked layer computes on its float weight
+        if self.gguf_tensors:  # an unpacked layer computes on its float weight
+            self.materialize()
         return F.linear(x, self.weight)
 
     def _shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
@@ -347,7 +348,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.gguf is not None:
-            return self.gguf.dequantized(ids).to(self.weight.dtype)
+            return self.gguf.dequantized(ids, self.weight.dtype)
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start

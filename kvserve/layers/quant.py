@@ -99,19 +99,21 @@ class GGUFTensor:
     def rows(self) -> int:
         return self.data.shape[0] if self.order is None else self.order.numel()
 
-    def dequantized(self, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The weight's rows (all, or `ids`) in float32, as gguf dequantizes them."""
+    def dequantized(self, ids: torch.Tensor | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight's rows (all, or `ids`) as gguf dequantizes them to float32, in `dtype`
+        (float32, or bf16 rounded from gguf's float32)."""
         ids = torch.arange(self.rows) if ids is None else ids
         if self.order is not None:
             ids = self.order[ids]
         ops = kernels.ops()
         if ops is not None:
-            return ops.gguf_rows(self.data, self.type_id, self.cols, ids, torch.float32)
+            return ops.gguf_rows(self.data, self.type_id, self.cols, ids, dtype)
         from gguf import GGMLQuantizationType, quants  # only without the C++ kernels
 
         rows = self.data[ids].numpy()
         w = quants.dequantize(rows, GGMLQuantizationType[self.kind])
-        return torch.from_numpy(w.reshape(len(rows), self.cols).astype("float32"))
+        return torch.from_numpy(w.reshape(len(rows), self.cols).astype("float32")).to(dtype)
 
 
 def gguf_native(kind: str) -> bool:
