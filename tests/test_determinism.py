@@ -208,21 +208,25 @@ def test_sliding_window_hits_loaded_from_a_tier(tiny_gemma3_dir, tmp_path, alone
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("dtype", ["auto", "float32"])
+@pytest.mark.parametrize("dtype,quantization", [("auto", "auto"), ("float32", "auto"),
+                                                ("auto", "gguf")])
 def test_default_model_requests_are_independent_of_their_batch(real_model_path,
-                                                               tmp_path_factory, alone, dtype):
-    """The default configuration (bf16 with int4 weights on this CPU) and float32."""
+                                                               tmp_path_factory, alone, dtype,
+                                                               quantization):
+    """The default configuration (bf16 with int4 weights on this CPU), float32, and the GGUF's
+    blocks read in place (gguf_linear)."""
     model = str(real_model_path)
 
-    @settings(max_examples=4 if dtype == "auto" else 2, deadline=None,
+    @settings(max_examples=4 if (dtype, quantization) == ("auto", "auto") else 2,
+              deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(cfg=engine_strategy(model, model, spec=False).map(
                lambda d: {**d, "speculation": "ngram"}),
            requests=workloads(vocab=49152, max_prompt=48, max_tokens=8, max_requests=6))
     def check(cfg, requests):
         # the default model's blocks are 180 KiB (16 tokens, float32) or 90 KiB (bf16)
-        _check(engine_args(cfg, dtype, tmp_path_factory.mktemp("kv"), tier_bytes="4MiB"),
-               requests, alone)
+        _check(engine_args(cfg, dtype, tmp_path_factory.mktemp("kv"), quantization,
+                           tier_bytes="4MiB"), requests, alone)
 
     check()
 
