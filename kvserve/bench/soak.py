@@ -271,7 +271,12 @@ class Soak:
 
     async def run(self) -> dict:
         args = self.args
-        limits = httpx.Limits(max_connections=args.concurrency + args.burst_size + 8)
+        # A pooled connection is dropped by the client before the server may close it idle
+        # (--header-timeout, --keep-alive-timeout): a request sent as the server closes gets
+        # a reset, HTTP/1.1's keep-alive race (RFC 9112, 9.3.1), which says nothing about the
+        # server under test but fails a request.
+        limits = httpx.Limits(max_connections=args.concurrency + args.burst_size + 8,
+                              keepalive_expiry=args.keepalive_expiry)
         async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout,
                                      limits=limits, headers=self.headers) as client:
             self.model = (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -441,6 +446,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--slow-client-wait", type=float, default=60.0,
                    help="seconds a slow client waits for the server to answer or close")
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--keepalive-expiry", type=float, default=0.5,
+                   help="seconds the client keeps an idle connection; keep it well below the "
+                        "server's --header-timeout and --keep-alive-timeout")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the report as JSON")
     p.set_defaults(func=cmd_soak)
