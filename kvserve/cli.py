@@ -505,6 +505,30 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_decode_floor(args: argparse.Namespace, per_token: int, in_place: int | None
+                        ) -> None:
+    """The bandwidth floor of a batch-1 decode step: the bytes it reads over the machine's
+    read bandwidth (measured now, or --bandwidth); `in_place`: --quantization gguf's bytes."""
+    import torch
+
+    from kvserve import roofline
+
+    if args.bandwidth is not None:
+        if not args.bandwidth > 0:
+            raise ValueError("--bandwidth must be > 0 (GB/s)")
+        gbs, how = args.bandwidth, "--bandwidth"
+    elif args.device != "cpu":
+        return
+    else:
+        method, gbs = roofline.read_bandwidth()
+        how = f"{method}, {torch.get_num_threads()} threads, measured now"
+    floor = lambda n: f"{n / gbs / 1e6:.1f} ms ({gbs * 1e9 / n:.1f} tok/s at most)"  # noqa: E731
+    line = f"decode floor at {gbs:.1f} GB/s ({how}): a batch-1 step {floor(per_token)}"
+    if in_place is not None:
+        line += f"; --quantization gguf {floor(in_place)}"
+    print(line)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print what the KV budget holds for the model, per KV dtype, from its config alone."""
     import torch
@@ -569,6 +593,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"  --quantization gguf: {mapped.resident / mib:.1f} MiB "
               f"({mapped.in_place / mib:.1f} MiB of it read in place from the file); a decode "
               f"step reads {mapped.per_token / mib:.1f} MiB")
+    _print_decode_floor(args, weight_bytes(cfg, dtype) if held is None else held.per_token,
+                        None if held is None else mapped.per_token)
     print(f"KV budget: {budget:,} B ({budget / mib:.1f} MiB), blocks of {args.block_size} "
           f"tokens; a sequence = {args.prompt_len} prompt + {args.output_len} output = "
           f"{seq_len} tokens = {plans[0].blocks_per_seq} blocks\n")
@@ -806,6 +832,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens per step (a sliding-window layer keeps its window and a step)")
     pl.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                     help="plan keeping every block of sliding-window layers")
+    pl.add_argument("--bandwidth", type=float, default=None, metavar="GB/S",
+                    help="memory read bandwidth for the decode floor (default: measured "
+                         "here, a streaming sum of 512 MiB)")
     pl.set_defaults(func=cmd_plan)
 
     ro = sub.add_parser("router", help="one OpenAI endpoint in front of several kvserve "

@@ -203,6 +203,12 @@ def measure_bandwidth(dtype: torch.dtype, repeats: int = 5, read_bytes: int = 1 
     return out
 
 
+def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 3) -> tuple[str, float]:
+    """(method, GB/s) of a streaming read far larger than the caches, with torch's threads:
+    the figure a batch-1 decode step, which reads every weight once, cannot beat."""
+    return _sum_rate(nbytes, repeats)
+
+
 def _sum_rate(nbytes: int, repeats: int) -> tuple[str, float]:
     big = torch.ones(nbytes // 4)
     return f"sum {_mib(big.nbytes)}", _rate(big.nbytes, big.sum, repeats)

@@ -105,7 +105,7 @@ def test_plan_cli_prints_the_figures(tiny_llama_dir, capsys):
 
 @pytest.mark.real_model
 def test_plan_cli_on_the_default_model(real_model_path, capsys):
-    assert cli.main(["plan", "--dtype", "bfloat16"]) == 0
+    assert cli.main(["plan", "--dtype", "bfloat16", "--bandwidth", "10"]) == 0
     out = capsys.readouterr().out
     assert "= 23040 B per token" in out and "= 11880 B per token" in out
     assert "134,515,008 parameters" in out
@@ -127,6 +127,20 @@ def test_plan_cli_on_the_default_model(real_model_path, capsys):
     embedding = 49152 * 576
     held = int(layers * 0.625) + embedding * 2 + int(embedding * 1.125) + norms
     assert f"= {held / mib:.1f} MiB as --quantization auto holds them" in out
+    # The decode floor: a step's bytes over the bandwidth given (10 GB/s)
+    step = in_place + norms - 576 * 2
+    assert ("decode floor at 10.0 GB/s (--bandwidth): a batch-1 step" in out
+            and f"--quantization gguf {step / 1e7:.1f} ms ({1e10 / step:.1f} tok/s at most)"
+            in out)
+
+
+def test_plan_measures_the_bandwidth_for_the_floor(tiny_llama_dir, capsys):
+    assert cli.main(["plan", "--model", str(tiny_llama_dir), "--kv-cache-memory", "1MiB",
+                     "--max-model-len", "64", "--prompt-len", "40", "--output-len", "8"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines()
+                if ln.startswith("decode floor at "))
+    gbs = float(line.split()[3])
+    assert gbs > 0.1 and "threads, measured now" in line, line
 
 
 @pytest.mark.parametrize("args, message", [
@@ -135,6 +149,8 @@ def test_plan_cli_on_the_default_model(real_model_path, capsys):
     (["--max-model-len", "100000"], "exceeds the model's context length"),
     (["--prompt-len", "100", "--max-num-batched-tokens", "0"],
      "--max-num-batched-tokens must be >= 1"),
+    (["--max-model-len", "64", "--prompt-len", "40", "--output-len", "8", "--bandwidth", "0"],
+     "--bandwidth must be > 0"),
 ])
 def test_plan_cli_bad_input(tiny_llama_dir, capsys, args, message):
     assert cli.main(["plan", "--model", str(tiny_llama_dir), *args]) == 2
