@@ -30,9 +30,11 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_gguf(hf_dir, out, arch: str | None = None,
                qtype=gguf.GGMLQuantizationType.F32, bad_tensor_type=None,
-               random_q6k_down: bool = False) -> None:
+               random_q6k_down: bool = False, random_k_quants: bool = False) -> None:
     """`random_q6k_down`: every ffn_down tensor as random Q6_K blocks (gguf cannot quantize to
-    Q6_K), their scales at about the checkpoint's weights' size."""
+    Q6_K), their scales at about the checkpoint's weights' size. `random_k_quants`: every
+    layer matrix and the output as random K-quant blocks, as a Q4_K_M file mixes them (Q6_K
+    for ffn_down, attn_v and the output, Q4_K for the rest)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     model_arch = cfg["model_type"]
     arch = arch or model_arch
@@ -93,6 +95,17 @@ def write_gguf(hf_dir, out, arch: str | None = None,
             arr = _permute(arr, heads)
         if arr.ndim == 2 and name != "token_embd.weight" and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        elif random_k_quants and arr.ndim == 2 and name != "token_embd.weight":
+            kind = "Q6_K" if name.endswith(("ffn_down.weight", "attn_v.weight",
+                                             "output.weight")) else "Q4_K"
+            blocks = _random_blocks(kind, *arr.shape, seed=len(key)).reshape(
+                arr.shape[0], arr.shape[1] // 256, -1)
+            fields = (208,) if kind == "Q6_K" else (0, 2)  # d (Q4_K: and dmin), ~0.05 weights
+            for off in fields:
+                blocks[..., off:off + 2] = np.full(blocks.shape[:2], 2e-4, np.float16).view(
+                    np.uint8).reshape(*blocks.shape[:2], 2)
+            w.add_tensor(name, blocks.reshape(arr.shape[0], -1),
+                         raw_dtype=gguf.GGMLQuantizationType[kind])
         elif random_q6k_down and name.endswith("ffn_down.weight"):
             blocks = _random_blocks("Q6_K", *arr.shape, seed=len(key)).reshape(
                 arr.shape[0], -1, 210)
@@ -164,8 +177,8 @@ def test_unsupported_tensor_type_is_named(tiny_llama_dir, tmp_path):
 
 def test_q6k_layers_serve_their_own_codes(tmp_path_factory):
     """Q6_K projections (scales per 16 inputs) keep the file's codes: on the AVX2 int8 kernel
-    under auto, read in place by gguf_linear under gguf; either model stays close to its
-    float32 self on the same dequantized weights."""
+    under int8, read in place by gguf_linear under gguf (and auto); either model stays close
+    to its float32 self on the same dequantized weights."""
     from kvserve import kernels
     from tests.conftest import build_tiny_model
 
@@ -178,7 +191,7 @@ def test_q6k_layers_serve_their_own_codes(tmp_path_factory):
     write_gguf(hf_dir, path, random_q6k_down=True)
     model, in_place, ref = (load_model(path, torch.float32, torch.device("cpu"), _backend).model
                             for _ in range(3))
-    model.pack_("auto")
+    model.pack_("int8")
     in_place.pack_("gguf")
     ref.pack_("none")
     downs = [layer.mlp.down_proj.packed for layer in model.layers]
@@ -186,13 +199,49 @@ def test_q6k_layers_serve_their_own_codes(tmp_path_factory):
     downs = [layer.mlp.down_proj.packed for layer in in_place.layers]
     assert all(isinstance(p, GGUFWeight) and p.kinds == ["Q6_K"] for p in downs)
     a = paged_logits(ref, IDS, [29], "cpu")
-    for m, bound in ((model, 0.05), (in_place, 0.1)):
+    for m in (model, in_place):
         b = paged_logits(m, IDS, [20, 1, 8], "cpu")
-        # Only the down projections' activations are quantized to int8: per 32 inputs on the
-        # int8 kernel; per 256 in place (llama.cpp's Q8_K for the K-quants, coarser: 7% of the
-        # logits' range on this random tiny model).
-        assert 0 < (a - b).abs().max() / a.abs().max() < bound
+        # int8: every projection's weights (the float ones quantized too) and activations, per
+        # 32 inputs; in place only the down projections' activations, per 256 (llama.cpp's
+        # Q8_K for the K-quants, coarser). Each moves 5-7% of the logits' range on this random
+        # tiny model.
+        assert 0 < (a - b).abs().max() / a.abs().max() < 0.1
         assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+def test_k_quant_layers_under_auto_read_the_files_codes(tmp_path_factory):
+    """`auto` on a Q4_K_M-like file: every matrix on gguf_linear (Q4_K interleaved 8 rows at a
+    time at load, Q6_K in place, the embedding looked up in place), with the same logits, bit
+    for bit, as `gguf` reading the file's layout (chunked otherwise), and close to the
+    float32 model on the same dequantized weights."""
+    from kvserve import kernels
+    from kvserve.layers.linear import LinearBase
+    from tests.conftest import build_tiny_model
+
+    if kernels.gguf_kernels(torch.float32, "cpu", [12, 14]) is None:
+        pytest.fail("the GGUF kernels are built with the C++ kernels, which every test "
+                    "machine has")
+    hf_dir = build_tiny_model(tmp_path_factory.mktemp("tiny-km"), "llama", hidden_size=256,
+                              intermediate_size=256)
+    path = tmp_path_factory.mktemp("km") / "tiny-q4_k_m.gguf"
+    write_gguf(hf_dir, path, random_k_quants=True)
+    auto, in_place, ref = (load_model(path, torch.float32, torch.device("cpu"), _backend).model
+                           for _ in range(3))
+    auto.pack_("auto")
+    in_place.pack_("gguf")
+    ref.pack_("none")
+    layers = [m for m in auto.modules() if isinstance(m, LinearBase)]
+    assert all(isinstance(m.packed, GGUFWeight) for m in layers)
+    parts = [(k, x8) for m in layers for k, x8 in zip(m.packed.kinds, m.packed.interleaved,
+                                                      strict=True)]
+    assert {k for k, _ in parts} == {"Q4_K", "Q6_K"} and all(x8 == (k == "Q4_K")
+                                                             for k, x8 in parts)
+    assert auto.lm_head.packed.kinds == ["Q6_K"] and auto.embed_tokens.gguf is None  # float32
+    a = paged_logits(auto, IDS, [20, 1, 8], "cpu")
+    assert torch.equal(a, paged_logits(in_place, IDS, [29], "cpu"))
+    b = paged_logits(ref, IDS, [29], "cpu")
+    assert 0 < (a - b).abs().max() / b.abs().max() < 0.1
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
 
 
 def test_not_a_gguf_file(tmp_path):

@@ -131,3 +131,51 @@ def test_bad_input_is_refused():
         k.gguf_linear(x, [raw], [type_id("Q4_K")], [torch.tensor([0, 16])])
     with pytest.raises(RuntimeError, match="out of range"):
         k.gguf_rows(raw, type_id("Q4_K"), 256, torch.tensor([16]), torch.float32)
+
+
+def test_interleaved_q4k_gives_the_files_bits():
+    """gguf_repack's Q4_Kx8 (8 rows side by side, the same bytes) computes every row as the
+    file's layout does, bit for bit, on both paths, in any row order and at any batch size."""
+    k = kernels.ops()
+    q4k = type_id("Q4_K")
+    x8 = k.gguf_repacked_type(q4k)
+    assert x8 == 1000 + q4k and k.gguf_repacked_type(type_id("Q6_K")) == 0
+    cols, rows = 768, 40
+    raw = torch.from_numpy(random_blocks("Q4_K", rows, cols, seed=12))
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(13))
+    packed = k.gguf_repack(raw, q4k, cols, order)
+    assert packed.shape == (rows // 8, 3 * 8 * 144) and packed.dtype == torch.uint8
+    assert sorted(packed.flatten().tolist()) == sorted(raw.flatten().tolist())  # same bytes
+    x = torch.randn(300, cols, generator=torch.Generator().manual_seed(14))
+    none = [torch.empty(0, dtype=torch.long)]
+    ref = k.gguf_linear(x, [raw], [q4k], [order])
+    print(f"Q4_Kx8: native path {k.gguf_path()} against portable and the file's layout")
+    for m in (1, 2, 3, 4, 5, 17, 300):
+        got = k.gguf_linear(x[:m], [packed], [x8], none)
+        assert torch.equal(got, ref[:m])
+        assert torch.equal(got, k.gguf_linear(x[:m], [packed], [x8], none, portable=True))
+    # beside parts in the file's layouts
+    b = torch.from_numpy(random_blocks("Q6_K", 8, cols, seed=15))
+    mixed = k.gguf_linear(x[:7], [b, packed], [type_id("Q6_K"), x8], none * 2)
+    assert torch.equal(mixed, torch.cat([k.gguf_linear(x[:7], [b], [type_id("Q6_K")], none),
+                                         ref[:7]], 1))
+
+
+def test_interleaving_bad_input_is_refused():
+    k = kernels.ops()
+    q4k = type_id("Q4_K")
+    raw = torch.from_numpy(random_blocks("Q4_K", 12, 256, seed=16))
+    none = torch.empty(0, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="not a multiple of 8"):
+        k.gguf_repack(raw, q4k, 256, none)
+    with pytest.raises(RuntimeError, match="no interleaved layout"):
+        k.gguf_repack(torch.from_numpy(random_blocks("Q6_K", 8, 256, seed=17)),
+                      type_id("Q6_K"), 256, none)
+    with pytest.raises(RuntimeError, match="out of range"):
+        k.gguf_repack(raw, q4k, 256, torch.arange(8) + 5)
+    packed = k.gguf_repack(raw[:8], q4k, 256, none)
+    x8 = k.gguf_repacked_type(q4k)
+    with pytest.raises(RuntimeError, match="takes no row order"):
+        k.gguf_linear(torch.randn(1, 256), [packed], [x8], [torch.arange(8)])
+    with pytest.raises(RuntimeError, match="not an interleaved one"):
+        k.gguf_rows(packed, x8, 256, torch.tensor([0]), torch.float32)

@@ -22,6 +22,7 @@ from kvserve.distributed.parallel import (
     vocab_shard,
 )
 from kvserve.layers.quant import (
+    GGUF_AUTO_TYPES,
     IN_PLACE,
     INT4_GROUP,
     DenseWeight,
@@ -78,12 +79,14 @@ class LinearBase(nn.Module):
 
         `gguf` (IN_PLACE) serves a layer whose every part is a GGUF tensor of a type
         gguf_linear reads in the file's own blocks, in place (GGUFWeight), and any other layer
-        as `auto` does. Otherwise a GGUF weight whose type has an exact form (see
-        models/gguf_quants.py) keeps its own codes on the VNNI kernel, 4-bit ones widened to
-        8 for int8 or where parts mix; other weights are quantized again. `auto` (per layer):
+        as `auto` does. `auto` does the same for a layer whose parts are all of
+        GGUF_AUTO_TYPES, with Q4_K interleaved at load (the same results). Otherwise a GGUF
+        weight whose type has an exact form (see models/gguf_quants.py) keeps its own codes
+        on the VNNI kernel, 4-bit ones widened to 8 for int8 or where parts mix; other
+        weights are quantized again. `auto` (per layer):
         the layer's own GGUF precision class, none for float weights."""
-        if quantization == IN_PLACE:
-            if (native := self.gguf_weight()) is not None:
+        if quantization == IN_PLACE or quantization == "auto" and self.auto_reads_gguf():
+            if (native := self.gguf_weight(interleave=quantization == "auto")) is not None:
                 self.packed = native
                 self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
                 return
@@ -110,16 +113,23 @@ class LinearBase(nn.Module):
             self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
             self.gguf_groups = {}
 
-    def gguf_weight(self) -> GGUFWeight | None:
-        """The layer served from its GGUF blocks in place, where every part has them and
-        gguf_linear reads their types here; else None."""
+    def gguf_weight(self, interleave: bool = False) -> GGUFWeight | None:
+        """The layer served from its GGUF blocks in place (Q4_K interleaved at load with
+        `interleave`), where every part has them and gguf_linear reads their types here;
+        else None."""
         parts = [self.gguf_tensors.get(i) for i in range(max(len(self.gguf_types), 1))]
         if any(p is None for p in parts):
             return None
         w = self.weight
         if kernels.gguf_kernels(w.dtype, w.device, [p.type_id for p in parts]) is None:
             return None
-        return GGUFWeight(parts, w.dtype, w.device)
+        return GGUFWeight(parts, w.dtype, w.device, interleave)
+
+    def auto_reads_gguf(self) -> bool:
+        """Whether `auto` serves this layer on gguf_linear: every part is held in place, of a
+        type whose kernel beats the tiles (GGUF_AUTO_TYPES)."""
+        parts = [self.gguf_tensors.get(i) for i in range(max(len(self.gguf_types), 1))]
+        return all(p is not None and p.kind in GGUF_AUTO_TYPES for p in parts)
 
     def materialize(self) -> None:
         """Fill `weight` (and the GGUF groups) from the parts still in the file's blocks."""

@@ -74,6 +74,14 @@ class QuantGroups:
 # GGML's type numbers (as GGUF stores them) of the types gguf_linear reads in place.
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
               "Q6_K": 14}
+# The GGUF types `--quantization auto` serves on gguf_linear, at the file's bytes, rather than
+# on the int4/int8 tiles: Q4_K interleaved 8 rows at a time at load (gguf_repack: 2x the
+# file's layout's speed, the tiles' at prompt sizes, 0.5625 bytes a weight against the
+# tiles' 0.625) and Q6_K read in place (0.82 bytes a weight against the int8 tiles' 1.125;
+# slower at prompt sizes). The other types' kernels are slower than the tiles they would
+# be repacked into (benchmarks/gguf_kernels.py).
+GGUF_AUTO_TYPES = frozenset({"Q4_K", "Q6_K"})
+INTERLEAVED_AT_LOAD = frozenset({"Q4_K"})  # the types gguf_repack has a layout for
 
 
 @dataclass
@@ -258,19 +266,34 @@ class GGUFWeight(PackedWeight):
     parts (q, k and v; gate and up) read in place from the file's memory map, their outputs
     side by side. The activations are quantized to int8 per block of the part's type (32, or
     256 for the K-quants) and each block's integer sum is exact, so the portable and the AVX2
-    paths give the same bits and a row's result does not depend on the batch."""
+    paths give the same bits and a row's result does not depend on the batch.
+
+    With `interleave`, a part whose type has an interleaved layout (Q4_K) and whose rows are
+    a multiple of 8 is repacked into it at load (`gguf_repack`: the same bytes, 8 rows side
+    by side, one per vector lane), in the process's memory, and the file's pages it was read
+    from are handed back; the results are the same bits as the file's layout gives."""
 
     def __init__(self, parts: list[GGUFTensor], dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, interleave: bool = False) -> None:
         self.parts = parts
         self.kernels = kernels.gguf_kernels(dtype, device, [p.type_id for p in parts])
         if self.kernels is None:
             raise ValueError(f"no GGUF kernel for {[p.kind for p in parts]} in {dtype} on "
                              f"{device}")
         none = torch.empty(0, dtype=torch.long)
-        self.data = [p.data for p in parts]
-        self.types = [p.type_id for p in parts]
-        self.orders = [none if p.order is None else p.order for p in parts]
+        self.data, self.types, self.orders = [], [], []
+        for p in parts:
+            order = none if p.order is None else p.order
+            x8 = self.kernels.gguf_repacked_type(p.type_id) if interleave else 0
+            if x8 and p.rows % 8 == 0:
+                self.data.append(self.kernels.gguf_repack(p.data, p.type_id, p.cols, order))
+                self.types.append(x8)
+                self.orders.append(none)
+                release_pages(p.data)
+            else:
+                self.data.append(p.data)
+                self.types.append(p.type_id)
+                self.orders.append(order)
         self.n, self.k = sum(p.rows for p in parts), parts[0].cols
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -288,8 +311,35 @@ class GGUFWeight(PackedWeight):
         return [p.kind for p in self.parts]
 
     @property
+    def interleaved(self) -> list[bool]:
+        """Per part, whether it was repacked into its interleaved layout."""
+        return [t >= X8_TYPE_BASE for t in self.types]
+
+    @property
     def nbytes(self) -> int:
         return sum(p.rows * p.data.shape[1] for p in self.parts)
+
+
+X8_TYPE_BASE = 1000  # gguf_linear's interleaved layouts: 1000 + the GGML type
+
+
+def release_pages(t: torch.Tensor) -> None:
+    """Hand back to the kernel the pages of a file mapping that `t` views (madvise
+    MADV_DONTNEED on the whole pages inside it): they leave the process's resident set and
+    are read from the page cache again if touched. Anywhere else, nothing."""
+    import ctypes
+    import mmap
+    import sys
+
+    if not sys.platform.startswith("linux") or t.numel() == 0:
+        return
+    page = mmap.PAGESIZE
+    start = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if end > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                     mmap.MADV_DONTNEED)
 
 
 class QuantizedWeight(PackedWeight):

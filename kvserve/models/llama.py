@@ -270,13 +270,17 @@ class LlamaForCausalLM(nn.Module):
         copies for int4/int8/auto, where the LM head gets int8 whatever the method (its logits
         feed sampling directly); the weights repacked for the dense kernel for none. Under
         gguf (IN_PLACE) the layers, the embedding and the head (tied or not) read the file's
-        own blocks in place where gguf_linear reads their types."""
+        own blocks in place where gguf_linear reads their types; so does `auto` where they
+        are of GGUF_AUTO_TYPES (Q4_K interleaved at load)."""
         self._fused = None
         for module in self.modules():
             if isinstance(module, LinearBase) and module is not self.lm_head:
                 module.pack_(quantization)
         head, embedding = self.lm_head, self.embed_tokens
-        if quantization == IN_PLACE and (native := head.gguf_weight()) is not None:
+        native = None
+        if quantization == IN_PLACE or quantization == "auto" and head.auto_reads_gguf():
+            native = head.gguf_weight(interleave=quantization == "auto")
+        if native is not None:  # the embedding too stays in place: looked up row by row
             head.packed = native
             head.weight = nn.Parameter(head.weight.data.new_empty(0), requires_grad=False)
             return

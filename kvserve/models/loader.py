@@ -25,7 +25,14 @@ from kvserve.attention.backend import AttentionBackend
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.distributed.parallel import SINGLE, TensorParallel, head_shard
 from kvserve.gguf_reader import open_gguf
-from kvserve.layers.quant import INT4_SOURCES, INT8_SOURCES, GGUFTensor, gguf_native
+from kvserve.layers.quant import (
+    GGUF_AUTO_TYPES,
+    INT4_SOURCES,
+    INT8_SOURCES,
+    INTERLEAVED_AT_LOAD,
+    GGUFTensor,
+    gguf_native,
+)
 from kvserve.models.gguf_quants import decode_groups
 from kvserve.models.llama import LlamaForCausalLM
 
@@ -491,25 +498,36 @@ class WeightBytes:
 def gguf_weight_bytes(path: Path, dtype: torch.dtype, in_place: bool) -> WeightBytes | None:
     """WeightBytes of a GGUF file from its tensor table (no weights read), served in place
     (`--quantization gguf`) or as `auto` serves it; None for a model that is not a GGUF file.
-    In place, a matrix of a type gguf_linear reads counts its bytes in the file. Otherwise a
+    A matrix gguf_linear serves (in place: every type it reads; auto: GGUF_AUTO_TYPES) counts
+    its bytes in the file, in the file's pages (`in_place`) unless auto interleaves it at
+    load (Q4_K); the embedding is looked up in place when the head is served so. Any other
     quantized matrix counts the int4 or int8 tiles it is packed into (0.625 or 1.125 bytes a
     weight), the embedding `dtype`'s floats and a tied head an int8 copy; float tensors
     count `dtype`'s size."""
     if path.suffix != ".gguf":
         return None
     reader = open_gguf(path)
-    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    tied = "output.weight" not in kinds
+
+    def served(kind: str) -> bool:  # by gguf_linear
+        return gguf_native(kind) and (in_place or kind in GGUF_AUTO_TYPES)
+
+    head_served = served(kinds.get("output.weight", kinds.get("token_embd.weight", "")))
     resident = per_token = mapped = 0
     item = torch.empty(0, dtype=dtype).element_size()
     for t in reader.tensors:
         kind, count = t.tensor_type.name, int(np.prod([int(x) for x in t.shape]))
         quantized = len(t.shape) == 2 and (gguf_native(kind) or kind in INT4_SOURCES |
                                            INT8_SOURCES)
+        embedding = t.name == "token_embd.weight"
         head = 0
-        if in_place and len(t.shape) == 2 and gguf_native(kind):
+        if len(t.shape) == 2 and (served(kind) and not embedding or
+                                  embedding and head_served and gguf_native(kind)):
             size = int(t.n_bytes)
-            mapped += size
-        elif t.name == "token_embd.weight":
+            if in_place or kind not in INTERLEAVED_AT_LOAD or embedding and not tied:
+                mapped += size
+        elif embedding:
             size = count * item
             head = int(count * 1.125) if tied else 0  # the tied head's int8 copy
         elif quantized:
@@ -519,8 +537,8 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, in_place: bool) -> WeightB
         resident += size + head
         if t.name.startswith("blk.") or t.name == "output.weight":
             per_token += size
-        elif t.name == "token_embd.weight" and tied:
-            per_token += size if in_place else head
+        elif embedding and tied:
+            per_token += size if head_served else head
     return WeightBytes(resident, per_token, mapped)
 
 

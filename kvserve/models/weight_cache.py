@@ -177,9 +177,10 @@ def load_packed(path: Path, dtype: torch.dtype, device: torch.device,
     loaded = load_model(path, dtype, device, backend_factory, tp, max_model_len)
     applied = pack(loaded)
     if entry is not None and loaded.model.reads_gguf_in_place():
-        # Its matrices are the file's own pages: an entry would only copy them.
-        log.info("weight cache: %s is served from the file's memory map, nothing to cache",
-                 path.name)
+        # Its matrices are the file's own pages, or interleaved from them at load (at about
+        # the speed of a copy): an entry would only copy them.
+        log.info("weight cache: %s is served from the file's memory map (Q4_K interleaved "
+                 "at load), nothing to cache", path.name)
     elif entry is not None:
         save(entry, loaded, applied, budget)
     return loaded, applied

@@ -1,19 +1,22 @@
 // gguf_linear: x W^T with W in a GGUF file's own blocks, read where they lie (a memory map of
-// the file): no repacking, no widening, the file's bytes per weight.
+// the file), or in an interleaved layout of the same bytes (gguf_repack): no widening, the
+// file's bytes per weight.
 //
-// Every type is read one output row at a time, a row being the file's run of blocks for it.
-// The activations are quantized to int8 once per call, per 32 inputs for the types with
-// blocks of 32 (GGML's Q8_0 form with the block's sum) and per 256 for the K-quants (Q8_K:
-// one scale per 256, sums per 16). Each weight block then gives exact integer sums, and
-// every float operation after them is the same on every path, in the same order (per lane
-// of 8: see the portable path below for which inputs a lane holds):
+// The file's layouts are read one output row at a time, a row being the file's run of blocks
+// for it. The activations are quantized to int8 once per call, per 32 inputs for the types
+// with blocks of 32 (GGML's Q8_0 form with the block's sum) and per 256 for the K-quants
+// (Q8_K: one scale per 256, sums per 16). Each weight block then gives exact integer sums,
+// and every float operation after them is the same on every path, in the same order:
 //
 //   Q4_0, Q5_0, Q8_0   s = sum q x - o sum x (o = 8, 16, 0)     acc = fma(d dx, s, acc)
 //   Q4_1, Q5_1         s = sum q x                              acc = fma(d dx, s, acc)
 //                                                               acc = fma(m dx, sum x, acc)
+//     (8 float lanes, one per 4 inputs of each 32: see the portable path; summed in one tree)
 //   Q4_K, Q5_K         s = sum_j sc_j sum q x, t = sum_j m_j sum x
-//                                                  acc = fma(d dx, s, acc) then -(dmin dx) t
+//                                    acc = fma(d dx, s, acc) then fma(-(dmin dx), t, acc)
 //   Q6_K               s = sum_j sc_j (sum q x - 32 sum x)      acc = fma(d dx, s, acc)
+//     (one accumulator per output: a K-quant block's sums are whole integers, so a layout
+//     with 8 rows in the lanes, Q4_Kx8, gives the same bits as the file's)
 //
 // The integer sums are exact whatever order adds them, so the portable path (plain C++) and
 // the AVX2 path (vpmaddubsw / vpmaddwd, also taken on AVX-512 machines) give the same bits,
@@ -38,10 +41,14 @@ namespace {
 enum : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
 };
+// kvserve's own: a type's blocks with 8 rows interleaved (gguf_repack), numbered 1000 + the
+// GGML type. A part of one is [rows / 8, blocks * 8 * block bytes].
+enum : int64_t { kX8 = 1000, kQ4_Kx8 = kX8 + kQ4_K };
 
 struct TypeInfo {
-  int64_t block;  // weights per block
-  int64_t bytes;  // bytes per block
+  int64_t block;      // weights per block
+  int64_t bytes;      // bytes per block (of a part row: 8 rows' blocks for the x8 layouts)
+  int64_t group = 1;  // output rows per part row
 };
 
 bool type_info(int64_t type, TypeInfo* info) {
@@ -54,6 +61,7 @@ bool type_info(int64_t type, TypeInfo* info) {
     case kQ4_K: *info = {256, 144}; return true;
     case kQ5_K: *info = {256, 176}; return true;
     case kQ6_K: *info = {256, 210}; return true;
+    case kQ4_Kx8: *info = {256, 8 * 144, 8}; return true;
     default: return false;
   }
 }
@@ -192,59 +200,131 @@ inline int32_t code256(const uint8_t* w, int e) {
   }
 }
 
-// Block `b` of one weight row against activation row m: its terms added to the lanes.
+// Block `b` of one weight row (a type with blocks of 32) against activation row m: its terms
+// added to the lanes.
 template <int64_t Type>
 inline void block_lanes(const uint8_t* w, const QuantX& x, int64_t m, int64_t b, float* acc) {
-  int32_t s[8] = {0}, t[8] = {0};
+  int32_t s[8] = {0};
   const float dx = x.scale(m, b);
-  if constexpr (Type == kQ4_0 || Type == kQ4_1 || Type == kQ5_0 || Type == kQ5_1 ||
-                Type == kQ8_0) {
-    const int8_t* xb = x.row(m) + b * 32;
-    const int32_t* xs = x.lane_sums(m, b);
-    for (int l = 0; l < 8; ++l) {
-      for (int i = 4 * l; i < 4 * l + 4; ++i) s[l] += code32<Type>(w, i) * xb[i];
-      if constexpr (Type == kQ4_0) s[l] -= 8 * xs[l];
-      if constexpr (Type == kQ5_0) s[l] -= 16 * xs[l];
-    }
-    const float dd = f16(w) * dx;
-    for (int l = 0; l < 8; ++l) acc[l] = std::fma(dd, static_cast<float>(s[l]), acc[l]);
-    if constexpr (Type == kQ4_1 || Type == kQ5_1) {
-      const float md = f16(w + 2) * dx;
-      for (int l = 0; l < 8; ++l) acc[l] = std::fma(md, static_cast<float>(xs[l]), acc[l]);
-    }
-  } else {
-    const int8_t* xb = x.row(m) + b * 256;
-    const int16_t* runs = x.run_sums(m, b);
-    uint8_t sc[8], mn[8];
-    if constexpr (Type != kQ6_K) k_scales(w + 4, sc, mn);
-    const auto* sc6 = reinterpret_cast<const int8_t*>(w + (Type == kQ6_K ? 192 : 0));
-    for (int e = 0; e < 256; ++e) {
-      const int32_t scale = Type == kQ6_K ? sc6[e / 16] : sc[e / 32];
-      s[(e % 32) / 4] += scale * code256<Type>(w, e) * xb[e];
-    }
-    for (int l = 0; l < 8; ++l) {
-      if constexpr (Type == kQ6_K)
-        s[l] -= 32 * (sc6[2 * l] * runs[2 * l] + sc6[2 * l + 1] * runs[2 * l + 1]);
-      else
-        t[l] = mn[l] * runs[2 * l] + mn[l] * runs[2 * l + 1];
-    }
-    const float dd = f16(Type == kQ6_K ? w + 208 : w) * dx;
-    for (int l = 0; l < 8; ++l) acc[l] = std::fma(dd, static_cast<float>(s[l]), acc[l]);
-    if constexpr (Type != kQ6_K) {
-      const float md = -(f16(w + 2) * dx);
-      for (int l = 0; l < 8; ++l) acc[l] = std::fma(md, static_cast<float>(t[l]), acc[l]);
-    }
+  const int8_t* xb = x.row(m) + b * 32;
+  const int32_t* xs = x.lane_sums(m, b);
+  for (int l = 0; l < 8; ++l) {
+    for (int i = 4 * l; i < 4 * l + 4; ++i) s[l] += code32<Type>(w, i) * xb[i];
+    if constexpr (Type == kQ4_0) s[l] -= 8 * xs[l];
+    if constexpr (Type == kQ5_0) s[l] -= 16 * xs[l];
   }
+  const float dd = f16(w) * dx;
+  for (int l = 0; l < 8; ++l) acc[l] = std::fma(dd, static_cast<float>(s[l]), acc[l]);
+  if constexpr (Type == kQ4_1 || Type == kQ5_1) {
+    const float md = f16(w + 2) * dx;
+    for (int l = 0; l < 8; ++l) acc[l] = std::fma(md, static_cast<float>(xs[l]), acc[l]);
+  }
+}
+
+// A K-quant block's exact integer sums against activation row m's block b: s (codes times
+// scales times x; Q6_K's less 32 times each scale's sum of x) and t (Q4_K/Q5_K: minimums
+// times their sub-blocks' sums of x).
+template <int64_t Type>
+inline void kquant_sums(const uint8_t* w, const QuantX& x, int64_t m, int64_t b, int32_t* s,
+                        int32_t* t) {
+  const int8_t* xb = x.row(m) + b * 256;
+  const int16_t* runs = x.run_sums(m, b);
+  *s = *t = 0;
+  if constexpr (Type == kQ6_K) {
+    const auto* sc6 = reinterpret_cast<const int8_t*>(w + 192);
+    for (int e = 0; e < 256; ++e) *s += sc6[e / 16] * code256<Type>(w, e) * xb[e];
+    for (int g = 0; g < 16; ++g) *s -= 32 * sc6[g] * runs[g];
+  } else {
+    uint8_t sc[8], mn[8];
+    k_scales(w + 4, sc, mn);
+    for (int e = 0; e < 256; ++e) *s += sc[e / 32] * code256<Type>(w, e) * xb[e];
+    for (int j = 0; j < 8; ++j) *t += mn[j] * (runs[2 * j] + runs[2 * j + 1]);
+  }
+}
+
+// The float steps of a K-quant block, the same on every path and layout: one accumulator
+// per output, a fused multiply-add per term.
+inline float kquant_acc(float acc, float d, float dmin, float dx, int32_t s, int32_t t,
+                        bool has_min) {
+  acc = std::fma(d * dx, static_cast<float>(s), acc);
+  if (has_min) acc = std::fma(-(dmin * dx), static_cast<float>(t), acc);
+  return acc;
 }
 
 template <int64_t Type>
 void rows_portable(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX& x, int64_t m0,
                    int nr, float* out) {
   for (int r = 0; r < nr; ++r) {
-    float acc[8] = {0.f};
-    for (int64_t b = 0; b < blocks; ++b) block_lanes<Type>(w + b * bytes, x, m0 + r, b, acc);
-    out[r] = sum_lanes(acc);
+    if constexpr (Type == kQ4_K || Type == kQ5_K || Type == kQ6_K) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* wb = w + b * bytes;
+        int32_t s, t;
+        kquant_sums<Type>(wb, x, m0 + r, b, &s, &t);
+        acc = Type == kQ6_K
+                  ? kquant_acc(acc, f16(wb + 208), 0.f, x.scale(m0 + r, b), s, t, false)
+                  : kquant_acc(acc, f16(wb), f16(wb + 2), x.scale(m0 + r, b), s, t, true);
+      }
+      out[r] = acc;
+    } else {
+      float acc[8] = {0.f};
+      for (int64_t b = 0; b < blocks; ++b) block_lanes<Type>(w + b * bytes, x, m0 + r, b, acc);
+      out[r] = sum_lanes(acc);
+    }
   }
+}
+
+// ---------------------------------------------------------------------- Q4_K, 8 rows
+//
+// Q4_Kx8 holds 8 rows' Q4_K blocks b side by side in 1152 bytes (8 x 144: the file's bytes),
+// laid out for a kernel whose 8 lanes are the 8 rows:
+//   [0, 16)      d of rows 0..7 (float16)        [16, 32)   dmin of rows 0..7
+//   [32, 128)    the 12 scale bytes as three 32-byte runs of words: word w of row r at
+//                32 + 32 w + 4 r (the words k_scale_words reads)
+//   [128, 1152)  32 chunks of 32 bytes, chunk 8 k + c: bytes 4 r .. 4 r + 3 are row r's
+//                qs bytes 32 k + 4 c .. + 3 (low nibbles: sub-block 2 k, inputs 4 c .. 4 c + 3;
+//                high nibbles: sub-block 2 k + 1)
+// Its arithmetic is Q4_K's (kquant_sums, kquant_acc): the same bits as the file's blocks.
+constexpr int64_t kX8Bytes = 8 * 144;
+
+// Row r of block-group g, as the file's Q4_K block (144 bytes) it was made from.
+inline void x8_block(const uint8_t* g, int r, uint8_t* out) {
+  std::memcpy(out, g + 2 * r, 2);
+  std::memcpy(out + 2, g + 16 + 2 * r, 2);
+  for (int w = 0; w < 3; ++w) std::memcpy(out + 4 + 4 * w, g + 32 + 32 * w + 4 * r, 4);
+  for (int k = 0; k < 4; ++k)
+    for (int c = 0; c < 8; ++c)
+      std::memcpy(out + 16 + 32 * k + 4 * c, g + 128 + 32 * (8 * k + c) + 4 * r, 4);
+}
+
+inline void x8_pack(const uint8_t* const* rows, uint8_t* g) {  // 8 blocks -> a group
+  for (int r = 0; r < 8; ++r) {
+    const uint8_t* in = rows[r];
+    std::memcpy(g + 2 * r, in, 2);
+    std::memcpy(g + 16 + 2 * r, in + 2, 2);
+    for (int w = 0; w < 3; ++w) std::memcpy(g + 32 + 32 * w + 4 * r, in + 4 + 4 * w, 4);
+    for (int k = 0; k < 4; ++k)
+      for (int c = 0; c < 8; ++c)
+        std::memcpy(g + 128 + 32 * (8 * k + c) + 4 * r, in + 16 + 32 * k + 4 * c, 4);
+  }
+}
+
+// 8 rows (one group run, `blocks` groups) against activation rows m0 .. m0 + nr - 1:
+// out[8 r + i] for activation row m0 + r and weight row i.
+void x8_portable(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, int nr,
+                 float* out) {
+  uint8_t blk[144];
+  for (int r = 0; r < nr; ++r)
+    for (int i = 0; i < 8; ++i) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        x8_block(g + b * kX8Bytes, i, blk);
+        int32_t s, t;
+        kquant_sums<kQ4_K>(blk, x, m0 + r, b, &s, &t);
+        acc = kquant_acc(acc, f16(blk), f16(blk + 2), x.scale(m0 + r, b), s, t, true);
+      }
+      out[8 * r + i] = acc;
+    }
 }
 
 // ---------------------------------------------------------------------- AVX2 path
@@ -283,6 +363,13 @@ inline __m256i scaled_runs(const __m256i* q, const __m256i* scales, const int8_t
   return s;
 }
 
+inline int32_t hsum_i32(__m256i v) {  // exact: any order gives the same integer
+  __m128i a = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4e));
+  a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0xb1));
+  return _mm_cvtsi128_si32(a);
+}
+
 inline float sum_lanes8(__m256 v) {
   alignas(32) float a[8];
   _mm256_store_ps(a, v);
@@ -295,8 +382,9 @@ inline float sum_lanes8(__m256 v) {
 template <int64_t Type, int NR>
 void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX& x, int64_t m0,
                   float* out) {
-  __m256 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[NR];  // the lanes of the types with blocks of 32
+  float kacc[NR];  // the K-quants' one accumulator per output
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps(), kacc[r] = 0.f;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   // Every cache line kAhead bytes ahead of the block read is prefetched, once. The row's
   // successor in the file (the next call's row, most often) is prefetched by its tail.
@@ -376,9 +464,7 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
         const int64_t m = m0 + r;
         const __m256i s = scaled_runs(q, scale, x.row(m) + b * 256);
         const __m256i t = _mm256_madd_epi16(load32(x.run_sums(m, b)), mins);
-        const float dx = x.scale(m, b);
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(s), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(-(dmin * dx)), _mm256_cvtepi32_ps(t), acc[r]);
+        kacc[r] = kquant_acc(kacc[r], d, dmin, x.scale(m, b), hsum_i32(s), hsum_i32(t), true);
       }
     } else {  // Q6_K
       const auto* sc = reinterpret_cast<const int8_t*>(w + 192);
@@ -415,12 +501,12 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
         __m256i s = scaled_runs(q, scales, x.row(m) + b * 256);
         const __m256i c = _mm256_madd_epi16(load32(x.run_sums(m, b)), sc16);
         s = _mm256_sub_epi32(s, _mm256_slli_epi32(c, 5));
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.scale(m, b)), _mm256_cvtepi32_ps(s),
-                                 acc[r]);
+        kacc[r] = kquant_acc(kacc[r], d, 0.f, x.scale(m, b), hsum_i32(s), 0, false);
       }
     }
   }
-  for (int r = 0; r < NR; ++r) out[r] = sum_lanes8(acc[r]);
+  for (int r = 0; r < NR; ++r)
+    out[r] = (Type == kQ4_K || Type == kQ5_K || Type == kQ6_K) ? kacc[r] : sum_lanes8(acc[r]);
 }
 
 template <int64_t Type>
@@ -431,6 +517,101 @@ void rows_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX& x,
     case 2: row_dot_avx2<Type, 2>(w, blocks, bytes, x, m0, out); break;
     case 3: row_dot_avx2<Type, 3>(w, blocks, bytes, x, m0, out); break;
     default: row_dot_avx2<Type, 4>(w, blocks, bytes, x, m0, out); break;
+  }
+}
+// 8 rows of Q4_Kx8 against NR activation rows, the rows in the lanes: per chunk, the 8 rows'
+// 4 codes times 4 activations broadcast (vpmaddubsw; a sub-block's 8 chunks summed in int16,
+// at most 8 * 2 * 15 * 127), then times the rows' scales (vpmaddwd) into int32 per row.
+template <int NR>
+void x8_dot_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, float* out) {
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i m6 = _mm256_set1_epi8(0x3f), m4 = _mm256_set1_epi8(0x0f),
+                top = _mm256_set1_epi8(0x30);
+  const uint8_t* ahead = g + kAhead;
+  for (int64_t b = 0; b < blocks; ++b, g += kX8Bytes) {
+    for (; ahead < g + kX8Bytes + kAhead; ahead += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+    // k_scale_words for 8 rows at once: scale bytes 0-3 and 4-7, minimum bytes 0-3 and 4-7
+    const __m256i u0 = load32(g + 32), u1 = load32(g + 64), u2 = load32(g + 96);
+    const __m256i sc_lo = _mm256_and_si256(u0, m6);
+    const __m256i sc_hi = _mm256_or_si256(_mm256_and_si256(u2, m4),
+                                          _mm256_and_si256(_mm256_srli_epi32(u0, 2), top));
+    const __m256i mn_lo = _mm256_and_si256(u1, m6);
+    const __m256i mn_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4),
+                                          _mm256_and_si256(_mm256_srli_epi32(u1, 2), top));
+    // sub-block j's scale in both int16 lanes of each row: byte j % 4 of the row's word
+    __m256i scale[8];
+    for (int j = 0; j < 8; ++j) {
+      const char o = static_cast<char>(j % 4), z = static_cast<char>(0x80);
+      const __m256i pick = _mm256_setr_epi8(
+          o, z, o, z, o + 4, z, o + 4, z, o + 8, z, o + 8, z, o + 12, z, o + 12, z,
+          o, z, o, z, o + 4, z, o + 4, z, o + 8, z, o + 8, z, o + 12, z, o + 12, z);
+      scale[j] = _mm256_shuffle_epi8(j < 4 ? sc_lo : sc_hi, pick);
+    }
+    // minimums 2k and 2k + 1 in a row's two int16 lanes, against the sub-blocks' sums of x
+    __m256i mins[4];
+    for (int k = 0; k < 4; ++k) {
+      const char o = static_cast<char>(2 * (k % 2)), z = static_cast<char>(0x80);
+      const __m256i pick = _mm256_setr_epi8(
+          o, z, o + 1, z, o + 4, z, o + 5, z, o + 8, z, o + 9, z, o + 12, z, o + 13, z,
+          o, z, o + 1, z, o + 4, z, o + 5, z, o + 8, z, o + 9, z, o + 12, z, o + 13, z);
+      mins[k] = _mm256_shuffle_epi8(k < 2 ? mn_lo : mn_hi, pick);
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
+    const __m256 dmin = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16)));
+    __m256i s[NR];
+    for (int r = 0; r < NR; ++r) s[r] = _mm256_setzero_si256();
+    const uint8_t* qs = g + 128;
+    for (int k = 0; k < 4; ++k) {
+      __m256i lo16[NR], hi16[NR];
+      for (int r = 0; r < NR; ++r) lo16[r] = hi16[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i p = load32(qs + 32 * (8 * k + c));
+        const __m256i qlo = _mm256_and_si256(p, low);
+        const __m256i qhi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+        for (int r = 0; r < NR; ++r) {
+          const int8_t* a = x.row(m0 + r) + b * 256 + 64 * k + 4 * c;
+          int32_t alo, ahi;
+          std::memcpy(&alo, a, 4);
+          std::memcpy(&ahi, a + 32, 4);
+          lo16[r] = _mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(qlo, _mm256_set1_epi32(alo)));
+          hi16[r] = _mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(qhi, _mm256_set1_epi32(ahi)));
+        }
+      }
+      for (int r = 0; r < NR; ++r)
+        s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(_mm256_madd_epi16(lo16[r], scale[2 * k]),
+                                                       _mm256_madd_epi16(hi16[r],
+                                                                         scale[2 * k + 1])));
+    }
+    for (int r = 0; r < NR; ++r) {
+      const int64_t m = m0 + r;
+      // sub-block sums of x: runs of 16 in pairs (vpmaddwd by ones), as int16 pairs 2k, 2k+1
+      const __m256i bs = _mm256_madd_epi16(load32(x.run_sums(m, b)), ones);
+      const __m256i bs16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(bs, bs), 0xd8);
+      __m256i t = _mm256_setzero_si256();
+      for (int k = 0; k < 4; ++k)
+        t = _mm256_add_epi32(t, _mm256_madd_epi16(
+            mins[k], _mm256_permutevar8x32_epi32(bs16, _mm256_set1_epi32(k))));
+      const __m256 dx = _mm256_set1_ps(x.scale(m, b));
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(s[r]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(
+          _mm256_xor_ps(_mm256_mul_ps(dmin, dx), _mm256_set1_ps(-0.f)),
+          _mm256_cvtepi32_ps(t), acc[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+void x8_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, int nr,
+             float* out) {
+  switch (nr) {
+    case 1: x8_dot_avx2<1>(g, blocks, x, m0, out); break;
+    case 2: x8_dot_avx2<2>(g, blocks, x, m0, out); break;
+    case 3: x8_dot_avx2<3>(g, blocks, x, m0, out); break;
+    default: x8_dot_avx2<4>(g, blocks, x, m0, out); break;
   }
 }
 #else
@@ -463,8 +644,20 @@ RowsFn pick(int64_t type, bool portable) {
   }
 }
 
+// 8 interleaved rows (a part row of an x8 layout) against activation rows m0 .. m0 + nr - 1.
+using GroupFn = void (*)(const uint8_t*, int64_t, const QuantX&, int64_t, int, float*);
+
+GroupFn pick_group(bool portable) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if (!portable) return x8_avx2;
+#endif
+  (void)portable;
+  return x8_portable;
+}
+
 // Output rows per unit of work: a unit's weights (~16 rows of a few KB) stay in cache while
-// every activation row passes over them.
+// every activation row passes over them. A unit lies in one part (and so holds whole groups
+// of an x8 part).
 constexpr int64_t kUnit = 16;
 
 template <typename T>
@@ -477,45 +670,57 @@ at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
   // nanoseconds a call, and a call has up to 150k rows (an LM head) times M / kRows passes.
   struct Part {
     const uint8_t* base;
-    int64_t stride, blocks, bytes, end;  // end: one past its last output row
+    int64_t stride, blocks, bytes, begin, n;  // begin: its first output column; n: its rows
     const int64_t* order;
-    RowsFn fn;
+    RowsFn fn;      // a row at a time (the file's layouts)
+    GroupFn group;  // 8 rows at a time (the x8 layouts), else null
     const QuantX* x;
   };
   QuantX x32, x256;
   std::vector<Part> part(P);
+  std::vector<std::pair<size_t, int64_t>> units;  // (part, first row)
   bool need32 = false, need256 = false;
+  int64_t N = 0;
   for (size_t p = 0; p < P; ++p) {
     TypeInfo info;
     type_info(types[p], &info);
     (info.block == 32 ? need32 : need256) = true;
-    const int64_t n = rows[p].numel() ? rows[p].numel() : parts[p].size(0);
+    const bool x8 = info.group > 1;
+    const int64_t n = x8 ? parts[p].size(0) * info.group
+                         : rows[p].numel() ? rows[p].numel() : parts[p].size(0);
     part[p] = {static_cast<const uint8_t*>(parts[p].data_ptr()), parts[p].stride(0),
-               K / info.block, info.bytes, (p ? part[p - 1].end : 0) + n,
+               K / info.block, info.bytes, N, n,
                rows[p].numel() ? rows[p].data_ptr<int64_t>() : nullptr,
-               pick(types[p], portable), info.block == 32 ? &x32 : &x256};
+               x8 ? nullptr : pick(types[p], portable), x8 ? pick_group(portable) : nullptr,
+               info.block == 32 ? &x32 : &x256};
+    for (int64_t r = 0; r < n; r += kUnit) units.emplace_back(p, r);
+    N += n;
   }
-  const int64_t N = part[P - 1].end;
   const T* xp = x.data_ptr<T>();
   if (need32) quantize_x(xp, M, K, 32, x32);
   if (need256) quantize_x(xp, M, K, 256, x256);
   auto y = at::empty({M, N}, x.options());
   T* yp = y.data_ptr<T>();
-  const int64_t units = (N + kUnit - 1) / kUnit;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    float out[kRows];
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    float out[kRows * 8];
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t n0 = u * kUnit, n1 = std::min(N, n0 + kUnit);
+      const Part& q = part[units[u].first];
+      const int64_t r0 = units[u].second, r1 = std::min(q.n, r0 + kUnit);
       for (int64_t m0 = 0; m0 < M; m0 += kRows) {
         const int nr = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-        size_t p = 0;
-        for (int64_t n = n0; n < n1; ++n) {
-          while (n >= part[p].end) ++p;
-          const Part& q = part[p];
-          const int64_t local = n - (p ? part[p - 1].end : 0);
-          const uint8_t* w = q.base + (q.order ? q.order[local] : local) * q.stride;
+        if (q.group != nullptr) {
+          for (int64_t r = r0; r < r1; r += 8) {
+            q.group(q.base + (r / 8) * q.stride, q.blocks, *q.x, m0, nr, out);
+            for (int a = 0; a < nr; ++a)
+              for (int i = 0; i < 8; ++i)
+                yp[(m0 + a) * N + q.begin + r + i] = static_cast<T>(out[8 * a + i]);
+          }
+          continue;
+        }
+        for (int64_t r = r0; r < r1; ++r) {
+          const uint8_t* w = q.base + (q.order ? q.order[r] : r) * q.stride;
           q.fn(w, q.blocks, q.bytes, *q.x, m0, nr, out);
-          for (int r = 0; r < nr; ++r) yp[(m0 + r) * N + n] = static_cast<T>(out[r]);
+          for (int a = 0; a < nr; ++a) yp[(m0 + a) * N + q.begin + r] = static_cast<T>(out[a]);
         }
       }
     }
@@ -587,11 +792,53 @@ void check_part(const char* fn, const at::Tensor& part, int64_t type, int64_t K)
               ": a row of ", part.size(1), " bytes is not ", K, " inputs of GGML type ", type);
 }
 
+// The x8 layout gguf_repack makes of a GGML type, or 0.
+int64_t x8_of(int64_t type) { return type == kQ4_K ? kQ4_Kx8 : 0; }
+
 }  // namespace
 
 bool gguf_supports(int64_t type) {
   TypeInfo info;
   return type_info(type, &info);
+}
+
+int64_t gguf_repacked_type(int64_t type) { return x8_of(type); }
+
+// Rows `order` (int64, output order; empty: all in order) of a [N, row bytes] part of GGML type
+// `type` with K inputs, 8 at a time interleaved into the type's x8 layout:
+// [rows / 8, K / block * 8 * block bytes]. The same bytes, and gguf_linear gives the same bits.
+at::Tensor gguf_repack(const at::Tensor& part, int64_t type, int64_t K, const at::Tensor& order) {
+  kvs::check_cpu("gguf_repack", part, order);
+  check_part("gguf_repack", part, type, K);
+  const int64_t x8 = x8_of(type);
+  TORCH_CHECK(x8 != 0, "gguf_repack: GGML type ", type, " has no interleaved layout");
+  const int64_t n = order.numel() ? order.numel() : part.size(0);
+  TORCH_CHECK(n % 8 == 0, "gguf_repack: ", n, " rows is not a multiple of 8");
+  const int64_t* ord = nullptr;
+  if (order.numel()) {
+    TORCH_CHECK(order.scalar_type() == at::kLong && order.dim() == 1 && order.is_contiguous(),
+                "gguf_repack: order must be int64 [N]");
+    ord = order.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i)
+      TORCH_CHECK(ord[i] >= 0 && ord[i] < part.size(0), "gguf_repack: row out of range");
+  }
+  TypeInfo info, out_info;
+  type_info(type, &info);
+  type_info(x8, &out_info);
+  const int64_t blocks = K / info.block;
+  auto out = at::empty({n / 8, blocks * out_info.bytes}, at::kByte);
+  const auto* base = static_cast<const uint8_t*>(part.data_ptr());
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n / 8, 16, [&](int64_t begin, int64_t end) {
+    const uint8_t* src[8];
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t b = 0; b < blocks; ++b) {
+        for (int r = 0; r < 8; ++r)
+          src[r] = base + (ord ? ord[8 * g + r] : 8 * g + r) * part.stride(0) + b * info.bytes;
+        x8_pack(src, op + g * out.stride(0) + b * out_info.bytes);
+      }
+  });
+  return out;
 }
 
 std::string gguf_path(bool portable) {
@@ -616,6 +863,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
   const int64_t K = x.size(1);
   for (size_t p = 0; p < parts.size(); ++p) {
     check_part("gguf_linear", parts[p], types[p], K);
+    TORCH_CHECK(types[p] < kX8 || rows[p].numel() == 0,
+                "gguf_linear: an interleaved part takes no row order (gguf_repack applies it)");
     if (rows[p].numel()) {
       TORCH_CHECK(rows[p].scalar_type() == at::kLong && rows[p].dim() == 1 &&
                       rows[p].is_contiguous(), "gguf_linear: rows must be int64 [N]");
@@ -635,6 +884,7 @@ at::Tensor gguf_rows(const at::Tensor& part, int64_t type, int64_t K, const at::
                      at::ScalarType dtype) {
   kvs::check_cpu("gguf_rows", part, ids);
   check_part("gguf_rows", part, type, K);
+  TORCH_CHECK(type < kX8, "gguf_rows: the file's layouts only, not an interleaved one");
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "gguf_rows: ids int64 [T]");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "gguf_rows: float32 or bf16");
   TypeInfo info;
