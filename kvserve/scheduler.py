@@ -691,7 +691,6 @@ class Scheduler:
 # little prompt work (the step that costs most on a slow machine).
 CALIBRATION_ROWS = 4
 CALIBRATION_PROMPT = 8
-CALIBRATION_SALT = "kvserve-calibration"  # its blocks never serve a real request's prefix
 
 
 def calibration_requests(vocab_size: int) -> tuple[Request, list[Request]]:
@@ -700,8 +699,7 @@ def calibration_requests(vocab_size: int) -> tuple[Request, list[Request]]:
     def req(i: int, prompt: int, out: int) -> Request:
         ids = [(7919 * (i * 64 + k) + 1) % vocab_size for k in range(prompt)]
         sp = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
-        return Request(f"calibration-{i}", ids, sp, frozenset(), out,
-                       cache_salt=CALIBRATION_SALT)
+        return Request(f"calibration-{i}", ids, sp, frozenset(), out)
 
     return req(0, CALIBRATION_PROMPT, 2), [req(i + 1, CALIBRATION_PROMPT, i + 2)
                                            for i in range(CALIBRATION_ROWS)]

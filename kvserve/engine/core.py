@@ -268,6 +268,9 @@ class EngineCore:
         t0 = time.perf_counter()
         warmup, measured = calibration_requests(self.vocab_size)
         saved = faults.install(None)  # a test's injected faults are for its own requests
+        # Its blocks are neither looked up nor hashed: nothing of it is kept in the prefix
+        # cache or written to its tiers.
+        caching, self.kv.enable_prefix_caching = self.kv.enable_prefix_caching, False
         try:
             self.add_request(warmup)
             self._run_to_end()
@@ -277,6 +280,7 @@ class EngineCore:
             self._run_to_end()
         finally:
             faults.install(saved)
+            self.kv.enable_prefix_caching = caching
         cost.fit_now()
         sched = self.scheduler
         sched.num_preemptions = 0
