@@ -193,6 +193,10 @@ def main() -> int:
                                 args.start_timeout, warmup=False)
         try:
             streams, long = asyncio.run(run(server.url, args))
+            if name.startswith("kvserve"):  # what the scheduler did, step by step
+                steps = httpx.get(f"{server.url}/v1/engine/steps?limit=1000", timeout=30,
+                                  trust_env=False).text
+                (out_dir / f"{safe}-steps.json").write_text(steps)
         finally:
             server.stop()
         summary = summarize(name, streams, long)

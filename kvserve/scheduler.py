@@ -587,8 +587,10 @@ class Scheduler:
         now). Give back what the batch cannot carry, and say so in `step.out`:
         - requests still in their prompt go back to the queue, first, in arrival order (their
           full blocks stay in the prefix cache), but for the oldest running request;
-        - the latest admitted are preempted by recompute until the rest's decode rows (with
-          MIN_PROMPT_TOKENS) are predicted to fit the target; one always stays.
+        - the latest admitted is preempted by recompute if the rest's decode rows (with
+          MIN_PROMPT_TOKENS) are still not predicted to fit the target; one always stays.
+          One per recovery: a burst of a neighbour's load looks like a slower machine for a
+          few steps, and should not cost every stream its place.
         Then (as in every step with shed_late_requests) _refuse_late refuses the queued
         requests that are now predicted to miss their TTFT target."""
         self._overruns = 0
@@ -600,11 +602,11 @@ class Scheduler:
                 self.running.remove(req)
                 self._preempt(req, now, requeue=True)
                 step.out.requeued.append(req)
-        while len(self.running) > 1 and self.cost.coef is not None:
+        if len(self.running) > 1 and self.cost.coef is not None:
             context = sum(r.num_tokens for r in self.running)
             shape = StepShape(MIN_PROMPT_TOKENS, len(self.running), context)
             if self.cost.predict(shape) <= self._target():  # type: ignore[operator]
-                break
+                return
             victim = max(self.running, key=lambda r: r.arrival_time)
             self.running.remove(victim)
             self._preempt(victim, now)

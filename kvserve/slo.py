@@ -92,10 +92,14 @@ class StepCostModel:
 
     def fit_now(self) -> None:
         """Fit on what was observed so far (a calibration run's steps, fewer than
-        min_samples but chosen to tell the coefficients apart) and start predicting."""
+        min_samples but chosen to tell the fixed cost, a prompt token and a decode row
+        apart) and start predicting. Their short contexts say nothing of attention, whose
+        column would only soak up noise: c3 is 0 until the online refits see longer ones."""
         if len(self._y) < 2:
             raise ValueError("a calibration needs at least two steps")
-        self._fit()
+        self._since_fit = 0
+        x = np.array(self._x, dtype=np.float64)[:, :3]
+        self.coef = np.append(nonnegative_lstsq(x, np.array(self._y, dtype=np.float64)), 0.0)
         self.calibrated = True
         self._ratios.clear()
 
