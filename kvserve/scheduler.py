@@ -583,8 +583,9 @@ class Scheduler:
 
     def _recover(self, step: _Step) -> None:
         """Steps with decodes ran over the ITL target OVERRUN_STEPS times in a row: the cost
-        model was wrong, or the machine slowed (the model's drift has caught up with it by
-        now). Give back what the batch cannot carry, and say so in `step.out`:
+        model was wrong, or the machine slowed. The model's drift is judged by those steps
+        and folded into its fit (StepCostModel.rebase), so admission and step sizing follow
+        at once; and what the batch cannot carry is given back (said in `step.out`):
         - requests still in their prompt go back to the queue, first, in arrival order (their
           full blocks stay in the prefix cache), but for the oldest running request;
         - the latest admitted is preempted by recompute if the rest's decode rows (with

@@ -206,3 +206,12 @@ def test_a_machine_that_slows_down_halfway_shrinks_the_batch_back(tiny_llama_dir
     bound = first + OVERRUN_STEPS + DRIFT_MIN_SAMPLES + 4
     assert max(over) <= bound, (over, bound)
     assert sum(s.preempted + s.requeued for s in core.steps if s.step > first) > 0
+
+
+def test_a_late_refusal_is_a_429():
+    """A queued request refused as predicted to miss its TTFT target is a 429 to the client,
+    like one refused on arrival; any other engine error stays a 500."""
+    from kvserve.server.app import _failure
+
+    assert _failure(LATE_REFUSAL)[0] == 429
+    assert _failure("RuntimeError: boom") == (500, "request failed: RuntimeError: boom")
