@@ -39,6 +39,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_llamacpp as harness  # noqa: E402
 
 
+def busy(server: harness.Server) -> bool:
+    """Whether the server holds a request now: kvserve's engine stats, or llama-server's
+    slots."""
+    get = lambda path: harness.httpx.get(server.url + path, timeout=5, trust_env=False)  # noqa: E731
+    try:
+        r = get("/v1/engine/stats")
+        if r.status_code == 200:
+            stats = r.json()
+            return stats["running"] + stats["waiting"] > 0
+        r = get("/slots")
+        return r.status_code == 200 and any(s.get("is_processing") for s in r.json())
+    except (harness.httpx.HTTPError, ValueError, KeyError, TypeError):
+        return False
+
+
+def wait_for_first_request(server: harness.Server, client) -> None:
+    """Until the arrivals have begun (the client takes a few seconds to start), so that a
+    restart comes at its fraction of the arrivals' span."""
+    while client.poll() is None and not busy(server):
+        time.sleep(0.1)
+
+
 def bench(server: harness.Server, spec: harness.ServerSpec, args: argparse.Namespace,
           seed: int, out: Path) -> tuple[dict, harness.Server]:
     """One client run against `server`; returns its summary and the server now serving
@@ -54,6 +76,7 @@ def bench(server: harness.Server, spec: harness.ServerSpec, args: argparse.Names
     with open(out.with_suffix(".txt"), "w") as report:
         proc = harness.subprocess.Popen(cmd, stdout=report, stderr=harness.subprocess.STDOUT)
         if args.restart_at is not None:
+            wait_for_first_request(server, proc)
             time.sleep(args.restart_at * args.num_prompts / args.rate)
             if proc.poll() is None:
                 harness.log("  restarting the server")
