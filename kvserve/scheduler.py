@@ -573,6 +573,16 @@ class Scheduler:
             self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def forget_history(self) -> None:
+        """Forget what the requests run so far did (the start-up calibration's), but the
+        step cost model's fit: counts, leave times, overruns, prompt allowance."""
+        self.num_preemptions = 0
+        self._overruns = 0
+        self._left.clear()
+        self._ttft_ratios.clear()
+        self.prompt_allowance = None
+        self.short_run = ShortStepRun()
+
     def observe_step(self, shape: StepShape, seconds: float) -> None:
         """A step of `shape` took `seconds` (all of it: the gap a decoding request sees):
         feed the cost model, and count steps with decodes over the ITL target in a row."""

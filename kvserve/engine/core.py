@@ -257,6 +257,7 @@ class EngineCore:
         self._pending: list[CoreOutput] = []
         self._step_start: tuple | None = None  # a step's timings until record_step
         self.itl_budget_default = args.target_itl_ms is None  # the default step budget
+        self.calibration_seconds: float | None = None
         if args.target_itl_ms != 0 or targets.ttft_s is not None:
             self.calibrate()
             self._resolve_itl_budget()
@@ -269,8 +270,12 @@ class EngineCore:
         warmup, measured = calibration_requests(self.vocab_size)
         saved = faults.install(None)  # a test's injected faults are for its own requests
         # Its blocks are neither looked up nor hashed: nothing of it is kept in the prefix
-        # cache or written to its tiers.
+        # cache or written to its tiers. Its steps are the token budget's, whatever the
+        # targets (with no fit, a target would admit one prompt at a time).
         caching, self.kv.enable_prefix_caching = self.kv.enable_prefix_caching, False
+        sched = self.scheduler
+        config = sched.config
+        sched.config = dataclasses.replace(config, target_itl_s=None, shed_late_requests=False)
         try:
             self.add_request(warmup)
             self._run_to_end()
@@ -281,10 +286,9 @@ class EngineCore:
         finally:
             faults.install(saved)
             self.kv.enable_prefix_caching = caching
+            sched.config = config
         cost.fit_now()
-        sched = self.scheduler
-        sched.num_preemptions = 0
-        sched._left.clear()
+        sched.forget_history()
         self.kv.stats.queries = 0
         self.kv.stats.hits.clear()
         self.steps.clear()
@@ -309,6 +313,7 @@ class EngineCore:
             self.config = dataclasses.replace(self.config, scheduler=config)
         c = cost.coef
         assert c is not None
+        assert self.calibration_seconds is not None
         log.info("step cost calibrated in %.2f s: fixed %.1f ms, a prompt token %.2f ms, a "
                  "decode row %.2f ms, 1k attended pairs %.3f ms", self.calibration_seconds,
                  1e3 * c[0], 1e3 * c[1], 1e3 * c[2], 1e3 * c[3])
