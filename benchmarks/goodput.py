@@ -3,9 +3,14 @@ kvserve without them and against llama.cpp's llama-server, side by side in one r
 server driven by `kvserve bench serve --goodput` with the same Poisson arrivals.
 
     python benchmarks/goodput.py --model M.gguf --rate 1.5 --num-prompts 120 \\
-        [--ttft-ms 10000] [--itl-ms 150] [--slots 4,8,16,32] [--repeats 1]
+        [--ttft-ms 10000] [--itl-ms 150] [--slots 4,8,16,32] [--repeats 1] \\
+        [--no-warmup] [--restart-at 0.5]
 
-Servers, one at a time, each on a free port with one warm-up request:
+Servers, one at a time, each on a free port with one warm-up request (with --no-warmup, none:
+a fresh server for every repeat, whose first request is a measured one; with --restart-at F,
+the server is stopped (SIGTERM: it drains what it holds) and started again, cold, on the same
+port after F of the arrivals' span, as a restarted or newly added replica would be; requests
+meanwhile fail, and count so):
 
   kvserve            `kvserve serve` with its defaults
   kvserve-targets    the same with --target-ttft-ms, --target-itl-ms and --shed-late-requests
@@ -27,13 +32,39 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_llamacpp as harness  # noqa: E402
 
 
-def bench(server: harness.Server, args: argparse.Namespace, seed: int, out: Path) -> dict:
+def busy(server: harness.Server) -> bool:
+    """Whether the server holds a request now: kvserve's engine stats, or llama-server's
+    slots."""
+    get = lambda path: harness.httpx.get(server.url + path, timeout=5, trust_env=False)  # noqa: E731
+    try:
+        r = get("/v1/engine/stats")
+        if r.status_code == 200:
+            stats = r.json()
+            return stats["running"] + stats["waiting"] > 0
+        r = get("/slots")
+        return r.status_code == 200 and any(s.get("is_processing") for s in r.json())
+    except (harness.httpx.HTTPError, ValueError, KeyError, TypeError):
+        return False
+
+
+def wait_for_first_request(server: harness.Server, client) -> None:
+    """Until the arrivals have begun (the client takes a few seconds to start), so that a
+    restart comes at its fraction of the arrivals' span."""
+    while client.poll() is None and not busy(server):
+        time.sleep(0.1)
+
+
+def bench(server: harness.Server, spec: harness.ServerSpec, args: argparse.Namespace,
+          seed: int, out: Path) -> tuple[dict, harness.Server]:
+    """One client run against `server`; returns its summary and the server now serving
+    (another one after a --restart-at)."""
     cmd = [*harness.KVSERVE, "bench", "serve", "--base-url", server.url, "--dataset", "random",
            "--random-input-len", str(args.input_len), "--random-output-len",
            str(args.output_len), "--num-prompts", str(args.num_prompts), "--request-rate",
@@ -41,16 +72,28 @@ def bench(server: harness.Server, args: argparse.Namespace, seed: int, out: Path
            "--timeout", str(args.timeout), "--goodput", f"ttft:{args.ttft_ms:g}",
            f"tpot:{args.itl_ms:g}", "--save-result", str(out)]
     foreign = harness.ForeignCpu(server.proc.pid)
+    restarted: float | None = None
     with open(out.with_suffix(".txt"), "w") as report:
-        rc = harness.subprocess.run(cmd, stdout=report, stderr=harness.subprocess.STDOUT
-                                    ).returncode
+        proc = harness.subprocess.Popen(cmd, stdout=report, stderr=harness.subprocess.STDOUT)
+        if args.restart_at is not None:
+            wait_for_first_request(server, proc)
+            time.sleep(args.restart_at * args.num_prompts / args.rate)
+            if proc.poll() is None:
+                harness.log("  restarting the server")
+                server.stop()
+                server = harness.Server(spec, server.log_path, args.start_timeout,
+                                        warmup=False, port=server.port)
+                restarted = server.healthy_after
+        rc = proc.wait()
     if rc != 0 or not out.is_file():
         raise RuntimeError(f"bench serve exited with {rc}; see {out.with_suffix('.txt')}")
     summary = json.loads(out.read_text())["summary"]
-    summary["other_cores"] = foreign.cores()
+    # a restarted server is another process tree: its CPU would count as foreign
+    summary["other_cores"] = foreign.cores() if args.restart_at is None else None
+    summary["restart_healthy_s"] = restarted
     summary["command"] = harness.shown_command(
         [a if a != str(out) else "RESULT.json" for a in cmd], server.port)
-    return summary
+    return summary, server
 
 
 def row(name: str, runs: list[dict]) -> str:
@@ -93,7 +136,14 @@ def main() -> int:
     p.add_argument("--cache-dir", type=Path, default=Path("~/.cache/kvserve-bench"))
     p.add_argument("--out-dir", type=Path, default=None)
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--no-warmup", action="store_true",
+                   help="no warm-up request: a fresh server for each repeat, measured cold")
+    p.add_argument("--restart-at", type=float, default=None, metavar="F",
+                   help="restart the server (cold, same port) after this fraction of the "
+                        "arrivals' span, e.g. 0.5")
     args = p.parse_args()
+    if args.restart_at is not None and not 0 < args.restart_at < 1:
+        p.error("--restart-at is a fraction in (0, 1)")
     if args.rate <= 0 or args.num_prompts < 1 or args.ttft_ms <= 0 or args.itl_ms <= 0:
         p.error("--rate, --num-prompts, --ttft-ms and --itl-ms must be positive")
     peers = harness.Peers(args.cache_dir.expanduser())
@@ -125,20 +175,30 @@ def main() -> int:
         harness.log(f"{name}")
         spec = harness.ServerSpec(argv, "/health")
         safe = "".join(c if c.isalnum() else "-" for c in name)[:60]
-        server = harness.Server(spec, out_dir / f"{safe}.log", args.start_timeout)
+        server: harness.Server | None = None
         try:
             for i in range(args.repeats):
-                s = bench(server, args, args.seed + i, out_dir / f"{safe}-{i}.json")
+                if server is None:
+                    server = harness.Server(spec, out_dir / f"{safe}.log", args.start_timeout,
+                                            warmup=not args.no_warmup)
+                s, server = bench(server, spec, args, args.seed + i,
+                                  out_dir / f"{safe}-{i}.json")
                 results.setdefault(name, []).append(s)
                 harness.log(f"  goodput {s['goodput']:.3f} req/s, {s['good_requests']} good "
                             f"of {s['completed']} served, {s['failed']} refused or failed; "
                             f"errors {s['errors']}")
+                if args.no_warmup:  # the next repeat gets a cold server of its own
+                    server.stop()
+                    server = None
         finally:
-            server.stop()
+            if server is not None:
+                server.stop()
     print(f"\nPoisson arrivals at {args.rate:g} req/s, {args.num_prompts} prompts of "
           f"{args.input_len} tokens, {args.output_len} out; targets TTFT <= "
           f"{args.ttft_ms / 1e3:g} s, TPOT <= {args.itl_ms:g} ms; model {args.model.name}; "
-          f"medians of {args.repeats} run(s); results in {out_dir}\n")
+          f"{'cold servers (no warm-up)' if args.no_warmup else 'one warm-up request'}"
+          f"{f'; restarted at {args.restart_at:g} of the arrivals' if args.restart_at else ''};"
+          f" medians of {args.repeats} run(s); results in {out_dir}\n")
     print(HEADER)
     for name, runs in results.items():
         print(row(name, runs))

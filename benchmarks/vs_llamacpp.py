@@ -409,13 +409,16 @@ def free_port() -> int:
 
 
 class Server:
-    """A server process, started on a free port and healthy (or raising) on return."""
+    """A server process, started on a free port (or `port`) and healthy (or raising) on
+    return, after one warm-up request unless `warmup` is False."""
 
-    def __init__(self, spec: ServerSpec, log_path: Path, start_timeout: float) -> None:
-        self.port = free_port()
+    def __init__(self, spec: ServerSpec, log_path: Path, start_timeout: float,
+                 warmup: bool = True, port: int | None = None) -> None:
+        self.port = free_port() if port is None else port
         self.argv = [a.replace("{port}", str(self.port)) for a in spec.argv]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        self.healthy_after: float | None = None  # seconds from start to a healthy answer
         log(f"  $ {command_str(self.argv)}")
         with open(log_path, "a") as out:
             out.write(f"\n$ {command_str(self.argv)}\n")
@@ -425,6 +428,8 @@ class Server:
                                          env={**os.environ, **dict(spec.env)})
         try:
             self._wait_healthy(spec.health_path, start_timeout)
+            if not warmup:
+                return
             # One unrelated request, so that the first measured one does not pay for warm-up.
             httpx.post(f"{self.url}/v1/completions", timeout=300, trust_env=False,
                        json={"prompt": "Hello there, how", "max_tokens": 8, "temperature": 0})
@@ -437,7 +442,8 @@ class Server:
         while True:
             try:
                 if httpx.get(self.url + path, timeout=2, trust_env=False).status_code == 200:
-                    log(f"  healthy after {time.perf_counter() - t0:.1f} s")
+                    self.healthy_after = time.perf_counter() - t0
+                    log(f"  healthy after {self.healthy_after:.1f} s")
                     return
             except httpx.TransportError:
                 pass

@@ -53,6 +53,19 @@ def fraction(text: str) -> float:
     return value
 
 
+def itl_target(text: str) -> float:
+    """--target-itl-ms: milliseconds > 0, or 0 / off for no step-time budget."""
+    if text.strip().lower() == "off":
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not milliseconds >= 0 or 'off'")
+    return value
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     from kvserve.bench.serve import positive_float  # imported for the parser anyway
 
@@ -77,10 +90,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="time-to-first-token target: goodput counts requests within it (and "
                         "--target-itl-ms); with --shed-late-requests the server refuses (429) "
                         "requests predicted to miss it")
-    g.add_argument("--target-itl-ms", type=positive_float, default=None, metavar="MS",
+    g.add_argument("--target-itl-ms", type=itl_target, default=None, metavar="MS|off",
                    help="inter-token latency target (checked as time per output token): each "
                         "step's prompt work and the admission of new requests are sized by a "
-                        "step cost model fitted online so that decode steps stay within it")
+                        "step cost model, calibrated at start-up and fitted online, so that "
+                        "decode steps stay within it (default: a 500 ms step budget, or four "
+                        "one-row decode steps where longer, not counted as a goodput target; "
+                        "0 or off: steps sized by the token budget alone)")
     g.add_argument("--shed-late-requests", action="store_true",
                    help="serve: answer 429 (with Retry-After) at once to a request predicted "
                         "to miss --target-ttft-ms, instead of queueing it")

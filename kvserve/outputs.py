@@ -111,6 +111,11 @@ class RequestTimes:
                    req.num_cached_tokens)
 
 
+# The `error` of a queued request refused because it is predicted to miss its TTFT target
+# (--shed-late-requests, Scheduler._recover): the server answers it with a 429.
+LATE_REFUSAL = "refused: predicted to miss its TTFT target (--target-ttft-ms)"
+
+
 @dataclass
 class CoreOutput:
     """What one step did to one scheduled request (a sample), from the engine core to the

@@ -11,18 +11,24 @@ KV pool runs dry the most recently arrived running request is preempted by recom
 blocks are freed and it restarts from the waiting queue later, keeping the tokens it already
 generated.
 
-With a target for inter-token latency (`SchedulerConfig.target_itl_s`), once the step cost
-model (kvserve.slo) has seen enough steps, and while it predicts that the target can be met at
-all, steps are sized by it:
-- a step that carries decodes gets only as much prompt work as keeps its predicted time
+With a target for inter-token latency (`SchedulerConfig.target_itl_s`; the engine sets a
+default step-time budget, kvserve.slo.default_itl_budget), steps that carry decodes are sized
+by the step cost model (kvserve.slo); how depends on what it knows (`Sizing`):
+- "fit": a step that carries decodes gets only as much prompt work as keeps its predicted time
   within TARGET_MARGIN of the target (but at least MIN_PROMPT_TOKENS, so prompts always
   progress), and short prompt steps pause while requests decode (each would add a whole step
-  to a decode's gap);
-- a new request is admitted only while the batch's steady load, with it, is predicted to
-  fit: every running request adds a decode row to each step, and its prompt spread over its
-  output (prompt tokens / max_tokens per step: the prompt work the steps must carry for
-  prompts to keep pace with the requests finishing), up to half of what a step can hold.
-With no target, or before the model is fitted, nothing changes.
+  to a decode's gap); a new request is admitted only while the batch's steady load, with it,
+  is predicted to fit: every running request adds a decode row to each step, and its prompt
+  spread over its output (prompt tokens / max_tokens per step: the prompt work the steps must
+  carry for prompts to keep pace with the requests finishing), up to half of what a step can
+  hold;
+- "unsure" (not fitted yet): one prompt at a time, and UNSURE_PROMPT_TOKENS of prompt work
+  beside decodes; never admission as if there were no target;
+- "infeasible" (not even one decode row with MIN_PROMPT_TOKENS is predicted within the
+  target): one request at a time, the shortest gaps this machine can give.
+Steps with prompts only run the whole token budget in every case. When measured steps with
+decodes run over the target OVERRUN_STEPS times in a row, `_recover` gives back what the batch
+cannot carry. With no target nothing changes.
 """
 
 from __future__ import annotations
@@ -32,11 +38,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager, KVTransfers
 from kvserve.request import Request, RequestStatus
+from kvserve.sampling_params import SamplingParams
 from kvserve.slo import StepCostModel, StepShape, prompt_attended
+
+# How steps are sized under an ITL target (see the module docstring); "off": no target.
+Sizing = Literal["off", "unsure", "infeasible", "fit"]
 
 # Short prompt steps stop adding prompts at this many tokens: from about 32 rows the matmuls
 # here are compute-bound, their time linear in rows, so a bigger step would only make its
@@ -49,6 +60,17 @@ MIN_PROMPT_TOKENS = 4
 # Steps are planned to this share of the ITL target: what a client sees between two tokens
 # also holds the server's own work between steps and the cost model's error.
 TARGET_MARGIN = 0.9
+# Under an ITL target with no fitted cost model: the prompt work a step with decodes gets
+# (a short prompt step's worth: well under a 500 ms budget at the ~12 ms a prompt token of a
+# 1.5B model on 2 cores).
+UNSURE_PROMPT_TOKENS = SHORT_STEP_TOKENS
+# Steps with decodes measured over the ITL target this many times in a row make the scheduler
+# give back what the batch cannot carry (Scheduler._recover): one slow step is noise, four
+# are a batch too big for this machine now.
+OVERRUN_STEPS = 4
+# With --shed-late-requests, each step checks this many queued requests (from the head) for a
+# TTFT target they will now miss: the rest are checked as they move up.
+REFUSAL_SCAN = 16
 # Requests leaving the batch per second are measured over this many seconds, for the
 # predicted wait for a seat.
 LEAVE_RATE_WINDOW = 30.0
@@ -91,7 +113,7 @@ class _Step:
     now: float
     granted: set[str] = field(default_factory=set)  # requests scheduled in this step
     isolating: bool = False  # a step for one suspect request (see Scheduler.quarantine)
-    targeted: bool = False  # sized by the cost model under the ITL target
+    sizing: Sizing = "off"  # how the ITL target sizes it
 
 
 @dataclass
@@ -101,6 +123,10 @@ class SchedulerOutput:
     # prefix-cache tier copies the step needs before its forward (done by the engine core)
     kv_transfers: KVTransfers = field(default_factory=KVTransfers)
     attended: int = 0  # (query, key) pairs its queries attend to, for the step cost model
+    # Scheduler._recover: running requests sent back to the queue, and queued ones refused
+    # as predicted to miss their TTFT target (the engine fails them with LATE_REFUSAL)
+    requeued: list[Request] = field(default_factory=list)
+    refused: list[Request] = field(default_factory=list)
 
     @property
     def shape(self) -> StepShape:
@@ -130,6 +156,7 @@ class Scheduler:
         self._left: deque[float] = deque(maxlen=512)  # times requests left the batch
         self._predicted: dict[str, float] = {}  # request id -> uncalibrated TTFT on arrival
         self._ttft_ratios: deque[float] = deque(maxlen=TTFT_CALIBRATION_WINDOW)
+        self._overruns = 0  # steps with decodes over the ITL target in a row
 
     def check_request(self, req: Request) -> None:
         """Raise ValueError if `req` could never be served within the configured limits."""
@@ -180,10 +207,14 @@ class Scheduler:
         out, run = step.out, self.short_run
         short = self.config.max_num_batched_tokens // 4
         is_short = lambda r: r.num_tokens - self.kv.num_pool_hit_tokens(r) <= short  # noqa: E731
+        if self._overruns >= OVERRUN_STEPS:
+            self._recover(step)
+        if self.config.shed_late_requests:
+            self._refuse_late(step)
         prompts = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         decoding = len(prompts) < len(self.running)
-        step.targeted = self._target_feasible()
-        if not step.targeted:
+        step.sizing = self.sizing()
+        if step.sizing == "off":
             self.prompt_allowance = None
 
         # 0. Short prompt work (a question after a cached system prompt, the last chunk of a
@@ -193,7 +224,7 @@ class Scheduler:
         # The short work present when such a run starts is served in steps of about
         # SHORT_STEP_TOKENS, so the first prompts need not wait for the last; then comes a
         # normal step, so decodes are never starved by short work arriving all the time.
-        if self.config.short_prompt_steps and not (step.targeted and decoding):
+        if self.config.short_prompt_steps and not (step.sizing != "off" and decoding):
             if not run.backlog and not run.last_step_short:
                 run.backlog = {r.request_id for r in prompts
                                if r.num_tokens - r.num_computed_tokens <= short}
@@ -225,7 +256,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or prompt work
             if step.budget > 0:
                 self._run(req, step)
-        if step.targeted and decoding:
+        if step.sizing != "off" and decoding:
             self._limit_prompt_work(step, prompts)
 
         # 2. Short prompt work goes next, in arrival order, using at most half of what is
@@ -248,11 +279,17 @@ class Scheduler:
         assert self.config.target_itl_s is not None
         return TARGET_MARGIN * self.config.target_itl_s
 
+    def sizing(self) -> Sizing:
+        """How the ITL target sizes steps now (see the module docstring)."""
+        if self.config.target_itl_s is None:
+            return "off"
+        if self.cost.coef is None:
+            return "unsure"
+        return "fit" if self._target_feasible() else "infeasible"
+
     def _target_feasible(self) -> bool:
         """Whether the ITL target is set, the cost model fitted, and a step of one decode
-        and MIN_PROMPT_TOKENS of prompt work predicted within it. A target no step can meet
-        would only serialize the requests (and cost throughput) for no request's good, so
-        then the steps are sized as with no target."""
+        and MIN_PROMPT_TOKENS of prompt work predicted within it."""
         if self.config.target_itl_s is None:
             return False
         shape = StepShape(MIN_PROMPT_TOKENS, 1, prompt_attended(0, MIN_PROMPT_TOKENS) + 1)
@@ -261,7 +298,12 @@ class Scheduler:
 
     def _limit_prompt_work(self, step: _Step, prompts: list[Request]) -> None:
         """Cut the step's remaining budget to the prompt tokens that keep it within the ITL
-        target with the decodes already in it (MIN_PROMPT_TOKENS at least)."""
+        target with the decodes already in it (MIN_PROMPT_TOKENS at least; with no fitted
+        model, UNSURE_PROMPT_TOKENS)."""
+        if step.sizing == "unsure":
+            step.budget = min(step.budget, UNSURE_PROMPT_TOKENS)
+            self.prompt_allowance = step.budget
+            return
         out = step.out
         base = StepShape(0, out.num_tokens, sum(
             prompt_attended(s.request.num_computed_tokens, s.num_new_tokens)
@@ -276,6 +318,14 @@ class Scheduler:
     def _prompt_share(num_prompt_tokens: int, max_tokens: int) -> float:
         """The prompt tokens per step that a request's prompt costs over its life."""
         return num_prompt_tokens / max(max_tokens, 1)
+
+    def _may_admit(self, req: Request, sizing: Sizing) -> bool:
+        """Whether the ITL target lets `req` join the batch now (see `Sizing`)."""
+        if sizing == "unsure":  # one prompt at a time
+            return not any(r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
+        if sizing == "infeasible":  # one request at a time
+            return not self.running
+        return sizing == "off" or self._fits_target(req.num_prompt_tokens, req.max_tokens)
 
     def _fits_target(self, num_prompt_tokens: int, max_tokens: int, extra: int = 0) -> bool:
         """Under the ITL target: whether the batch's steady load (see the module docstring)
@@ -300,17 +350,19 @@ class Scheduler:
         predicted = self.cost.predict(shape)
         return predicted is None or predicted <= self._target()
 
-    def predicted_ttft(self, num_tokens: int, max_tokens: int, now: float | None = None
-                       ) -> float | None:
+    def predicted_ttft(self, num_tokens: int, max_tokens: int, now: float | None = None,
+                       position: int | None = None) -> float | None:
         """Seconds from now to the first token of a request of `num_tokens` prompt tokens
-        (and `max_tokens`) if it were queued now: _predict_ttft, scaled by how the last
-        requests' predictions compared with their measured TTFTs (ttft_calibration)."""
-        predicted = self._predict_ttft(num_tokens, max_tokens, now)
+        (and `max_tokens`) if it were queued now (or were at `position` in the queue):
+        _predict_ttft, scaled by how the last requests' predictions compared with their
+        measured TTFTs (ttft_calibration)."""
+        predicted = self._predict_ttft(num_tokens, max_tokens, now, position)
         return None if predicted is None else predicted * self.ttft_calibration
 
-    def _predict_ttft(self, num_tokens: int, max_tokens: int, now: float | None = None
-                      ) -> float | None:
-        """The model's TTFT for a request queued now. Whichever bound binds:
+    def _predict_ttft(self, num_tokens: int, max_tokens: int, now: float | None = None,
+                      position: int | None = None) -> float | None:
+        """The model's TTFT for a request queued now, behind the whole queue or the first
+        `position` requests of it. Whichever bound binds:
         - seats: the requests ahead of it beyond the seats free now (under the ITL target,
           the seats the target allows) wait for running requests to leave, at the rate they
           left over the last LEAVE_RATE_WINDOW seconds (before two have left: when the
@@ -325,10 +377,14 @@ class Scheduler:
         while self._left and self._left[0] < now - LEAVE_RATE_WINDOW:
             self._left.popleft()
         free = self._seats()
-        if self._target_feasible():
+        sizing = self.sizing()
+        if sizing == "fit":
             free = next((n for n in range(free)
                          if not self._fits_target(num_tokens, max_tokens, n)), free)
-        ahead = len(self.waiting) + 1 - free
+        elif sizing == "infeasible":
+            free = min(free, 0 if self.running else 1)
+        queue = list(self.waiting) if position is None else list(self.waiting)[:position]
+        ahead = len(queue) + 1 - free
         seat_wait = 0.0
         if ahead > 0 and len(self._left) >= 2:
             span = max(now - self._left[0], 1e-3)
@@ -336,7 +392,7 @@ class Scheduler:
         elif ahead > 0:
             seat_wait = self._drain_wait(ahead)
         gaps = (r.num_tokens - r.num_computed_tokens
-                for r in itertools.chain(self.waiting, self.running))
+                for r in itertools.chain(queue, self.running))
         ahead_tokens = sum(g for g in gaps if g > 1)
         return max(seat_wait + self._prompt_seconds(num_tokens),
                    self._prompt_seconds(ahead_tokens + num_tokens))
@@ -465,7 +521,7 @@ class Scheduler:
                 return
             if wanted is not None and not wanted(req) or req.suspect and not step.isolating:
                 continue
-            if step.targeted and not self._fits_target(req.num_prompt_tokens, req.max_tokens):
+            if not self._may_admit(req, step.sizing):
                 return  # arrival order: no later request jumps ahead of this one
             hit = self.kv.get_computed_blocks(req)
             num_hit = hit.num_blocks * self.kv.block_size
@@ -501,16 +557,90 @@ class Scheduler:
         step.granted.add(req.request_id)
         step.budget -= n
 
-    def _preempt(self, req: Request, now: float) -> None:
+    def _preempt(self, req: Request, now: float, requeue: bool = False) -> None:
+        """Free a running request's blocks and put it first in the queue, to compute its
+        tokens again when admitted; `requeue`: one still in its prompt, sent back by
+        _recover (a "requeued" event, not counted as a preemption)."""
         req.timeline.preempted_at = now
-        req.timeline.add(now, "preempted", tokens_lost=req.num_computed_tokens)
+        req.timeline.add(now, "requeued" if requeue else "preempted",
+                         tokens_lost=req.num_computed_tokens)
         req.clear_drafts()
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        req.timeline.num_preemptions += 1
-        self.num_preemptions += 1
+        if not requeue:
+            req.timeline.num_preemptions += 1
+            self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def forget_history(self) -> None:
+        """Forget what the requests run so far did (the start-up calibration's), but the
+        step cost model's fit: counts, leave times, overruns, prompt allowance."""
+        self.num_preemptions = 0
+        self._overruns = 0
+        self._left.clear()
+        self._ttft_ratios.clear()
+        self.prompt_allowance = None
+        self.short_run = ShortStepRun()
+
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
+        """A step of `shape` took `seconds` (all of it: the gap a decoding request sees):
+        feed the cost model, and count steps with decodes over the ITL target in a row."""
+        self.cost.observe(shape, seconds)
+        target = self.config.target_itl_s
+        if target is not None and shape.decode_rows:
+            self._overruns = self._overruns + 1 if seconds > target else 0
+
+    def _recover(self, step: _Step) -> None:
+        """Steps with decodes ran over the ITL target OVERRUN_STEPS times in a row: the cost
+        model was wrong, or the machine slowed. The model's drift is judged by those steps
+        and folded into its fit (StepCostModel.rebase), so admission and step sizing follow
+        at once; and what the batch cannot carry is given back (said in `step.out`):
+        - requests still in their prompt go back to the queue, first, in arrival order (their
+          full blocks stay in the prefix cache), but for the oldest running request;
+        - the latest admitted is preempted by recompute if the rest's decode rows (with
+          MIN_PROMPT_TOKENS) are still not predicted to fit the target; one always stays.
+          One per recovery: a burst of a neighbour's load looks like a slower machine for a
+          few steps, and should not cost every stream its place.
+        Then (as in every step with shed_late_requests) _refuse_late refuses the queued
+        requests that are now predicted to miss their TTFT target."""
+        self._overruns = 0
+        self.cost.rebase(OVERRUN_STEPS)
+        now = step.now
+        oldest = min(self.running, key=lambda r: r.arrival_time, default=None)
+        for req in sorted(self.running, key=lambda r: r.arrival_time, reverse=True):
+            if req.num_output_tokens == 0 and req is not oldest:
+                self.running.remove(req)
+                self._preempt(req, now, requeue=True)
+                step.out.requeued.append(req)
+        if len(self.running) > 1 and self.cost.coef is not None:
+            context = sum(r.num_tokens for r in self.running)
+            shape = StepShape(MIN_PROMPT_TOKENS, len(self.running), context)
+            if self.cost.predict(shape) <= self._target():  # type: ignore[operator]
+                return
+            victim = max(self.running, key=lambda r: r.arrival_time)
+            self.running.remove(victim)
+            self._preempt(victim, now)
+            step.out.preempted.append(victim)
+
+    def _refuse_late(self, step: _Step) -> None:
+        """Refuse the queued requests (of the first REFUSAL_SCAN, with no token yet) whose
+        wait so far plus predicted TTFT from here is over the TTFT target: a prediction made
+        on arrival can turn out optimistic (requests arriving together, a slower machine),
+        and a request served late is not good anyway, while its prompt work delays the
+        rest. The engine answers them with a 429."""
+        ttft, now = self.config.target_ttft_s, step.now
+        assert ttft is not None  # SchedulerConfig: shedding needs a TTFT target
+        for req in list(itertools.islice(self.waiting, REFUSAL_SCAN)):
+            if req.num_output_tokens or req.suspect:
+                continue  # a stream already started, or one being isolated: served
+            position = self.waiting.index(req)
+            predicted = self.predicted_ttft(req.num_prompt_tokens, req.max_tokens, now,
+                                            position)
+            if predicted is not None and now - req.arrival_time + predicted > ttft:
+                self.waiting.remove(req)
+                self._predicted.pop(req.request_id, None)
+                step.out.refused.append(req)
 
     def recompute_failed_loads(self, out: SchedulerOutput, failed: set[int]) -> None:
         """Loads into the pool blocks `failed` found no good copy in any tier: the requests of
@@ -564,3 +694,25 @@ class Scheduler:
             self.num_suspects -= 1
         self.kv.free(req)
         self.kv.forget(req)
+
+
+# The start-up calibration's workload (EngineCore.calibrate): a warm-up request whose steps
+# are not kept (the first steps touch every weight's pages), then CALIBRATION_ROWS requests of
+# CALIBRATION_PROMPT tokens admitted together with outputs of 2, 3, ... tokens: a step of
+# prompt work, then decode steps of CALIBRATION_ROWS rows down to one. They tell the fixed
+# cost, a prompt token and a decode row apart, on the shapes the scheduler asks about, with
+# little prompt work (the step that costs most on a slow machine).
+CALIBRATION_ROWS = 4
+CALIBRATION_PROMPT = 8
+
+
+def calibration_requests(vocab_size: int) -> tuple[Request, list[Request]]:
+    """The warm-up request and the measured ones (see CALIBRATION_ROWS)."""
+
+    def req(i: int, prompt: int, out: int) -> Request:
+        ids = [(7919 * (i * 64 + k) + 1) % vocab_size for k in range(prompt)]
+        sp = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
+        return Request(f"calibration-{i}", ids, sp, frozenset(), out)
+
+    return req(0, CALIBRATION_PROMPT, 2), [req(i + 1, CALIBRATION_PROMPT, i + 2)
+                                           for i in range(CALIBRATION_ROWS)]

@@ -13,7 +13,14 @@ The coefficients come from a least-squares fit over the last `window` steps the 
 recorded, constrained to be non-negative (a negative cost would let the scheduler buy time by
 adding work). The fit is what the scheduler asks when it sizes a step's prompt work under
 `--target-itl-ms` (see `Scheduler.schedule`), so it follows this machine and this model, their
-load and their noise, with no calibration run.
+load and their noise. A server seeds it before it reports healthy with a short calibration
+(`EngineCore.calibrate`: a few steps of the shapes the scheduler asks about), so the targets
+hold from the first request. A window of 512 steps is slow to follow a machine that slows
+down (a neighbour's load), and a fit over steps from before and after would blame the
+slowdown on whatever the later steps held more of. So predictions are the fit times a drift
+factor, the median of measured / fitted time over the last DRIFT_WINDOW steps; when it is
+off by more than DRIFT_REBASE at a refit (or the scheduler sees steps over its target), the
+older steps are scaled by it (`rebase`), as if they had run on the machine as it is now.
 """
 
 from __future__ import annotations
@@ -25,6 +32,19 @@ from dataclasses import dataclass
 import numpy as np
 
 _ATTN_UNIT = 1024.0  # attended pairs per unit of c3, so the four coefficients are comparable
+# Steps whose measured / fitted time ratios scale predictions (StepCostModel.drift), and its
+# bounds: a few steps are enough to see a slowdown, and a median of 8 ignores one odd step.
+DRIFT_WINDOW = 8
+DRIFT_MIN_SAMPLES = 3
+DRIFT_BOUNDS = (0.5, 8.0)
+DRIFT_REBASE = 0.1
+# The default step-time budget of steps that carry decodes (`--target-itl-ms` unset): 500 ms,
+# a pause a reader of a stream barely notices, and measured to cost a long prompt beside four
+# streams 2.6% of its TTFT on a 2-core AVX2 CPU (README); or, on a machine where one decode
+# step of one request is slower than a quarter of that, four such steps, so the budget always
+# leaves room for prompt work and more rows.
+DEFAULT_ITL_BUDGET_S = 0.5
+DEFAULT_ITL_DECODE_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -56,8 +76,13 @@ class StepCostModel:
         self._y: deque[float] = deque(maxlen=window)
         self._since_fit = 0
         self.coef: np.ndarray | None = None
+        self.calibrated = False  # fitted by a calibration run (fit_now), not min_samples
+        self._ratios: deque[float] = deque(maxlen=DRIFT_WINDOW)  # measured / fitted
 
     def observe(self, shape: StepShape, seconds: float) -> None:
+        fitted = self._fitted(shape)
+        if fitted is not None and fitted > 0:
+            self._ratios.append(seconds / fitted)
         self._x.append(shape.features())
         self._y.append(seconds)
         self._since_fit += 1
@@ -65,21 +90,65 @@ class StepCostModel:
                                                  or self._since_fit >= self.refit):
             self._fit()
 
+    def fit_now(self) -> None:
+        """Fit on what was observed so far (a calibration run's steps, fewer than
+        min_samples but chosen to tell the fixed cost, a prompt token and a decode row
+        apart) and start predicting. Their short contexts say nothing of attention, whose
+        column would only soak up noise: c3 is 0 until the online refits see longer ones."""
+        if len(self._y) < 2:
+            raise ValueError("a calibration needs at least two steps")
+        self._since_fit = 0
+        x = np.array(self._x, dtype=np.float64)[:, :3]
+        self.coef = np.append(nonnegative_lstsq(x, np.array(self._y, dtype=np.float64)), 0.0)
+        self.calibrated = True
+        self._ratios.clear()
+
+    def rebase(self, recent: int | None = None) -> None:
+        """Take the drift into the fit: judge it by the last `recent` steps only (all of the
+        window by default; the scheduler passes the steps it saw over its target), scale
+        the steps before them by it, and refit; the drift starts again from 1."""
+        ratios = list(self._ratios)[-(recent or DRIFT_WINDOW):]
+        self._ratios.clear()
+        if len(ratios) < DRIFT_MIN_SAMPLES or self.coef is None:
+            return
+        drift = min(max(float(np.median(ratios)), DRIFT_BOUNDS[0]), DRIFT_BOUNDS[1])
+        old = len(self._y) - len(ratios)
+        for i in range(old):
+            self._y[i] *= drift
+        self._fit()
+
+    @property
+    def drift(self) -> float:
+        """The median of measured / fitted time over the last DRIFT_WINDOW steps (1 before
+        DRIFT_MIN_SAMPLES of them), within DRIFT_BOUNDS."""
+        if len(self._ratios) < DRIFT_MIN_SAMPLES:
+            return 1.0
+        return min(max(float(np.median(self._ratios)), DRIFT_BOUNDS[0]), DRIFT_BOUNDS[1])
+
     def _fit(self) -> None:
+        if self._ratios and abs(self.drift - 1.0) > DRIFT_REBASE:
+            self.rebase()  # which fits
+            return
         self._since_fit = 0
         x = np.array(self._x, dtype=np.float64)
         y = np.array(self._y, dtype=np.float64)
         self.coef = nonnegative_lstsq(x, y)
 
-    def predict(self, shape: StepShape) -> float | None:
+    def _fitted(self, shape: StepShape) -> float | None:
         if self.coef is None:
             return None
         return float(np.dot(self.coef, shape.features()))
+
+    def predict(self, shape: StepShape) -> float | None:
+        """Seconds `shape` is predicted to take: the fit, scaled by `drift`; None unfitted."""
+        fitted = self._fitted(shape)
+        return None if fitted is None else fitted * self.drift
 
     def set(self, c0: float, c1: float, c2: float, c3: float) -> None:
         """Fix the coefficients (seconds; c3 per 1024 attended pairs), as tests do."""
         self.coef = np.array([c0, c1, c2, c3], dtype=np.float64)
         self.min_samples = 1 << 62  # and keep them: no refit from observations
+        self._ratios.clear()
 
     def max_prefill(self, base: StepShape, target: float, limit: int, context: int) -> int:
         """The most prompt tokens (at most `limit`) that can join `base` (the step's decodes)
@@ -100,6 +169,13 @@ class StepCostModel:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         return lo
+
+
+def default_itl_budget(cost: StepCostModel) -> float:
+    """The step-time budget (seconds) with no --target-itl-ms: DEFAULT_ITL_BUDGET_S, or
+    DEFAULT_ITL_DECODE_STEPS predicted steps of one decode row where that is longer."""
+    one_row = cost.predict(StepShape(0, 1, 1))
+    return max(DEFAULT_ITL_BUDGET_S, DEFAULT_ITL_DECODE_STEPS * (one_row or 0.0))
 
 
 def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -29,6 +29,10 @@ class StepRecord:
     all_reduce: float = 0.0  # tensor parallelism: collectives, part of forward and sample
     kv_io: float = 0.0  # prefix-cache tiers: copies to and from host and disk, before forward
     grammar: float = 0.0  # structured outputs: the constrained rows' token masks
+    # recovery from steps over the ITL target (Scheduler._recover): requests sent back to the
+    # queue and queued ones refused (429); its preemptions count in `preempted`
+    requeued: int = 0
+    refused: int = 0
 
     def as_json(self) -> dict:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -128,6 +132,14 @@ class EngineStats:
     step_cost: tuple[float, float, float, float] | None = None
     prompt_allowance: int | None = None
     ttft_calibration: float = 1.0
+    # the ITL target steps with decodes are sized to (seconds; None: off), whether it is the
+    # default step budget, how the scheduler sizes steps now (Scheduler.sizing), why the
+    # target cannot be met (when predicted so), and the cost model's drift factor
+    target_itl_s: float | None = None
+    itl_default: bool = False
+    sizing: str = "off"
+    itl_warning: str | None = None
+    step_cost_drift: float = 1.0
 
     def as_json(self) -> dict:
         """The dashboard's engine figures (JSON-ready)."""
@@ -155,5 +167,11 @@ class EngineStats:
                 "per_decode_row_ms": round(1e3 * self.step_cost[2], 4),
                 "per_1k_attended_ms": round(1e3 * self.step_cost[3], 5),
                 "prompt_allowance": self.prompt_allowance,
-                "ttft_calibration": round(self.ttft_calibration, 3)},
+                "ttft_calibration": round(self.ttft_calibration, 3),
+                "drift": round(self.step_cost_drift, 3)},
+            "step_budget": {
+                "target_itl_ms": None if self.target_itl_s is None
+                else round(1e3 * self.target_itl_s, 1),
+                "default": self.itl_default, "sizing": self.sizing,
+                "warning": self.itl_warning},
         }

@@ -17,7 +17,7 @@ from kvserve.metrics import EngineMetrics
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler import MIN_PROMPT_TOKENS, Scheduler
+from kvserve.scheduler import MIN_PROMPT_TOKENS, UNSURE_PROMPT_TOKENS, Scheduler
 from kvserve.slo import (
     LatencyTargets,
     StepCostModel,
@@ -172,14 +172,18 @@ def test_admission_keeps_the_steady_load_within_the_target():
 
 
 def test_prompts_progress_when_decodes_alone_exceed_the_target():
-    """Requests admitted before the model was fitted decode in steps over the target: a
-    running prompt still gets MIN_PROMPT_TOKENS of every step, so it is never starved."""
+    """Requests admitted before the machine turned out slower decode in steps over the
+    target: a running prompt still gets MIN_PROMPT_TOKENS of every step, so it is never
+    starved. (Before the model is fitted, admission is one prompt at a time now, so the fit
+    changes here instead of being made.)"""
     sched = make_sched(budget=512, max_seqs=32, itl_ms=60.0, short_steps=False)
+    sched.cost.set(0.001, 0.0, 0.0001, 0.0)  # cheap: all 20 are admitted
     _workload(sched, 19, 4, 200)
     long = make_req(1000, 4)
     sched.add_request(long)
-    step(sched)  # all 20 admitted, untargeted; now fitted: 20 + 19 x 2 ms > 60 ms
-    sched.cost.set(*COEF)
+    step(sched)
+    assert len(sched.running) == 20
+    sched.cost.set(*COEF)  # now 20 + 19 x 2 ms > 60 ms
     while long.num_output_tokens == 0:
         before = long.num_computed_tokens
         out = step(sched)
@@ -187,9 +191,21 @@ def test_prompts_progress_when_decodes_alone_exceed_the_target():
         assert long.num_computed_tokens - before == min(MIN_PROMPT_TOKENS, 1000 - before)
 
 
-def test_a_target_no_step_can_meet_leaves_scheduling_as_without_one():
-    # the fixed cost alone is 20 ms
-    assert _schedules(None, fitted=True) == _schedules(5.0, fitted=True)
+def test_a_target_no_step_can_meet_runs_one_request_at_a_time():
+    """The fixed cost alone (20 ms) is over a 5 ms target. This used to fall back, silently,
+    to scheduling with no target; now the scheduler gives the shortest gaps this machine can
+    (the engine warns): one request at a time, its prompt in whole-budget steps."""
+    steps = _schedules(5.0, fitted=True)
+    assert all(len(p) == 1 for p in steps)
+    assert len(steps) == 12 * 6  # each: its 40-token prompt in one step, then 5 decodes
+    assert steps != _schedules(None, fitted=True)
+    sched = make_sched(itl_ms=5.0)
+    sched.cost.set(*COEF)
+    assert sched.sizing() == "infeasible"
+    sched.add_request(make_req(40))
+    step(sched)
+    # one seat, taken: a new request waits for it (2 ms a decode row, 7 tokens to go)
+    assert sched.predicted_ttft(40, 8) >= 7 * 0.022
 
 
 def test_prompt_allowance_gives_prompts_what_the_target_leaves():
@@ -319,3 +335,43 @@ def test_goodput_counts_finished_requests_by_the_target_missed():
     assert text == 2
     assert EngineMetrics("m").dashboard()["slo"] is None
     assert LatencyTargets(ttft_s=1.0).missed(0.5, 99.0) == "none"  # ITL not targeted
+
+
+def test_before_any_fit_a_target_admits_one_prompt_at_a_time():
+    """No fit yet (no calibration, fewer than min_samples steps): never admission as if
+    there were no target. One prompt at a time, and UNSURE_PROMPT_TOKENS of prompt work in a
+    step with decodes."""
+    sched = make_sched(budget=256, max_seqs=32, itl_ms=100.0, short_steps=False)
+    assert sched.sizing() == "unsure"
+    first = make_req(100, 50)
+    sched.add_request(first)
+    _workload(sched, 3, 100, 50)
+    out = step(sched)
+    assert plan(out) == [(first.request_id, 100, True)]  # alone: a whole-budget step
+    out = step(sched)  # first decodes; the next prompt joins with a limited chunk
+    assert [(s.num_new_tokens, s.prefill) for s in out.scheduled] == [
+        (1, False), (UNSURE_PROMPT_TOKENS, True)]
+    assert len(sched.running) == 2  # still one prompt at a time
+
+
+def test_drift_scales_predictions_and_is_taken_into_the_fit():
+    """A machine twice as slow: after a few steps predictions double (drift), and a refit
+    takes it in with the fit's shape intact instead of blaming what the later steps held."""
+    model = StepCostModel(min_samples=16, refit=8)
+    rng = random.Random(1)
+
+    def run(n: int, slow: float) -> None:
+        for _ in range(n):
+            shape = StepShape(rng.choice([0, 32, 128]), rng.randint(1, 16), 0)
+            model.observe(shape, slow * float(np.dot(COEF, shape.features())))
+
+    run(64, 1.0)
+    probe = StepShape(64, 8, 0)
+    truth = float(np.dot(COEF, probe.features()))
+    assert model.predict(probe) == pytest.approx(truth, rel=0.01)
+    run(5, 2.0)
+    assert model.drift == pytest.approx(2.0) and model.predict(probe) == pytest.approx(
+        2 * truth, rel=0.01)
+    run(3, 2.0)  # the eighth observation refits, with the older steps scaled by 2
+    assert model.drift == 1.0
+    np.testing.assert_allclose(model.coef[:3], 2 * np.array(COEF[:3]), rtol=0.01)

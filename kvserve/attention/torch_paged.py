@@ -213,9 +213,9 @@ class TorchPagedAttention(AttentionBackend):
         # The C++ path stores K/V unquantized (store_kv, rounding to a 16-bit cache) and reads
         # them with paged_attention, as forward() does.
         device = meta.slot_mapping.device
-        if self.quantized or device.type != "cpu" or \
-                self.ops_for(dtype, device) is not kernels.ops():
-            return None
+        ops = self.ops_for(dtype, device)
+        if self.quantized or device.type != "cpu" or ops is None or ops is not kernels.ops():
+            return None  # (under KVSERVE_NO_CPP both are None: no run_layers to call)
         return meta.slot_mapping, meta.seqs, meta.tables, meta.block_size, self.scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

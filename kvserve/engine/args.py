@@ -18,7 +18,10 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     short_prompt_steps: bool = True
-    # latency targets (SchedulerConfig): step sizing under the ITL target, goodput, shedding
+    # latency targets (SchedulerConfig): step sizing under the ITL target, goodput, shedding.
+    # target_itl_ms None: the default step budget for steps with decodes (500 ms, or four
+    # one-row decode steps where longer: kvserve.slo.default_itl_budget), sizing steps but not
+    # counted in goodput; 0: off (the token budget alone sizes steps)
     target_ttft_ms: float | None = None
     target_itl_ms: float | None = None
     shed_late_requests: bool = False  # serving: 429 for requests predicted to miss TTFT
@@ -55,6 +58,7 @@ class EngineArgs:
     seed: int = 0
 
     def latency_targets(self) -> LatencyTargets:
-        """--target-ttft-ms and --target-itl-ms, in seconds."""
-        s = lambda ms: None if ms is None else ms / 1e3  # noqa: E731
+        """--target-ttft-ms and --target-itl-ms as given, in seconds (None: not given, or
+        the ITL target off)."""
+        s = lambda ms: ms / 1e3 if ms else None  # noqa: E731
         return LatencyTargets(s(self.target_ttft_ms), s(self.target_itl_ms))

@@ -13,6 +13,7 @@ parts themselves.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -46,9 +47,10 @@ from kvserve.kv_cache.planner import (
 )
 from kvserve.kv_cache.tiers import build_store, cache_fingerprint
 from kvserve.models.loader import read_model_config, resolve_model, shard_config
-from kvserve.outputs import CoreOutput, RequestTimes
+from kvserve.outputs import LATE_REFUSAL, CoreOutput, RequestTimes
 from kvserve.request import Request, RequestStatus
-from kvserve.scheduler import Scheduler
+from kvserve.scheduler import MIN_PROMPT_TOKENS, TARGET_MARGIN, Scheduler, calibration_requests
+from kvserve.slo import StepCostModel, StepShape, default_itl_budget
 from kvserve.spec_decode import build_drafter
 from kvserve.spec_decode.coordinator import SpecCoordinator
 from kvserve.stats import EngineStats, SpecState, StepRecord, TierState
@@ -164,6 +166,8 @@ class EngineCore:
             raise ValueError(f"--max-model-len {max_len} exceeds the model's context length "
                              f"{cfg.max_position}")
         targets = args.latency_targets()
+        # The default step budget is resolved once the calibration has measured this machine
+        # (_resolve_itl_budget); until then, and with --target-itl-ms 0, no ITL target.
         sched = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_len,
                                 args.short_prompt_steps, targets.ttft_s, targets.itl_s,
                                 args.shed_late_requests)
@@ -252,6 +256,96 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self._pending: list[CoreOutput] = []
         self._step_start: tuple | None = None  # a step's timings until record_step
+        self.itl_budget_default = args.target_itl_ms is None  # the default step budget
+        self.calibration_seconds: float | None = None
+        if args.target_itl_ms != 0 or targets.ttft_s is not None:
+            self.calibrate()
+            self._resolve_itl_budget()
+
+    def calibrate(self) -> float:
+        """Seed the step cost model before the first request (kvserve.scheduler's
+        CALIBRATION_ROWS): run the calibration requests through the engine's own steps, fit
+        the model on every step but the warm-up's, and forget they ran. Returns seconds."""
+        t0 = time.perf_counter()
+        warmup, measured = calibration_requests(self.vocab_size)
+        saved = faults.install(None)  # a test's injected faults are for its own requests
+        # Its blocks are neither looked up nor hashed: nothing of it is kept in the prefix
+        # cache or written to its tiers. Its steps are the token budget's, whatever the
+        # targets (with no fit, a target would admit one prompt at a time).
+        caching, self.kv.enable_prefix_caching = self.kv.enable_prefix_caching, False
+        sched = self.scheduler
+        config = sched.config
+        sched.config = dataclasses.replace(config, target_itl_s=None, shed_late_requests=False)
+        try:
+            self.add_request(warmup)
+            self._run_to_end()
+            self.scheduler.cost = cost = StepCostModel()
+            for req in measured:
+                self.add_request(req)
+            self._run_to_end()
+        finally:
+            faults.install(saved)
+            self.kv.enable_prefix_caching = caching
+            sched.config = config
+        cost.fit_now()
+        sched.forget_history()
+        self.kv.stats.queries = 0
+        self.kv.stats.hits.clear()
+        self.steps.clear()
+        self._num_steps = 0
+        seconds = time.perf_counter() - t0
+        self.calibration_seconds = seconds
+        return seconds
+
+    def _run_to_end(self) -> None:
+        while self.has_unfinished_requests():
+            self.step()
+            self.record_step()
+        self._pending.clear()
+
+    def _resolve_itl_budget(self) -> None:
+        """Set the default step budget (kvserve.slo.default_itl_budget) from the calibrated
+        model, and log what the model predicts and what the ITL target allows a step."""
+        sched, cost = self.scheduler, self.scheduler.cost
+        if self.itl_budget_default:
+            config = dataclasses.replace(sched.config, target_itl_s=default_itl_budget(cost))
+            sched.config = config
+            self.config = dataclasses.replace(self.config, scheduler=config)
+        c = cost.coef
+        assert c is not None
+        assert self.calibration_seconds is not None
+        log.info("step cost calibrated in %.2f s: fixed %.1f ms, a prompt token %.2f ms, a "
+                 "decode row %.2f ms, 1k attended pairs %.3f ms", self.calibration_seconds,
+                 1e3 * c[0], 1e3 * c[1], 1e3 * c[2], 1e3 * c[3])
+        target = sched.config.target_itl_s
+        if target is None:
+            return
+        how = "default" if self.itl_budget_default else "--target-itl-ms"
+        if sched.sizing() == "infeasible":
+            log.warning(self.itl_warning())
+            return
+        budget = sched.config.max_num_batched_tokens
+        rows = next((n for n in range(1, sched.config.max_num_seqs + 1) if cost.predict(
+            StepShape(MIN_PROMPT_TOKENS, n + 1, 0)) > TARGET_MARGIN * target),  # type: ignore
+                    sched.config.max_num_seqs)
+        prompt = cost.max_prefill(StepShape(0, 1, 1), TARGET_MARGIN * target, budget, 0)
+        log.info("ITL target %.0f ms (%s; --target-itl-ms 0: off): a step with decodes holds "
+                 "up to %d decode rows, or one row and %d prompt tokens (of the %d-token "
+                 "budget); steps of prompts alone take the whole budget", 1e3 * target, how,
+                 rows, prompt, budget)
+
+    def itl_warning(self) -> str | None:
+        """Why the ITL target cannot be met, when the model predicts that it cannot."""
+        sched = self.scheduler
+        target = sched.config.target_itl_s
+        if target is None or sched.sizing() != "infeasible":
+            return None
+        one = sched.cost.predict(StepShape(MIN_PROMPT_TOKENS, 1, MIN_PROMPT_TOKENS + 1))
+        assert one is not None
+        return (f"ITL target {1e3 * target:.0f} ms is infeasible here: one decode row with "
+                f"{MIN_PROMPT_TOKENS} prompt tokens is predicted to take {1e3 * one:.0f} ms "
+                f"(planned to {100 * TARGET_MARGIN:.0f}% of the target); requests run one at "
+                f"a time")
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -336,6 +430,8 @@ class EngineCore:
             self.speculation.propose(self.scheduler.running)
         t1 = time.perf_counter()
         sched = self.scheduler.schedule()
+        for req in sched.refused:
+            self._fail(req.request_id, LATE_REFUSAL)
         t2 = time.perf_counter()
         kv_io = 0.0
         if sched.kv_transfers:
@@ -418,7 +514,7 @@ class EngineCore:
         self._num_steps += 1
         t_end = time.perf_counter()
         # The whole step, output handling included, is the gap a decoding request sees.
-        self.scheduler.cost.observe(sched.shape, t_end - t0)
+        self.scheduler.observe_step(sched.shape, t_end - t0)
         if not self._keep_steps:
             return
         t3 = t2 + kv_io + sum(timings.get(k, 0.0)
@@ -430,7 +526,8 @@ class EngineCore:
             self._num_steps, t0 + self.wall_offset, len(sched.scheduled), prefill, decode,
             drafts, len(sched.preempted), t1 - t0, t2 - t1, timings.get("prepare", 0.0),
             timings.get("forward", 0.0), timings.get("sample", 0.0), max(t_end - t3, 0.0),
-            t_end - t0, timings.get("all_reduce", 0.0), kv_io, timings.get("grammar", 0.0)))
+            t_end - t0, timings.get("all_reduce", 0.0), kv_io, timings.get("grammar", 0.0),
+            len(sched.requeued), len(sched.refused)))
 
     def _append(self, req: Request, tokens: list[int], logprobs: list, now: float
                 ) -> CoreOutput:
@@ -537,7 +634,10 @@ class EngineCore:
             prefix_hit_tokens=tuple(kv.stats.hits.items()), spec=spec,
             steps=tuple(self.steps) if self._keep_steps else (),
             step_cost=None if (c := sched.cost.coef) is None else tuple(map(float, c)),
-            prompt_allowance=sched.prompt_allowance, ttft_calibration=sched.ttft_calibration)
+            prompt_allowance=sched.prompt_allowance, ttft_calibration=sched.ttft_calibration,
+            target_itl_s=sched.config.target_itl_s, itl_default=self.itl_budget_default,
+            sizing=sched.sizing(), itl_warning=self.itl_warning(),
+            step_cost_drift=sched.cost.drift)
 
     def close(self) -> None:
         """Persist the prefix cache to the disk tier, when there is one (a clean shutdown),

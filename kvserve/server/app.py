@@ -32,7 +32,7 @@ from kvserve.engine.llm_engine import EngineArgs, LLMEngine, build_engine
 from kvserve.engine.processor import OutputProcessor
 from kvserve.metrics import EngineMetrics
 from kvserve.models.loader import DEFAULT_MODEL, resolve_model
-from kvserve.outputs import OutputKind, RequestOutput
+from kvserve.outputs import LATE_REFUSAL, OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.chat_tools import ChatPlan, ChoiceStream, finish_reason, plan_chat
 from kvserve.server.connections import ConnectionLimits
@@ -215,10 +215,21 @@ async def _collect(streams: list[RequestStream], raw: Request) -> list[RequestOu
         _close(streams)
 
 
+def _failure(error: str) -> tuple[int, str]:
+    """The status and message of a request the engine ended with `error`: a queued request
+    refused as predicted to miss its TTFT target is a 429 (server busy), like one refused on
+    arrival; anything else failed inside the engine."""
+    if error == LATE_REFUSAL:
+        return 429, f"server busy: {error}; retry later"
+    return 500, f"request failed: {error}"
+
+
 def _raise_failed(outs: list[RequestOutput]) -> None:
     for o in outs:
         if o.error:
-            raise APIError(500, f"request failed: {o.error}")
+            status, message = _failure(o.error)
+            raise APIError(status, message,
+                           headers={"Retry-After": "1"} if status == 429 else None)
 
 
 def _check_prompt_tokens(state: ServerState, prompts: list, name: str) -> None:
@@ -557,7 +568,7 @@ async def _completion_stream(fmt: Formatter, streams: list[RequestStream],
     try:
         async for i, out in _merge(streams):
             if out.error:
-                yield sse(error_body(500, f"request failed: {out.error}"))
+                yield sse(error_body(*_failure(out.error)))
                 break
             for c in out.outputs:
                 idx = fmt.index(i, c)
@@ -599,7 +610,7 @@ async def _chat_stream(fmt: Formatter, stream: RequestStream, include_usage: boo
             yield sse(fmt.chat_chunk(i, {"role": "assistant", "content": ""}))
         async for out in stream:
             if out.error:
-                yield sse(error_body(500, f"request failed: {out.error}"))
+                yield sse(error_body(*_failure(out.error)))
                 break
             for c in out.outputs:
                 if c.index in closed:
