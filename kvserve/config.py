@@ -144,6 +144,10 @@ class SchedulerConfig:
     target_ttft_s: float | None = None
     target_itl_s: float | None = None
     shed_late_requests: bool = False
+    # Whether the ITL target also governs admission and recovery (a --target-itl-ms given).
+    # The default step budget only sizes the prompt work beside decodes: a default must not
+    # cap how many requests decode at once, which is throughput the user did not trade.
+    itl_admission: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -26,6 +26,8 @@ by the step cost model (kvserve.slo); how depends on what it knows (`Sizing`):
   beside decodes; never admission as if there were no target;
 - "infeasible" (not even one decode row with MIN_PROMPT_TOKENS is predicted within the
   target): one request at a time, the shortest gaps this machine can give.
+The default step budget (no --target-itl-ms; `SchedulerConfig.itl_admission` false) only sizes
+the prompt work beside decodes: admission is as with no target, and recovery only refits.
 Steps with prompts only run the whole token budget in every case. When measured steps with
 decodes run over the target OVERRUN_STEPS times in a row, `_recover` gives back what the batch
 cannot carry. With no target nothing changes.
@@ -321,6 +323,8 @@ class Scheduler:
 
     def _may_admit(self, req: Request, sizing: Sizing) -> bool:
         """Whether the ITL target lets `req` join the batch now (see `Sizing`)."""
+        if sizing != "off" and not self.config.itl_admission:  # the default step budget
+            return True
         if sizing == "unsure":  # one prompt at a time
             return not any(r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
         if sizing == "infeasible":  # one request at a time
@@ -377,7 +381,7 @@ class Scheduler:
         while self._left and self._left[0] < now - LEAVE_RATE_WINDOW:
             self._left.popleft()
         free = self._seats()
-        sizing = self.sizing()
+        sizing = self.sizing() if self.config.itl_admission else "off"
         if sizing == "fit":
             free = next((n for n in range(free)
                          if not self._fits_target(num_tokens, max_tokens, n)), free)
@@ -606,6 +610,8 @@ class Scheduler:
         requests that are now predicted to miss their TTFT target."""
         self._overruns = 0
         self.cost.rebase(OVERRUN_STEPS)
+        if not self.config.itl_admission:  # the default step budget: sizing follows, no more
+            return
         now = step.now
         oldest = min(self.running, key=lambda r: r.arrival_time, default=None)
         for req in sorted(self.running, key=lambda r: r.arrival_time, reverse=True):

@@ -242,3 +242,31 @@ def test_an_infeasible_target_says_so_and_serves_within_the_ttft_target(
     good = [s for s in served if not s.refused]
     assert most == 1 and good and len(good) < len(served)
     assert all(s.ttft <= 3.0 and len(s.tokens) == 16 for s in good)
+
+
+def test_default_budget_never_limits_admission(tiny_llama_dir, machine):
+    """The default budget sizes prompt work beside decodes and nothing else: on a machine
+    where a decode row costs about what a prompt token does (the real 1.5B on 2 cores: ~25 ms
+    each), 16 requests at once all decode together, though their steps run over the budget,
+    and none is sent back or preempted; an explicit --target-itl-ms of the same figure does
+    limit them."""
+    machine.cost = lambda s: 0.070 + 0.025 * (s.prefill_tokens + s.decode_rows)
+    arrivals = [(0.0, 8, 30)] * 16
+    most = {}
+    for name, kw in (("default", {}), ("target", {"target_itl_ms": 500})):
+        core = engine(tiny_llama_dir, **kw)
+        assert core.config.scheduler.itl_admission == (name == "target")
+        peak = 0
+
+        def watch(core=core) -> None:
+            nonlocal peak
+            peak = max(peak, len(core.scheduler.running))
+
+        served = serve(core, machine, arrivals, on_step=watch)
+        assert all(len(s.tokens) == 30 for s in served)
+        most[name] = peak
+        if name == "default":
+            assert max(s.total for s in core.steps if s.decode_tokens) > DEFAULT_ITL_BUDGET_S
+            assert core.scheduler.num_preemptions == 0
+            assert not any(s.requeued or s.preempted for s in core.steps)
+    assert most["default"] == 16 and most["target"] < 16

@@ -308,7 +308,8 @@ class EngineCore:
         model, and log what the model predicts and what the ITL target allows a step."""
         sched, cost = self.scheduler, self.scheduler.cost
         if self.itl_budget_default:
-            config = dataclasses.replace(sched.config, target_itl_s=default_itl_budget(cost))
+            config = dataclasses.replace(sched.config, target_itl_s=default_itl_budget(cost),
+                                         itl_admission=False)
             sched.config = config
             self.config = dataclasses.replace(self.config, scheduler=config)
         c = cost.coef
@@ -325,10 +326,16 @@ class EngineCore:
             log.warning(self.itl_warning())
             return
         budget = sched.config.max_num_batched_tokens
+        prompt = cost.max_prefill(StepShape(0, 1, 1), TARGET_MARGIN * target, budget, 0)
+        if not sched.config.itl_admission:
+            log.info("ITL target %.0f ms (default; --target-itl-ms 0: off): a step with a "
+                     "decode holds up to %d prompt tokens (of the %d-token budget); steps of "
+                     "prompts alone take the whole budget, admission is not limited",
+                     1e3 * target, prompt, budget)
+            return
         rows = next((n for n in range(1, sched.config.max_num_seqs + 1) if cost.predict(
             StepShape(MIN_PROMPT_TOKENS, n + 1, 0)) > TARGET_MARGIN * target),  # type: ignore
                     sched.config.max_num_seqs)
-        prompt = cost.max_prefill(StepShape(0, 1, 1), TARGET_MARGIN * target, budget, 0)
         log.info("ITL target %.0f ms (%s; --target-itl-ms 0: off): a step with decodes holds "
                  "up to %d decode rows, or one row and %d prompt tokens (of the %d-token "
                  "budget); steps of prompts alone take the whole budget", 1e3 * target, how,
@@ -344,8 +351,9 @@ class EngineCore:
         assert one is not None
         return (f"ITL target {1e3 * target:.0f} ms is infeasible here: one decode row with "
                 f"{MIN_PROMPT_TOKENS} prompt tokens is predicted to take {1e3 * one:.0f} ms "
-                f"(planned to {100 * TARGET_MARGIN:.0f}% of the target); requests run one at "
-                f"a time")
+                f"(planned to {100 * TARGET_MARGIN:.0f}% of the target); " +
+                ("requests run one at a time" if sched.config.itl_admission else
+                 f"prompts progress by {MIN_PROMPT_TOKENS} tokens a step beside decodes"))
 
     # ------------------------------------------------------------------ requests in and out
 
