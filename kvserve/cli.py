@@ -603,8 +603,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         mapped = gguf_weight_bytes(path, dtype, in_place=True)
         assert mapped is not None
+        pages = f" ({held.in_place / mib:.1f} MiB of it the file's pages)" \
+            if held.in_place else ""
         print(f"weights: {param_count(cfg):,} parameters = {held.resident / mib:.1f} MiB as "
-              f"--quantization auto holds them; a decode step reads "
+              f"--quantization auto holds them{pages}; a decode step reads "
               f"{held.per_token / mib:.1f} MiB")
         print(f"  --quantization gguf: {mapped.resident / mib:.1f} MiB "
               f"({mapped.in_place / mib:.1f} MiB of it read in place from the file); a decode "

@@ -175,25 +175,34 @@ def test_unsupported_tensor_type_is_named(tiny_llama_dir, tmp_path):
         load_model(path, torch.float32, torch.device("cpu"), _backend)
 
 
+def _packed_models(tmp_path_factory, name: str, packs: tuple[str, ...], model_kw: dict,
+                   gguf_kw: dict):
+    """A tiny llama written as a GGUF (write_gguf's `gguf_kw`), loaded in float32 once per
+    quantization of `packs`, each packed so: (its path, the models)."""
+    from tests.conftest import build_tiny_model
+
+    hf_dir = build_tiny_model(tmp_path_factory.mktemp(f"tiny-{name}"), "llama", **model_kw)
+    path = tmp_path_factory.mktemp(name) / f"tiny-{name}.gguf"
+    write_gguf(hf_dir, path, **gguf_kw)
+    models = [load_model(path, torch.float32, torch.device("cpu"), _backend).model
+              for _ in packs]
+    for model, quantization in zip(models, packs, strict=True):
+        model.pack_(quantization)
+    return path, models
+
+
 def test_q6k_layers_serve_their_own_codes(tmp_path_factory):
     """Q6_K projections (scales per 16 inputs) keep the file's codes: on the AVX2 int8 kernel
     under int8, read in place by gguf_linear under gguf (and auto); either model stays close
     to its float32 self on the same dequantized weights."""
     from kvserve import kernels
-    from tests.conftest import build_tiny_model
 
     ops = kernels.quant_kernels(torch.float32, "cpu", 16, 32)
     if ops is None or not ops.has_quant_halves():
         pytest.skip("no kernel for scales per 16 inputs on this CPU (AVX2 only)")
-    hf_dir = build_tiny_model(tmp_path_factory.mktemp("tiny-q6k"), "llama",
-                              intermediate_size=256)
-    path = tmp_path_factory.mktemp("q6k") / "tiny-q6k.gguf"
-    write_gguf(hf_dir, path, random_q6k_down=True)
-    model, in_place, ref = (load_model(path, torch.float32, torch.device("cpu"), _backend).model
-                            for _ in range(3))
-    model.pack_("int8")
-    in_place.pack_("gguf")
-    ref.pack_("none")
+    _, (model, in_place, ref) = _packed_models(tmp_path_factory, "q6k", ("int8", "gguf", "none"),
+                                               {"intermediate_size": 256},
+                                               {"random_q6k_down": True})
     downs = [layer.mlp.down_proj.packed for layer in model.layers]
     assert all(p.exact and p.method == "int8" and p.q.dtype == torch.int8 for p in downs)
     downs = [layer.mlp.down_proj.packed for layer in in_place.layers]
@@ -216,20 +225,13 @@ def test_k_quant_layers_under_auto_read_the_files_codes(tmp_path_factory):
     float32 model on the same dequantized weights."""
     from kvserve import kernels
     from kvserve.layers.linear import LinearBase
-    from tests.conftest import build_tiny_model
 
     if kernels.gguf_kernels(torch.float32, "cpu", [12, 14]) is None:
         pytest.fail("the GGUF kernels are built with the C++ kernels, which every test "
                     "machine has")
-    hf_dir = build_tiny_model(tmp_path_factory.mktemp("tiny-km"), "llama", hidden_size=256,
-                              intermediate_size=256)
-    path = tmp_path_factory.mktemp("km") / "tiny-q4_k_m.gguf"
-    write_gguf(hf_dir, path, random_k_quants=True)
-    auto, in_place, ref = (load_model(path, torch.float32, torch.device("cpu"), _backend).model
-                           for _ in range(3))
-    auto.pack_("auto")
-    in_place.pack_("gguf")
-    ref.pack_("none")
+    path, (auto, in_place, ref) = _packed_models(
+        tmp_path_factory, "km", ("auto", "gguf", "none"),
+        {"hidden_size": 256, "intermediate_size": 256}, {"random_k_quants": True})
     layers = [m for m in auto.modules() if isinstance(m, LinearBase)]
     assert all(isinstance(m.packed, GGUFWeight) for m in layers)
     parts = [(k, x8) for m in layers for k, x8 in zip(m.packed.kinds, m.packed.interleaved,
@@ -242,6 +244,15 @@ def test_k_quant_layers_under_auto_read_the_files_codes(tmp_path_factory):
     b = paged_logits(ref, IDS, [29], "cpu")
     assert 0 < (a - b).abs().max() / b.abs().max() < 0.1
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+    # kvserve plan's count of what auto holds: the file's bytes, Q6_K's as its pages
+    from kvserve.models.loader import gguf_weight_bytes
+
+    tensors = parsed_gguf(path).tensors
+    size = {k: sum(int(t.n_bytes) for t in tensors if t.tensor_type.name == k)
+            for k in ("Q4_K", "Q6_K")}
+    floats = sum(int(t.n_elements) * 4 for t in tensors if t.tensor_type.name == "F32")
+    held = gguf_weight_bytes(path, torch.float32, in_place=False)
+    assert held.in_place == size["Q6_K"] and held.resident == size["Q4_K"] + size["Q6_K"] + floats
 
 
 def test_not_a_gguf_file(tmp_path):

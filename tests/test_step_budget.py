@@ -142,6 +142,16 @@ def test_default_budget_keeps_streams_flowing_beside_a_long_prompt(tiny_llama_di
     assert long.ttft <= 1.25 * plain[4].ttft
 
 
+def peak_running(core: EngineCore) -> tuple[Callable[[], None], Callable[[], int]]:
+    """(a `serve` on_step callback, the most requests it saw running at once)."""
+    peak = [0]
+
+    def watch() -> None:
+        peak[0] = max(peak[0], len(core.scheduler.running))
+
+    return watch, lambda: peak[0]
+
+
 def allowed_rows(core: EngineCore, prompt_share: int) -> int:
     """The most requests a step of their decodes and `prompt_share` prompt tokens fits in
     the planned ITL target, by the injected cost itself."""
@@ -162,18 +172,13 @@ def test_cold_engine_under_an_overload_burst_admits_what_the_targets_allow(
     # the calibration measured this machine, on its first steps: fixed, token, row
     assert core.scheduler.cost.coef[:3] == pytest.approx((0.070, 0.012, 0.003), rel=0.02)
     assert core.stats().num_steps == 0 and core.scheduler.num_preemptions == 0
-    most = 0
-
-    def watch() -> None:
-        nonlocal most
-        most = max(most, len(core.scheduler.running))
-
+    watch, most = peak_running(core)
     served = serve(core, machine, [(i / 16, 32, 32) for i in range(16)], shed=True,
                    on_step=watch)
     refused = [s for s in served if s.refused]
     good = [s for s in served if not s.refused]
     assert refused and len(good) >= 3
-    assert most <= allowed_rows(core, 4)
+    assert most() <= allowed_rows(core, 4)
     for s in good:
         assert len(s.tokens) == 32
         assert s.ttft <= ttft and s.max_gap <= itl, (s.ttft, s.max_gap)
@@ -231,16 +236,11 @@ def test_an_infeasible_target_says_so_and_serves_within_the_ttft_target(
     assert any("infeasible" in r.getMessage() for r in caplog.records)
     budget = core.stats().as_json()["step_budget"]
     assert budget["sizing"] == "infeasible" and "infeasible" in budget["warning"]
-    most = 0
-
-    def watch() -> None:
-        nonlocal most
-        most = max(most, len(core.scheduler.running))
-
+    watch, most = peak_running(core)
     served = serve(core, machine, [(i / 8, 32, 16) for i in range(8)], shed=True,
                    on_step=watch)
     good = [s for s in served if not s.refused]
-    assert most == 1 and good and len(good) < len(served)
+    assert most() == 1 and good and len(good) < len(served)
     assert all(s.ttft <= 3.0 and len(s.tokens) == 16 for s in good)
 
 
@@ -256,15 +256,10 @@ def test_default_budget_never_limits_admission(tiny_llama_dir, machine):
     for name, kw in (("default", {}), ("target", {"target_itl_ms": 500})):
         core = engine(tiny_llama_dir, **kw)
         assert core.config.scheduler.itl_admission == (name == "target")
-        peak = 0
-
-        def watch(core=core) -> None:
-            nonlocal peak
-            peak = max(peak, len(core.scheduler.running))
-
+        watch, peak = peak_running(core)
         served = serve(core, machine, arrivals, on_step=watch)
         assert all(len(s.tokens) == 30 for s in served)
-        most[name] = peak
+        most[name] = peak()
         if name == "default":
             assert max(s.total for s in core.steps if s.decode_tokens) > DEFAULT_ITL_BUDGET_S
             assert core.scheduler.num_preemptions == 0
