@@ -218,17 +218,23 @@ def test_q6k_layers_serve_their_own_codes(tmp_path_factory):
         assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
 
 
-def test_k_quant_layers_under_auto_read_the_files_codes(tmp_path_factory):
-    """`auto` on a Q4_K_M-like file: every matrix on gguf_linear (Q4_K interleaved 8 rows at a
-    time at load, Q6_K in place, the embedding looked up in place), with the same logits, bit
-    for bit, as `gguf` reading the file's layout (chunked otherwise), and close to the
+def test_k_quant_layers_under_auto_read_the_files_codes(tmp_path_factory, monkeypatch):
+    """`auto` on a Q4_K_M-like file, where the tiles run on AVX2 (forced here on any CPU,
+    after checking which CPUs get it): every matrix on gguf_linear (Q4_K interleaved 8 rows at
+    a time at load, Q6_K in place, the embedding looked up in place), with the same logits,
+    bit for bit, as `gguf` reading the file's layout (chunked otherwise), and close to the
     float32 model on the same dequantized weights."""
     from kvserve import kernels
+    from kvserve.layers import quant
     from kvserve.layers.linear import LinearBase
 
     if kernels.gguf_kernels(torch.float32, "cpu", [12, 14]) is None:
         pytest.fail("the GGUF kernels are built with the C++ kernels, which every test "
                     "machine has")
+    print(f"tiles' ISA here: {kernels.isa()}; auto's GGUF types: {quant.gguf_auto_types()}")
+    assert quant.gguf_auto_types() == (quant.GGUF_AUTO_TYPES if kernels.isa() == "AVX2"
+                                       else frozenset())
+    monkeypatch.setattr(quant, "gguf_auto_types", lambda: quant.GGUF_AUTO_TYPES)
     path, (auto, in_place, ref) = _packed_models(
         tmp_path_factory, "km", ("auto", "gguf", "none"),
         {"hidden_size": 256, "intermediate_size": 256}, {"random_k_quants": True})

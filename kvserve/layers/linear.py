@@ -21,8 +21,8 @@ from kvserve.distributed.parallel import (
     split,
     vocab_shard,
 )
+from kvserve.layers import quant
 from kvserve.layers.quant import (
-    GGUF_AUTO_TYPES,
     IN_PLACE,
     INT4_GROUP,
     DenseWeight,
@@ -127,9 +127,10 @@ class LinearBase(nn.Module):
 
     def auto_reads_gguf(self) -> bool:
         """Whether `auto` serves this layer on gguf_linear: every part is held in place, of a
-        type whose kernel beats the tiles (GGUF_AUTO_TYPES)."""
+        type whose kernel beats the tiles here (gguf_auto_types)."""
         parts = [self.gguf_tensors.get(i) for i in range(max(len(self.gguf_types), 1))]
-        return all(p is not None and p.kind in GGUF_AUTO_TYPES for p in parts)
+        types = quant.gguf_auto_types()
+        return all(p is not None and p.kind in types for p in parts)
 
     def materialize(self) -> None:
         """Fill `weight` (and the GGUF groups) from the parts still in the file's blocks."""

@@ -84,6 +84,13 @@ GGUF_AUTO_TYPES = frozenset({"Q4_K", "Q6_K"})
 INTERLEAVED_AT_LOAD = frozenset({"Q4_K"})  # the types gguf_repack has a layout for
 
 
+def gguf_auto_types() -> frozenset[str]:
+    """GGUF_AUTO_TYPES where the tiles run on AVX2; none where they run on AVX-512 (VNNI's
+    vpdpbusd), which gguf_linear does not use yet: there the tiles stay until it does and is
+    measured against them."""
+    return GGUF_AUTO_TYPES if kernels.isa() == "AVX2" else frozenset()
+
+
 @dataclass
 class GGUFTensor:
     """A 2-D GGUF weight [rows, cols] in the file's own blocks: `data` is uint8 [rows in the

@@ -25,8 +25,8 @@ from kvserve.attention.backend import AttentionBackend
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.distributed.parallel import SINGLE, TensorParallel, head_shard
 from kvserve.gguf_reader import open_gguf
+from kvserve.layers import quant
 from kvserve.layers.quant import (
-    GGUF_AUTO_TYPES,
     INT4_SOURCES,
     INT8_SOURCES,
     INTERLEAVED_AT_LOAD,
@@ -498,7 +498,7 @@ class WeightBytes:
 def gguf_weight_bytes(path: Path, dtype: torch.dtype, in_place: bool) -> WeightBytes | None:
     """WeightBytes of a GGUF file from its tensor table (no weights read), served in place
     (`--quantization gguf`) or as `auto` serves it; None for a model that is not a GGUF file.
-    A matrix gguf_linear serves (in place: every type it reads; auto: GGUF_AUTO_TYPES) counts
+    A matrix gguf_linear serves (in place: every type it reads; auto: gguf_auto_types()) counts
     its bytes in the file, in the file's pages (`in_place`) unless auto interleaves it at
     load (Q4_K); the embedding is looked up in place when the head is served so. Any other
     quantized matrix counts the int4 or int8 tiles it is packed into (0.625 or 1.125 bytes a
@@ -510,8 +510,10 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, in_place: bool) -> WeightB
     kinds = {t.name: t.tensor_type.name for t in reader.tensors}
     tied = "output.weight" not in kinds
 
+    auto_types = quant.gguf_auto_types()
+
     def served(kind: str) -> bool:  # by gguf_linear
-        return gguf_native(kind) and (in_place or kind in GGUF_AUTO_TYPES)
+        return gguf_native(kind) and (in_place or kind in auto_types)
 
     head_served = served(kinds.get("output.weight", kinds.get("token_embd.weight", "")))
     resident = per_token = mapped = 0
