@@ -76,10 +76,11 @@ GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12,
               "Q6_K": 14}
 # The GGUF types `--quantization auto` serves on gguf_linear, at the file's bytes, rather than
 # on the int4/int8 tiles: Q4_K interleaved 8 rows at a time at load (gguf_repack: 2x the
-# file's layout's speed, the tiles' at prompt sizes, 0.5625 bytes a weight against the
-# tiles' 0.625) and Q6_K read in place (0.82 bytes a weight against the int8 tiles' 1.125;
-# slower at prompt sizes). The other types' kernels are slower than the tiles they would
-# be repacked into (benchmarks/gguf_kernels.py).
+# file's layout's speed; on a Zen 3 as fast as the tiles at one row, 0.72-0.85x at 512;
+# 0.5625 bytes a weight against the tiles' 0.625) and Q6_K read in place (0.82 bytes a
+# weight against the int8 tiles' 1.125; 0.72x at 512 rows). Fewer bytes win decode and
+# memory, and lose some prefill (benchmarks/RESULTS.md). The other types' kernels are
+# slower than the tiles they would be repacked into (benchmarks/gguf_kernels.py).
 GGUF_AUTO_TYPES = frozenset({"Q4_K", "Q6_K"})
 INTERLEAVED_AT_LOAD = frozenset({"Q4_K"})  # the types gguf_repack has a layout for
 
