@@ -45,6 +45,11 @@ enum : int64_t {
 // GGML type. A part of one is [rows / 8, blocks * 8 * block bytes].
 enum : int64_t { kX8 = 1000, kQ4_Kx8 = kX8 + kQ4_K };
 
+// The K-quants keep one accumulator per output; the types with blocks of 32, 8 lanes.
+constexpr bool is_kquant(int64_t type) {
+  return type == kQ4_K || type == kQ5_K || type == kQ6_K;
+}
+
 struct TypeInfo {
   int64_t block;      // weights per block
   int64_t bytes;      // bytes per block (of a part row: 8 rows' blocks for the x8 layouts)
@@ -255,7 +260,7 @@ template <int64_t Type>
 void rows_portable(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX& x, int64_t m0,
                    int nr, float* out) {
   for (int r = 0; r < nr; ++r) {
-    if constexpr (Type == kQ4_K || Type == kQ5_K || Type == kQ6_K) {
+    if constexpr (is_kquant(Type)) {
       float acc = 0.f;
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* wb = w + b * bytes;
@@ -287,26 +292,25 @@ void rows_portable(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX
 // Its arithmetic is Q4_K's (kquant_sums, kquant_acc): the same bits as the file's blocks.
 constexpr int64_t kX8Bytes = 8 * 144;
 
+// The layout above as runs: f(offset in row r's Q4_K block, offset in the group, bytes), for
+// every run of row r. Packing and unpacking both follow it, so they cannot disagree.
+template <typename F>
+inline void x8_runs(int r, F f) {
+  f(0, 2 * r, 2);        // d
+  f(2, 16 + 2 * r, 2);   // dmin
+  for (int w = 0; w < 3; ++w) f(4 + 4 * w, 32 + 32 * w + 4 * r, 4);
+  for (int k = 0; k < 4; ++k)
+    for (int c = 0; c < 8; ++c) f(16 + 32 * k + 4 * c, 128 + 32 * (8 * k + c) + 4 * r, 4);
+}
+
 // Row r of block-group g, as the file's Q4_K block (144 bytes) it was made from.
 inline void x8_block(const uint8_t* g, int r, uint8_t* out) {
-  std::memcpy(out, g + 2 * r, 2);
-  std::memcpy(out + 2, g + 16 + 2 * r, 2);
-  for (int w = 0; w < 3; ++w) std::memcpy(out + 4 + 4 * w, g + 32 + 32 * w + 4 * r, 4);
-  for (int k = 0; k < 4; ++k)
-    for (int c = 0; c < 8; ++c)
-      std::memcpy(out + 16 + 32 * k + 4 * c, g + 128 + 32 * (8 * k + c) + 4 * r, 4);
+  x8_runs(r, [&](int blk, int grp, int n) { std::memcpy(out + blk, g + grp, n); });
 }
 
 inline void x8_pack(const uint8_t* const* rows, uint8_t* g) {  // 8 blocks -> a group
-  for (int r = 0; r < 8; ++r) {
-    const uint8_t* in = rows[r];
-    std::memcpy(g + 2 * r, in, 2);
-    std::memcpy(g + 16 + 2 * r, in + 2, 2);
-    for (int w = 0; w < 3; ++w) std::memcpy(g + 32 + 32 * w + 4 * r, in + 4 + 4 * w, 4);
-    for (int k = 0; k < 4; ++k)
-      for (int c = 0; c < 8; ++c)
-        std::memcpy(g + 128 + 32 * (8 * k + c) + 4 * r, in + 16 + 32 * k + 4 * c, 4);
-  }
+  for (int r = 0; r < 8; ++r)
+    x8_runs(r, [&](int blk, int grp, int n) { std::memcpy(g + grp, rows[r] + blk, n); });
 }
 
 // 8 rows (one group run, `blocks` groups) against activation rows m0 .. m0 + nr - 1:
@@ -392,8 +396,7 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
   for (int64_t b = 0; b < blocks; ++b, w += bytes) {
     for (; ahead < w + bytes + kAhead; ahead += 64)
       _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
-    if constexpr (Type == kQ4_0 || Type == kQ4_1 || Type == kQ5_0 || Type == kQ5_1 ||
-                  Type == kQ8_0) {
+    if constexpr (!is_kquant(Type)) {
       const float d = f16(w);
       __m256i q;  // the block's 32 codes as bytes (Q8_0: signed)
       if constexpr (Type == kQ8_0) {
@@ -506,7 +509,7 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
     }
   }
   for (int r = 0; r < NR; ++r)
-    out[r] = (Type == kQ4_K || Type == kQ5_K || Type == kQ6_K) ? kacc[r] : sum_lanes8(acc[r]);
+    out[r] = is_kquant(Type) ? kacc[r] : sum_lanes8(acc[r]);
 }
 
 template <int64_t Type>
@@ -795,8 +798,16 @@ void check_part(const char* fn, const at::Tensor& part, int64_t type, int64_t K)
               ": a row of ", part.size(1), " bytes is not ", K, " inputs of GGML type ", type);
 }
 
-// The x8 layout gguf_repack makes of a GGML type, or 0.
-int64_t x8_of(int64_t type) { return type == kQ4_K ? kQ4_Kx8 : 0; }
+// A row order (int64 [n], each < rows), or none (empty); its rows, or null.
+const int64_t* check_order(const char* fn, const at::Tensor& order, int64_t rows) {
+  if (!order.numel()) return nullptr;
+  TORCH_CHECK(order.scalar_type() == at::kLong && order.dim() == 1 && order.is_contiguous(),
+              fn, ": a row order must be int64 [N]");
+  const int64_t* r = order.data_ptr<int64_t>();
+  for (int64_t i = 0; i < order.numel(); ++i)
+    TORCH_CHECK(r[i] >= 0 && r[i] < rows, fn, ": row out of range");
+  return r;
+}
 
 }  // namespace
 
@@ -805,7 +816,7 @@ bool gguf_supports(int64_t type) {
   return type_info(type, &info);
 }
 
-int64_t gguf_repacked_type(int64_t type) { return x8_of(type); }
+int64_t gguf_repacked_type(int64_t type) { return type == kQ4_K ? kQ4_Kx8 : 0; }
 
 // Rows `order` (int64, output order; empty: all in order) of a [N, row bytes] part of GGML type
 // `type` with K inputs, 8 at a time interleaved into the type's x8 layout:
@@ -813,18 +824,11 @@ int64_t gguf_repacked_type(int64_t type) { return x8_of(type); }
 at::Tensor gguf_repack(const at::Tensor& part, int64_t type, int64_t K, const at::Tensor& order) {
   kvs::check_cpu("gguf_repack", part, order);
   check_part("gguf_repack", part, type, K);
-  const int64_t x8 = x8_of(type);
+  const int64_t x8 = gguf_repacked_type(type);
   TORCH_CHECK(x8 != 0, "gguf_repack: GGML type ", type, " has no interleaved layout");
   const int64_t n = order.numel() ? order.numel() : part.size(0);
   TORCH_CHECK(n % 8 == 0, "gguf_repack: ", n, " rows is not a multiple of 8");
-  const int64_t* ord = nullptr;
-  if (order.numel()) {
-    TORCH_CHECK(order.scalar_type() == at::kLong && order.dim() == 1 && order.is_contiguous(),
-                "gguf_repack: order must be int64 [N]");
-    ord = order.data_ptr<int64_t>();
-    for (int64_t i = 0; i < n; ++i)
-      TORCH_CHECK(ord[i] >= 0 && ord[i] < part.size(0), "gguf_repack: row out of range");
-  }
+  const int64_t* ord = check_order("gguf_repack", order, part.size(0));
   TypeInfo info, out_info;
   type_info(type, &info);
   type_info(x8, &out_info);
@@ -868,13 +872,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
     check_part("gguf_linear", parts[p], types[p], K);
     TORCH_CHECK(types[p] < kX8 || rows[p].numel() == 0,
                 "gguf_linear: an interleaved part takes no row order (gguf_repack applies it)");
-    if (rows[p].numel()) {
-      TORCH_CHECK(rows[p].scalar_type() == at::kLong && rows[p].dim() == 1 &&
-                      rows[p].is_contiguous(), "gguf_linear: rows must be int64 [N]");
-      const auto* r = rows[p].data_ptr<int64_t>();
-      for (int64_t i = 0; i < rows[p].numel(); ++i)
-        TORCH_CHECK(r[i] >= 0 && r[i] < parts[p].size(0), "gguf_linear: row out of range");
-    }
+    check_order("gguf_linear", rows[p], parts[p].size(0));
   }
   auto xc = x.contiguous();
   return x.scalar_type() == at::kFloat ? run<float>(xc, parts, types, rows, portable)
