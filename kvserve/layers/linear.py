@@ -9,6 +9,8 @@ the full tensor down to this rank's shard.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +36,7 @@ from kvserve.layers.quant import (
     quantization_class,
 )
 
+T = TypeVar("T")
 Ranges = list[tuple[int, int]]  # (start, size) ranges of the full tensor, in shard order
 
 
@@ -117,7 +120,7 @@ class LinearBase(nn.Module):
         """The layer served from its GGUF blocks in place (Q4_K interleaved at load with
         `interleave`), where every part has them and gguf_linear reads their types here;
         else None."""
-        parts = [self.gguf_tensors.get(i) for i in range(max(len(self.gguf_types), 1))]
+        parts = self._per_part(self.gguf_tensors)
         if any(p is None for p in parts):
             return None
         w = self.weight
@@ -125,10 +128,15 @@ class LinearBase(nn.Module):
             return None
         return GGUFWeight(parts, w.dtype, w.device, interleave)
 
+    def _per_part(self, held: dict[int, T]) -> list[T | None]:
+        """`held`'s entry for each part of the layer (one for a plain layer), None where
+        it has none."""
+        return [held.get(i) for i in range(max(len(self.gguf_types), 1))]
+
     def auto_reads_gguf(self) -> bool:
         """Whether `auto` serves this layer on gguf_linear: every part is held in place, of a
         type whose kernel beats the tiles here (gguf_auto_types)."""
-        parts = [self.gguf_tensors.get(i) for i in range(max(len(self.gguf_types), 1))]
+        parts = self._per_part(self.gguf_tensors)
         types = quant.gguf_auto_types()
         return all(p is not None and p.kind in types for p in parts)
 
@@ -165,7 +173,7 @@ class LinearBase(nn.Module):
     def _source_groups(self, quantization: str) -> QuantGroups | None:
         """The GGUF groups of every part, in row order, as `quantization` holds them; None
         when a part has none or int4 was asked of 8-bit codes."""
-        parts = [self.gguf_groups.get(i) for i in range(max(len(self.gguf_types), 1))]
+        parts = self._per_part(self.gguf_groups)
         if not parts or any(g is None for g in parts):
             return None
         if quantization == "int4" and any(g.bits == 8 for g in parts):

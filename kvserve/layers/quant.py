@@ -82,7 +82,6 @@ GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12,
 # memory, and lose some prefill (benchmarks/RESULTS.md). The other types' kernels are
 # slower than the tiles they would be repacked into (benchmarks/gguf_kernels.py).
 GGUF_AUTO_TYPES = frozenset({"Q4_K", "Q6_K"})
-INTERLEAVED_AT_LOAD = frozenset({"Q4_K"})  # the types gguf_repack has a layout for
 
 
 def gguf_auto_types() -> frozenset[str]:
@@ -135,6 +134,13 @@ class GGUFTensor:
 def gguf_native(kind: str) -> bool:
     """Whether gguf_linear reads GGML type `kind` in place."""
     return kind in GGML_TYPES
+
+
+def interleaved_at_load(kind: str) -> bool:
+    """Whether `auto` repacks GGML type `kind` into an interleaved layout (gguf_repack has one
+    for it here)."""
+    ops = kernels.ops()
+    return ops is not None and gguf_native(kind) and ops.gguf_repacked_type(GGML_TYPES[kind]) != 0
 
 
 def check_quantization(name: str) -> str:
@@ -321,14 +327,11 @@ class GGUFWeight(PackedWeight):
     @property
     def interleaved(self) -> list[bool]:
         """Per part, whether it was repacked into its interleaved layout."""
-        return [t >= X8_TYPE_BASE for t in self.types]
+        return [t != p.type_id for t, p in zip(self.types, self.parts, strict=True)]
 
     @property
     def nbytes(self) -> int:
         return sum(p.rows * p.data.shape[1] for p in self.parts)
-
-
-X8_TYPE_BASE = 1000  # gguf_linear's interleaved layouts: 1000 + the GGML type
 
 
 def release_pages(t: torch.Tensor) -> None:

@@ -29,9 +29,9 @@ from kvserve.layers import quant
 from kvserve.layers.quant import (
     INT4_SOURCES,
     INT8_SOURCES,
-    INTERLEAVED_AT_LOAD,
     GGUFTensor,
     gguf_native,
+    interleaved_at_load,
 )
 from kvserve.models.gguf_quants import decode_groups
 from kvserve.models.llama import LlamaForCausalLM
@@ -527,7 +527,7 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, in_place: bool) -> WeightB
         if len(t.shape) == 2 and (served(kind) and not embedding or
                                   embedding and head_served and gguf_native(kind)):
             size = int(t.n_bytes)
-            if in_place or kind not in INTERLEAVED_AT_LOAD or embedding and not tied:
+            if in_place or not interleaved_at_load(kind) or embedding and not tied:
                 mapped += size
         elif embedding:
             size = count * item
