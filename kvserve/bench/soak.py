@@ -38,6 +38,7 @@ from pathlib import Path
 
 import httpx
 
+from kvserve.bench.serve import positive_float
 from kvserve.faults import Faults
 
 GOOD = ["stream_completion", "completion", "stream_chat", "chat", "cut_stream", "slow_reader",
@@ -446,7 +447,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--slow-client-wait", type=float, default=60.0,
                    help="seconds a slow client waits for the server to answer or close")
     p.add_argument("--timeout", type=float, default=300.0)
-    p.add_argument("--keepalive-expiry", type=float, default=0.5,
+    p.add_argument("--keepalive-expiry", type=positive_float, default=0.5,
                    help="seconds the client keeps an idle connection; keep it well below the "
                         "server's --header-timeout and --keep-alive-timeout")
     p.add_argument("--seed", type=int, default=0)
