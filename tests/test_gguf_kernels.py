@@ -9,6 +9,9 @@ across batch sizes bit for bit (batch invariance).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -159,6 +162,48 @@ def test_interleaved_q4k_gives_the_files_bits():
     mixed = k.gguf_linear(x[:7], [b, packed], [type_id("Q6_K"), x8], none * 2)
     assert torch.equal(mixed, torch.cat([k.gguf_linear(x[:7], [b], [type_id("Q6_K")], none),
                                          ref[:7]], 1))
+
+
+def _mapping_flags(address: int) -> tuple[int, list[str]]:
+    """(start, VmFlags) of this process's mapping that holds `address` (/proc/self/smaps)."""
+    start = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            start = lo if lo <= address < hi else None
+        elif head == "VmFlags:" and start is not None:
+            return start, line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="smaps is Linux's")
+def test_large_interleaved_parts_are_on_huge_page_mappings():
+    """A part of 2 MiB or more is repacked into a mapping of its own, 2 MiB aligned and
+    advised MADV_HUGEPAGE ("hg" in smaps), which a decode step streams faster; it computes
+    what a smaller part (torch's allocator) and the file's layout compute."""
+    k = kernels.ops()
+    q4k = type_id("Q4_K")
+    cols, rows = 2048, 2048  # 8 x 144 x 8 x 256 = 2.25 MiB interleaved
+    raw = torch.from_numpy(random_blocks("Q4_K", rows, cols, seed=18))
+    none = torch.empty(0, dtype=torch.long)
+    packed = k.gguf_repack(raw, q4k, cols, none)
+    start, flags = _mapping_flags(packed.data_ptr())
+    assert start == packed.data_ptr() and start % (2 << 20) == 0 and "hg" in flags
+    small = k.gguf_repack(raw[:64], q4k, cols, none)
+    assert "hg" not in _mapping_flags(small.data_ptr())[1]
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(19))
+    x8 = k.gguf_repacked_type(q4k)
+    got = k.gguf_linear(x, [packed], [x8], [none])
+    assert torch.equal(got, k.gguf_linear(x, [raw], [q4k], [none]))
+    assert torch.equal(got[:, :64], k.gguf_linear(x, [small], [x8], [none]))
+    del packed, got  # the mapping is unmapped with the tensor
+    assert all(not (lo <= start < hi) for lo, hi in _maps())
+
+
+def _maps() -> list[tuple[int, int]]:
+    return [tuple(int(v, 16) for v in line.split()[0].split("-"))
+            for line in Path("/proc/self/maps").read_text().splitlines()]
 
 
 def test_interleaving_bad_input_is_refused():

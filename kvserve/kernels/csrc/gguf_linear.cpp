@@ -33,6 +33,11 @@
 #include <cmath>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
+
 #pragma GCC optimize("fp-contract=off")
 
 namespace {
@@ -818,6 +823,36 @@ bool gguf_supports(int64_t type) {
 
 int64_t gguf_repacked_type(int64_t type) { return type == kQ4_K ? kQ4_Kx8 : 0; }
 
+// An uninitialized [rows, cols] byte tensor for weights every decode step reads from end to
+// end. On Linux it is a mapping of its own, its start aligned to 2 MiB and advised
+// MADV_HUGEPAGE: with 4 KiB pages a stream crosses a page (a TLB walk, and the end of what
+// the hardware prefetcher follows) every 4 KiB. On a Zen 3 (2 threads) a plain sum read
+// 21.8 GB/s from 4 KiB pages and 26.0 GB/s from huge ones. Below 2 MiB, or where that
+// fails, torch's allocator.
+namespace {
+at::Tensor streamed_bytes(int64_t rows, int64_t cols) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto n = static_cast<uintptr_t>(rows * cols);
+  if (n >= kHuge) {
+    void* map = mmap(nullptr, n + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                     -1, 0);
+    if (map != MAP_FAILED) {
+      const auto base = reinterpret_cast<uintptr_t>(map), start = (base + kHuge - 1) & ~(kHuge - 1);
+      const uintptr_t len = (n + page - 1) / page * page, end = base + n + kHuge;
+      if (start > base) munmap(map, start - base);  // the mapping's head and tail, unused
+      if (end > start + len) munmap(reinterpret_cast<void*>(start + len), end - start - len);
+      void* p = reinterpret_cast<void*>(start);
+      madvise(p, len, MADV_HUGEPAGE);  // advice only: 4 KiB pages where it is refused
+      return at::from_blob(p, {rows, cols}, [len](void* q) { munmap(q, len); }, at::kByte);
+    }
+  }
+#endif
+  return at::empty({rows, cols}, at::kByte);
+}
+}  // namespace
+
 // Rows `order` (int64, output order; empty: all in order) of a [N, row bytes] part of GGML type
 // `type` with K inputs, 8 at a time interleaved into the type's x8 layout:
 // [rows / 8, K / block * 8 * block bytes]. The same bytes, and gguf_linear gives the same bits.
@@ -833,7 +868,7 @@ at::Tensor gguf_repack(const at::Tensor& part, int64_t type, int64_t K, const at
   type_info(type, &info);
   type_info(x8, &out_info);
   const int64_t blocks = K / info.block;
-  auto out = at::empty({n / 8, blocks * out_info.bytes}, at::kByte);
+  auto out = streamed_bytes(n / 8, blocks * out_info.bytes);
   const auto* base = static_cast<const uint8_t*>(part.data_ptr());
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, n / 8, 16, [&](int64_t begin, int64_t end) {
