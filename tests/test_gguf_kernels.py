@@ -178,27 +178,30 @@ def _mapping_flags(address: int) -> tuple[int, list[str]]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="smaps is Linux's")
-def test_large_interleaved_parts_are_on_huge_page_mappings():
-    """A part of 2 MiB or more is repacked into a mapping of its own, 2 MiB aligned and
-    advised MADV_HUGEPAGE ("hg" in smaps), which a decode step streams faster; it computes
-    what a smaller part (torch's allocator) and the file's layout compute."""
+def test_interleaved_parts_are_on_huge_page_arenas():
+    """Repacked parts are carved out of arenas mapped at a 2 MiB boundary and advised
+    MADV_HUGEPAGE ("hg" in smaps), which a decode step streams faster, small parts too; they
+    compute what the file's layout computes, and an arena is unmapped with its last part."""
     k = kernels.ops()
-    q4k = type_id("Q4_K")
-    cols, rows = 2048, 2048  # 8 x 144 x 8 x 256 = 2.25 MiB interleaved
-    raw = torch.from_numpy(random_blocks("Q4_K", rows, cols, seed=18))
+    q4k, x8 = type_id("Q4_K"), kernels.ops().gguf_repacked_type(type_id("Q4_K"))
     none = torch.empty(0, dtype=torch.long)
-    packed = k.gguf_repack(raw, q4k, cols, none)
-    start, flags = _mapping_flags(packed.data_ptr())
-    assert start == packed.data_ptr() and start % (2 << 20) == 0 and "hg" in flags
-    small = k.gguf_repack(raw[:64], q4k, cols, none)
-    assert "hg" not in _mapping_flags(small.data_ptr())[1]
-    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(19))
-    x8 = k.gguf_repacked_type(q4k)
-    got = k.gguf_linear(x, [packed], [x8], [none])
-    assert torch.equal(got, k.gguf_linear(x, [raw], [q4k], [none]))
-    assert torch.equal(got[:, :64], k.gguf_linear(x, [small], [x8], [none]))
-    del packed, got  # the mapping is unmapped with the tensor
+    # more than an arena's 64 MiB: an arena of its own, holding nothing else
+    cols, rows = 4096, 29184
+    raw = torch.from_numpy(random_blocks("Q4_K", rows, cols, seed=18))
+    big = k.gguf_repack(raw, q4k, cols, none)
+    start, flags = _mapping_flags(big.data_ptr())
+    assert start == big.data_ptr() and start % (2 << 20) == 0 and "hg" in flags
+    x = torch.randn(2, cols, generator=torch.Generator().manual_seed(19))
+    assert torch.equal(k.gguf_linear(x, [big], [x8], [none]),
+                       k.gguf_linear(x, [raw], [q4k], [none]))
+    del big
     assert all(not (lo <= start < hi) for lo, hi in _maps())
+    small = [k.gguf_repack(raw[64 * i:64 * i + 64], q4k, cols, none) for i in range(3)]
+    for part in small:
+        start, flags = _mapping_flags(part.data_ptr())
+        assert start % (2 << 20) == 0 and "hg" in flags and part.data_ptr() % 64 == 0
+    assert torch.equal(k.gguf_linear(x, small, [x8] * 3, [none] * 3),
+                       k.gguf_linear(x, [raw[:192]], [q4k], [none]))
 
 
 def _maps() -> list[tuple[int, int]]:

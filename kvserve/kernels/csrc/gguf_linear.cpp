@@ -31,6 +31,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #if defined(__linux__)
@@ -838,33 +840,66 @@ bool gguf_supports(int64_t type) {
 
 int64_t gguf_repacked_type(int64_t type) { return type == kQ4_K ? kQ4_Kx8 : 0; }
 
-// An uninitialized [rows, cols] byte tensor for weights every decode step reads from end to
-// end. On Linux it is a mapping of its own, its start aligned to 2 MiB and advised
-// MADV_HUGEPAGE: with 4 KiB pages a stream crosses a page (a TLB walk, and the end of what
-// the hardware prefetcher follows) every 4 KiB. On a Zen 3 (2 threads) a plain sum read
-// 21.8 GB/s from 4 KiB pages and 26.0 GB/s from huge ones. Below 2 MiB, or where that
-// fails, torch's allocator.
 namespace {
-at::Tensor streamed_bytes(int64_t rows, int64_t cols) {
+// Uninitialized [rows, cols] byte tensors for weights every decode step reads from end to end.
+// On Linux they are carved, one after the other, out of arenas of 64 MiB (or one part's size
+// rounded up to 2 MiB, if larger) mapped at a 2 MiB boundary and advised MADV_HUGEPAGE: with
+// 4 KiB pages a stream crosses a page (a TLB walk, and the end of what the hardware
+// prefetcher follows) every 4 KiB, and a part of its own smaller than 2 MiB (a 1.5B model's
+// q/k/v and o) could never be on a huge page. On a Zen 3 (2 threads) a plain sum read
+// 21.8 GB/s from 4 KiB pages and 26.0 GB/s from huge ones. An arena is unmapped when the
+// last tensor carved from it is freed; pages never written are never resident. Where
+// mapping fails, or off Linux, torch's allocator.
+class StreamArena {
+ public:
+  at::Tensor take(int64_t rows, int64_t cols) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  const auto n = static_cast<uintptr_t>(rows * cols);
-  if (n >= kHuge) {
-    void* map = mmap(nullptr, n + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                     -1, 0);
-    if (map != MAP_FAILED) {
-      const auto base = reinterpret_cast<uintptr_t>(map), start = (base + kHuge - 1) & ~(kHuge - 1);
-      const uintptr_t len = (n + page - 1) / page * page, end = base + n + kHuge;
-      if (start > base) munmap(map, start - base);  // the mapping's head and tail, unused
-      if (end > start + len) munmap(reinterpret_cast<void*>(start + len), end - start - len);
-      void* p = reinterpret_cast<void*>(start);
-      madvise(p, len, MADV_HUGEPAGE);  // advice only: 4 KiB pages where it is refused
-      return at::from_blob(p, {rows, cols}, [len](void* q) { munmap(q, len); }, at::kByte);
+    const auto n = static_cast<uintptr_t>(rows * cols);
+    const uintptr_t need = (n + 63) / 64 * 64;  // the next part starts on a cache line
+    std::lock_guard<std::mutex> lock(mu_);
+    auto arena = current_.lock();
+    if (!arena || arena->used + need > arena->len) {
+      arena = Arena::map(std::max<uintptr_t>(kArena, (need + kHuge - 1) / kHuge * kHuge));
+      if (!arena) return at::empty({rows, cols}, at::kByte);
+      current_ = arena;
     }
-  }
+    void* p = reinterpret_cast<void*>(arena->start + arena->used);
+    arena->used += need;
+    return at::from_blob(p, {rows, cols}, [arena](void*) {}, at::kByte);
+#else
+    return at::empty({rows, cols}, at::kByte);
 #endif
-  return at::empty({rows, cols}, at::kByte);
+  }
+
+ private:
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  static constexpr uintptr_t kHuge = uintptr_t{2} << 20, kArena = uintptr_t{64} << 20;
+  struct Arena {
+    uintptr_t start = 0, len = 0, used = 0;
+    // len bytes at a 2 MiB boundary: kHuge more mapped, the head and tail unmapped again
+    static std::shared_ptr<Arena> map(uintptr_t len) {
+      void* m = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                     -1, 0);
+      if (m == MAP_FAILED) return nullptr;
+      const auto base = reinterpret_cast<uintptr_t>(m), start = (base + kHuge - 1) & ~(kHuge - 1);
+      if (start > base) munmap(m, start - base);
+      if (base + kHuge > start) munmap(reinterpret_cast<void*>(start + len), base + kHuge - start);
+      madvise(reinterpret_cast<void*>(start), len, MADV_HUGEPAGE);  // advice: may be refused
+      auto a = std::make_shared<Arena>();
+      a->start = start;
+      a->len = len;
+      return a;
+    }
+    ~Arena() { munmap(reinterpret_cast<void*>(start), len); }
+  };
+  std::mutex mu_;
+  std::weak_ptr<Arena> current_;
+#endif
+};
+
+at::Tensor streamed_bytes(int64_t rows, int64_t cols) {
+  static StreamArena arena;
+  return arena.take(rows, cols);
 }
 }  // namespace
 
