@@ -136,32 +136,59 @@ def test_bad_input_is_refused():
         k.gguf_rows(raw, type_id("Q4_K"), 256, torch.tensor([16]), torch.float32)
 
 
-def test_interleaved_q4k_gives_the_files_bits():
-    """gguf_repack's Q4_Kx8 (8 rows side by side, the same bytes) computes every row as the
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_interleaved_gives_the_files_bits(kind):
+    """gguf_repack's x8 layout (8 rows side by side, the same bytes) computes every row as the
     file's layout does, bit for bit, on both paths, in any row order and at any batch size."""
     k = kernels.ops()
-    q4k = type_id("Q4_K")
-    x8 = k.gguf_repacked_type(q4k)
-    assert x8 == 1000 + q4k and k.gguf_repacked_type(type_id("Q6_K")) == 0
+    tid = type_id(kind)
+    x8 = k.gguf_repacked_type(tid)
+    assert x8 == 1000 + tid and k.gguf_repacked_type(type_id("Q5_K")) == 0
     cols, rows = 768, 40
-    raw = torch.from_numpy(random_blocks("Q4_K", rows, cols, seed=12))
+    raw = torch.from_numpy(random_blocks(kind, rows, cols, seed=12))
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(13))
-    packed = k.gguf_repack(raw, q4k, cols, order)
-    assert packed.shape == (rows // 8, 3 * 8 * 144) and packed.dtype == torch.uint8
+    packed = k.gguf_repack(raw, tid, cols, order)
+    block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
+    assert packed.shape == (rows // 8, 3 * 8 * block_bytes) and packed.dtype == torch.uint8
     assert sorted(packed.flatten().tolist()) == sorted(raw.flatten().tolist())  # same bytes
     x = torch.randn(300, cols, generator=torch.Generator().manual_seed(14))
     none = [torch.empty(0, dtype=torch.long)]
-    ref = k.gguf_linear(x, [raw], [q4k], [order])
-    print(f"Q4_Kx8: native path {k.gguf_path()} against portable and the file's layout")
+    ref = k.gguf_linear(x, [raw], [tid], [order])
+    print(f"{kind}x8: native path {k.gguf_path()} against portable and the file's layout")
     for m in (1, 2, 3, 4, 5, 17, 300):
         got = k.gguf_linear(x[:m], [packed], [x8], none)
         assert torch.equal(got, ref[:m])
         assert torch.equal(got, k.gguf_linear(x[:m], [packed], [x8], none, portable=True))
-    # beside parts in the file's layouts
-    b = torch.from_numpy(random_blocks("Q6_K", 8, cols, seed=15))
-    mixed = k.gguf_linear(x[:7], [b, packed], [type_id("Q6_K"), x8], none * 2)
-    assert torch.equal(mixed, torch.cat([k.gguf_linear(x[:7], [b], [type_id("Q6_K")], none),
-                                         ref[:7]], 1))
+    # beside parts in the file's layouts and the other interleaved type
+    b = torch.from_numpy(random_blocks("Q5_K", 8, cols, seed=15))
+    other = "Q6_K" if kind == "Q4_K" else "Q4_K"
+    c = torch.from_numpy(random_blocks(other, 16, cols, seed=16))
+    c8 = k.gguf_repack(c, type_id(other), cols, none[0])
+    mixed = k.gguf_linear(x[:7], [b, packed, c8], [type_id("Q5_K"), x8,
+                                                  k.gguf_repacked_type(type_id(other))], none * 3)
+    assert torch.equal(mixed, torch.cat([
+        k.gguf_linear(x[:7], [b], [type_id("Q5_K")], none), ref[:7],
+        k.gguf_linear(x[:7], [c], [type_id(other)], none)], 1))
+
+
+def test_interleaved_q6k_extremes_stay_exact():
+    """Q6_Kx8 sums 2 chunks of vpmaddubsw in int16 (at most 2 * 2 * 63 * 127 = 32004): codes
+    all 63 against activations all of one sign must not overflow (nor all 0, codes of -32)."""
+    k = kernels.ops()
+    tid = type_id("Q6_K")
+    cols = 512
+    for fill in (0xFF, 0x00):
+        raw = random_blocks("Q6_K", 8, cols, seed=20)
+        raw.reshape(8, 2, 210)[:, :, :192] = fill
+        raw.reshape(8, 2, 210)[:, :, 192:208] = 127  # scales at their largest
+        raw = torch.from_numpy(raw)
+        packed = k.gguf_repack(raw, tid, cols, torch.empty(0, dtype=torch.long))
+        none = [torch.empty(0, dtype=torch.long)]
+        for x in (torch.ones(2, cols), -torch.ones(2, cols)):
+            got = k.gguf_linear(x, [packed], [k.gguf_repacked_type(tid)], none)
+            assert torch.equal(got, k.gguf_linear(x, [raw], [tid], none))
+            ref = quantized_x(x, 256) @ gguf_weight("Q6_K", raw.numpy(), cols).T
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-3)
 
 
 def _mapping_flags(address: int) -> tuple[int, list[str]]:
@@ -217,8 +244,8 @@ def test_interleaving_bad_input_is_refused():
     with pytest.raises(RuntimeError, match="not a multiple of 8"):
         k.gguf_repack(raw, q4k, 256, none)
     with pytest.raises(RuntimeError, match="no interleaved layout"):
-        k.gguf_repack(torch.from_numpy(random_blocks("Q6_K", 8, 256, seed=17)),
-                      type_id("Q6_K"), 256, none)
+        k.gguf_repack(torch.from_numpy(random_blocks("Q5_K", 8, 256, seed=17)),
+                      type_id("Q5_K"), 256, none)
     with pytest.raises(RuntimeError, match="out of range"):
         k.gguf_repack(raw, q4k, 256, torch.arange(8) + 5)
     packed = k.gguf_repack(raw[:8], q4k, 256, none)

@@ -117,7 +117,7 @@ class LinearBase(nn.Module):
             self.gguf_groups = {}
 
     def gguf_weight(self, interleave: bool = False) -> GGUFWeight | None:
-        """The layer served from its GGUF blocks in place (Q4_K interleaved at load with
+        """The layer served from its GGUF blocks in place (Q4_K, Q6_K interleaved at load with
         `interleave`), where every part has them and gguf_linear reads their types here;
         else None."""
         parts = self._per_part(self.gguf_tensors)

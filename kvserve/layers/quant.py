@@ -75,12 +75,12 @@ class QuantGroups:
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
               "Q6_K": 14}
 # The GGUF types `--quantization auto` serves on gguf_linear, at the file's bytes, rather than
-# on the int4/int8 tiles: Q4_K interleaved 8 rows at a time at load (gguf_repack: 2x the
-# file's layout's speed; on a Zen 3 as fast as the tiles at one row, 0.72-0.85x at 512;
-# 0.5625 bytes a weight against the tiles' 0.625) and Q6_K read in place (0.82 bytes a
-# weight against the int8 tiles' 1.125; 0.72x at 512 rows). Fewer bytes win decode and
-# memory, and lose some prefill (benchmarks/RESULTS.md). The other types' kernels are
-# slower than the tiles they would be repacked into (benchmarks/gguf_kernels.py).
+# on the int4/int8 tiles: both interleaved 8 rows at a time at load (gguf_repack). On a
+# Zen 3, 2 threads (benchmarks/gguf_kernels.py, one layer of a 1.5B model): Q4_Kx8 as fast as
+# the int4 tiles at one row and 1.10-1.13x at 512, at 0.5625 bytes a weight against 0.625;
+# Q6_Kx8 1.09x the int8 tiles at 512 rows (1.5x the file's layout), at 0.82 bytes a weight
+# against 1.125. Fewer bytes win decode and memory (benchmarks/RESULTS.md). The other types'
+# kernels are slower than the tiles they would be repacked into.
 GGUF_AUTO_TYPES = frozenset({"Q4_K", "Q6_K"})
 
 
@@ -282,8 +282,8 @@ class GGUFWeight(PackedWeight):
     256 for the K-quants) and each block's integer sum is exact, so the portable and the AVX2
     paths give the same bits and a row's result does not depend on the batch.
 
-    With `interleave`, a part whose type has an interleaved layout (Q4_K) and whose rows are
-    a multiple of 8 is repacked into it at load (`gguf_repack`: the same bytes, 8 rows side
+    With `interleave`, a part whose type has an interleaved layout (Q4_K, Q6_K) and whose
+    rows are a multiple of 8 is repacked into it at load (`gguf_repack`: the same bytes, 8 rows side
     by side, one per vector lane), in the process's memory, and the file's pages it was read
     from are handed back; the results are the same bits as the file's layout gives."""
 

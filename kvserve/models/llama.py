@@ -271,7 +271,7 @@ class LlamaForCausalLM(nn.Module):
         feed sampling directly); the weights repacked for the dense kernel for none. Under
         gguf (IN_PLACE) the layers, the embedding and the head (tied or not) read the file's
         own blocks in place where gguf_linear reads their types; so does `auto` where they
-        are of GGUF_AUTO_TYPES (Q4_K interleaved at load)."""
+        are of GGUF_AUTO_TYPES (interleaved at load)."""
         self._fused = None
         for module in self.modules():
             if isinstance(module, LinearBase) and module is not self.lm_head:

@@ -50,7 +50,7 @@ enum : int64_t {
 };
 // kvserve's own: a type's blocks with 8 rows interleaved (gguf_repack), numbered 1000 + the
 // GGML type. A part of one is [rows / 8, blocks * 8 * block bytes].
-enum : int64_t { kX8 = 1000, kQ4_Kx8 = kX8 + kQ4_K };
+enum : int64_t { kX8 = 1000, kQ4_Kx8 = kX8 + kQ4_K, kQ6_Kx8 = kX8 + kQ6_K };
 
 // The K-quants keep one accumulator per output; the types with blocks of 32, 8 lanes.
 constexpr bool is_kquant(int64_t type) {
@@ -74,6 +74,7 @@ bool type_info(int64_t type, TypeInfo* info) {
     case kQ5_K: *info = {256, 176}; return true;
     case kQ6_K: *info = {256, 210}; return true;
     case kQ4_Kx8: *info = {256, 8 * 144, 8}; return true;
+    case kQ6_Kx8: *info = {256, 8 * 210, 8}; return true;
     default: return false;
   }
 }
@@ -286,7 +287,7 @@ void rows_portable(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX
   }
 }
 
-// ---------------------------------------------------------------------- Q4_K, 8 rows
+// ---------------------------------------------------------------------- 8 rows interleaved
 //
 // Q4_Kx8 holds 8 rows' Q4_K blocks b side by side in 1152 bytes (8 x 144: the file's bytes),
 // laid out for a kernel whose 8 lanes are the 8 rows:
@@ -296,43 +297,71 @@ void rows_portable(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX
 //   [128, 1152)  32 chunks of 32 bytes, chunk 8 k + c: bytes 4 r .. 4 r + 3 are row r's
 //                qs bytes 32 k + 4 c .. + 3 (low nibbles: sub-block 2 k, inputs 4 c .. 4 c + 3;
 //                high nibbles: sub-block 2 k + 1)
-// Its arithmetic is Q4_K's (kquant_sums, kquant_acc): the same bits as the file's blocks.
-constexpr int64_t kX8Bytes = 8 * 144;
+// Q6_Kx8 holds 8 rows' Q6_K blocks in 1680 bytes (8 x 210):
+//   [0, 16)      d of rows 0..7 (float16)
+//   [16, 144)    the 16 scales, scale j of row r at 16 + 8 j + r
+//   [144, 1680)  16 triples of 32-byte chunks, triple 8 h + c at 144 + 96 (8 h + c): row r's
+//                bytes 4 r .. 4 r + 3 of ql at 64 h + 4 c (low nibbles: inputs 128 h + 4 c ..,
+//                high nibbles: 128 h + 64 + 4 c ..), of ql at 64 h + 32 + 4 c (inputs
+//                128 h + 32 + 4 c .., 128 h + 96 + 4 c ..), then of qh at 128 + 32 h + 4 c
+//                (their top two bits: bits 0-1, 2-3, 4-5, 6-7 for the four runs of 32 in
+//                that order)
+// Their arithmetic is the file's type's (kquant_sums, kquant_acc): the same bits as the
+// file's blocks.
+template <int64_t Type>
+constexpr int64_t kX8Bytes = 8 * (Type == kQ4_K ? 144 : 210);
 
-// The layout above as runs: f(offset in row r's Q4_K block, offset in the group, bytes), for
-// every run of row r. Packing and unpacking both follow it, so they cannot disagree.
-template <typename F>
+// The layouts above as runs: f(offset in row r's block, offset in the group, bytes), for
+// every run of row r. Packing and unpacking both follow them, so they cannot disagree.
+template <int64_t Type, typename F>
 inline void x8_runs(int r, F f) {
-  f(0, 2 * r, 2);        // d
-  f(2, 16 + 2 * r, 2);   // dmin
-  for (int w = 0; w < 3; ++w) f(4 + 4 * w, 32 + 32 * w + 4 * r, 4);
-  for (int k = 0; k < 4; ++k)
-    for (int c = 0; c < 8; ++c) f(16 + 32 * k + 4 * c, 128 + 32 * (8 * k + c) + 4 * r, 4);
+  if constexpr (Type == kQ4_K) {
+    f(0, 2 * r, 2);       // d
+    f(2, 16 + 2 * r, 2);  // dmin
+    for (int w = 0; w < 3; ++w) f(4 + 4 * w, 32 + 32 * w + 4 * r, 4);
+    for (int k = 0; k < 4; ++k)
+      for (int c = 0; c < 8; ++c) f(16 + 32 * k + 4 * c, 128 + 32 * (8 * k + c) + 4 * r, 4);
+  } else {
+    f(208, 2 * r, 2);  // d
+    for (int j = 0; j < 16; ++j) f(192 + j, 16 + 8 * j + r, 1);
+    for (int h = 0; h < 2; ++h)
+      for (int c = 0; c < 8; ++c) {
+        const int t = 144 + 96 * (8 * h + c) + 4 * r;
+        f(64 * h + 4 * c, t, 4);
+        f(64 * h + 32 + 4 * c, t + 32, 4);
+        f(128 + 32 * h + 4 * c, t + 64, 4);
+      }
+  }
 }
 
-// Row r of block-group g, as the file's Q4_K block (144 bytes) it was made from.
+// Row r of block-group g, as the file's block it was made from.
+template <int64_t Type>
 inline void x8_block(const uint8_t* g, int r, uint8_t* out) {
-  x8_runs(r, [&](int blk, int grp, int n) { std::memcpy(out + blk, g + grp, n); });
+  x8_runs<Type>(r, [&](int blk, int grp, int n) { std::memcpy(out + blk, g + grp, n); });
 }
 
+template <int64_t Type>
 inline void x8_pack(const uint8_t* const* rows, uint8_t* g) {  // 8 blocks -> a group
   for (int r = 0; r < 8; ++r)
-    x8_runs(r, [&](int blk, int grp, int n) { std::memcpy(g + grp, rows[r] + blk, n); });
+    x8_runs<Type>(r, [&](int blk, int grp, int n) { std::memcpy(g + grp, rows[r] + blk, n); });
 }
 
 // 8 rows (one group run, `blocks` groups) against activation rows m0 .. m0 + nr - 1:
 // out[8 r + i] for activation row m0 + r and weight row i.
+template <int64_t Type>
 void x8_portable(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, int nr,
                  float* out) {
-  uint8_t blk[144];
+  uint8_t blk[210];
   for (int r = 0; r < nr; ++r)
     for (int i = 0; i < 8; ++i) {
       float acc = 0.f;
       for (int64_t b = 0; b < blocks; ++b) {
-        x8_block(g + b * kX8Bytes, i, blk);
+        x8_block<Type>(g + b * kX8Bytes<Type>, i, blk);
         int32_t s, t;
-        kquant_sums<kQ4_K>(blk, x, m0 + r, b, &s, &t);
-        acc = kquant_acc(acc, f16(blk), f16(blk + 2), x.scale(m0 + r, b), s, t, true);
+        kquant_sums<Type>(blk, x, m0 + r, b, &s, &t);
+        acc = Type == kQ6_K
+                  ? kquant_acc(acc, f16(blk + 208), 0.f, x.scale(m0 + r, b), s, 0, false)
+                  : kquant_acc(acc, f16(blk), f16(blk + 2), x.scale(m0 + r, b), s, t, true);
       }
       out[8 * r + i] = acc;
     }
@@ -553,8 +582,8 @@ void x8_dot_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, 
   const __m256i m6 = _mm256_set1_epi8(0x3f), m4 = _mm256_set1_epi8(0x0f),
                 top = _mm256_set1_epi8(0x30);
   const uint8_t* ahead = g + kAhead;
-  for (int64_t b = 0; b < blocks; ++b, g += kX8Bytes) {
-    for (; ahead < g + kX8Bytes + kAhead; ahead += 64)
+  for (int64_t b = 0; b < blocks; ++b, g += kX8Bytes<kQ4_K>) {
+    for (; ahead < g + kX8Bytes<kQ4_K> + kAhead; ahead += 64)
       _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
     // k_scale_words for 8 rows at once: scale bytes 0-3 and 4-7, minimum bytes 0-3 and 4-7
     const __m256i u0 = load32(g + 32), u1 = load32(g + 64), u2 = load32(g + 96);
@@ -630,13 +659,98 @@ void x8_dot_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, 
   for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
+// 8 rows of Q6_Kx8 against NR activation rows, the rows in the lanes. Per run of 32 inputs
+// and half of it (a sub-block of 16, one scale), its 4 chunks: the 8 rows' 4 codes (0..63)
+// times 4 activations broadcast (vpmaddubsw), 2 chunks summed in int16 (at most
+// 2 * 2 * 63 * 127 = 32004), then times the rows' scales (vpmaddwd) into int32 per row;
+// less 32 times the scales times the sub-blocks' sums of x (Q6_K's codes are offset by 32).
+template <int NR>
+void x8q6_dot_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0,
+                   float* out) {
+  constexpr int64_t kBytes = kX8Bytes<kQ6_K>;
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  const uint8_t* ahead = g + kAhead;
+  for (int64_t b = 0; b < blocks; ++b, g += kBytes) {
+    for (; ahead < g + kBytes + kAhead; ahead += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+    __m256i s[NR];
+    for (int r = 0; r < NR; ++r) s[r] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h)
+      for (int run = 0; run < 4; ++run)  // inputs 128 h + 32 run ..: ql's low nibbles first
+        for (int half = 0; half < 2; ++half) {
+          // scale j = 8 h + 2 run + half of the 8 rows, in both int16 lanes of each row
+          const __m256i sc32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+              reinterpret_cast<const __m128i*>(g + 16 + 8 * (8 * h + 2 * run + half))));
+          const __m256i scale = _mm256_or_si256(
+              _mm256_and_si256(sc32, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc32, 16));
+          for (int pair = 0; pair < 2; ++pair) {
+            __m256i p16[NR];
+            for (int r = 0; r < NR; ++r) p16[r] = _mm256_setzero_si256();
+            for (int cc = 0; cc < 2; ++cc) {
+              const int c = 4 * half + 2 * pair + cc;
+              const uint8_t* t = g + 144 + 96 * (8 * h + c);
+              const __m256i l = load32(t + 32 * (run % 2)), hb = load32(t + 64);
+              const __m256i nib = run < 2 ? l : _mm256_srli_epi16(l, 4);
+              // bits 2 run, 2 run + 1 of qh to bits 4, 5
+              const __m256i hi = run == 2 ? hb : run < 2 ? _mm256_slli_epi16(hb, 4 - 2 * run)
+                                                         : _mm256_srli_epi16(hb, 2);
+              const __m256i q = _mm256_or_si256(_mm256_and_si256(nib, low),
+                                                _mm256_and_si256(hi, top));
+              for (int r = 0; r < NR; ++r) {
+                int32_t a;
+                std::memcpy(&a, x.row(m0 + r) + b * 256 + 128 * h + 32 * run + 4 * c, 4);
+                p16[r] = _mm256_add_epi16(p16[r],
+                                          _mm256_maddubs_epi16(q, _mm256_set1_epi32(a)));
+              }
+              in_registers(p16);
+            }
+            for (int r = 0; r < NR; ++r)
+              s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p16[r], scale));
+            in_registers(s);
+          }
+        }
+    // sum_j sc_j runs_j per row: scales 2k, 2k + 1 as a row's int16 pair, against the pair
+    // of x's sums of runs 2k, 2k + 1 broadcast
+    __m256i pairs[8];
+    for (int k = 0; k < 8; ++k) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16 + 16 * k));
+      pairs[k] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, _mm_srli_si128(v, 8)));
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
+    for (int r = 0; r < NR; ++r) {
+      const int16_t* runs = x.run_sums(m0 + r, b);
+      __m256i c = _mm256_setzero_si256();
+      for (int k = 0; k < 8; ++k) {
+        int32_t two;
+        std::memcpy(&two, runs + 2 * k, 4);
+        c = _mm256_add_epi32(c, _mm256_madd_epi16(pairs[k], _mm256_set1_epi32(two)));
+      }
+      const __m256i t = _mm256_sub_epi32(s[r], _mm256_slli_epi32(c, 5));
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scale(m0 + r, b))),
+                               _mm256_cvtepi32_ps(t), acc[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+template <int64_t Type, int NR>
+void x8_dot(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, float* out) {
+  if constexpr (Type == kQ4_K)
+    x8_dot_avx2<NR>(g, blocks, x, m0, out);
+  else
+    x8q6_dot_avx2<NR>(g, blocks, x, m0, out);
+}
+
+template <int64_t Type>
 void x8_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, int nr,
              float* out) {
   switch (nr) {
-    case 1: x8_dot_avx2<1>(g, blocks, x, m0, out); break;
-    case 2: x8_dot_avx2<2>(g, blocks, x, m0, out); break;
-    case 3: x8_dot_avx2<3>(g, blocks, x, m0, out); break;
-    default: x8_dot_avx2<4>(g, blocks, x, m0, out); break;
+    case 1: x8_dot<Type, 1>(g, blocks, x, m0, out); break;
+    case 2: x8_dot<Type, 2>(g, blocks, x, m0, out); break;
+    case 3: x8_dot<Type, 3>(g, blocks, x, m0, out); break;
+    default: x8_dot<Type, 4>(g, blocks, x, m0, out); break;
   }
 }
 #else
@@ -672,12 +786,17 @@ RowsFn pick(int64_t type, bool portable) {
 // 8 interleaved rows (a part row of an x8 layout) against activation rows m0 .. m0 + nr - 1.
 using GroupFn = void (*)(const uint8_t*, int64_t, const QuantX&, int64_t, int, float*);
 
-GroupFn pick_group(bool portable) {
+template <int64_t Type>
+GroupFn group_fn(bool portable) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  if (!portable) return x8_avx2;
+  if (!portable) return x8_avx2<Type>;
 #endif
   (void)portable;
-  return x8_portable;
+  return x8_portable<Type>;
+}
+
+GroupFn pick_group(int64_t x8, bool portable) {
+  return x8 == kQ4_Kx8 ? group_fn<kQ4_K>(portable) : group_fn<kQ6_K>(portable);
 }
 
 // Output rows per unit of work: a unit's weights (~16 rows of a few KB) stay in cache while
@@ -716,7 +835,7 @@ at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
     part[p] = {static_cast<const uint8_t*>(parts[p].data_ptr()), parts[p].stride(0),
                K / info.block, info.bytes, N, n,
                rows[p].numel() ? rows[p].data_ptr<int64_t>() : nullptr,
-               x8 ? nullptr : pick(types[p], portable), x8 ? pick_group(portable) : nullptr,
+               x8 ? nullptr : pick(types[p], portable), x8 ? pick_group(types[p], portable) : nullptr,
                info.block == 32 ? &x32 : &x256};
     for (int64_t r = 0; r < n; r += kUnit) units.emplace_back(p, r);
     N += n;
@@ -838,7 +957,9 @@ bool gguf_supports(int64_t type) {
   return type_info(type, &info);
 }
 
-int64_t gguf_repacked_type(int64_t type) { return type == kQ4_K ? kQ4_Kx8 : 0; }
+int64_t gguf_repacked_type(int64_t type) {
+  return type == kQ4_K ? kQ4_Kx8 : type == kQ6_K ? kQ6_Kx8 : 0;
+}
 
 namespace {
 // Uninitialized [rows, cols] byte tensors for weights every decode step reads from end to end.
@@ -927,7 +1048,11 @@ at::Tensor gguf_repack(const at::Tensor& part, int64_t type, int64_t K, const at
       for (int64_t b = 0; b < blocks; ++b) {
         for (int r = 0; r < 8; ++r)
           src[r] = base + (ord ? ord[8 * g + r] : 8 * g + r) * part.stride(0) + b * info.bytes;
-        x8_pack(src, op + g * out.stride(0) + b * out_info.bytes);
+        uint8_t* dst = op + g * out.stride(0) + b * out_info.bytes;
+        if (type == kQ4_K)
+          x8_pack<kQ4_K>(src, dst);
+        else
+          x8_pack<kQ6_K>(src, dst);
       }
   });
   return out;
