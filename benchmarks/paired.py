@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import statistics
 import sys
 import time
@@ -83,6 +84,8 @@ def main() -> int:
         p.error(f"no llama-server at {peers.llama_server}: build it with "
                 "benchmarks/vs_llamacpp.py first")
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    # SIGTERM too stops both servers (the `finally` below), as Ctrl-C does
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # server_spec's other peers' options, unused here
     args.llama_cpp_python_args = args.vllm_args = ""
     args.hf_dir = None
