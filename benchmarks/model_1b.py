@@ -2,9 +2,12 @@
 2048, FFN 8192, 32 query / 8 KV heads of 64, tied embeddings), the default model's tokenizer
 (49,152 tokens), written as F16 with `gguf`'s writer and quantized to Q4_K_M with llama.cpp's
 own `llama-quantize` (built, when missing, next to the llama-server that
-benchmarks/vs_llamacpp.py builds).
+benchmarks/vs_llamacpp.py builds). `--shape 8b` writes Llama-3.1-8B's shape instead (32
+layers, hidden 4096, FFN 14336, 32 query / 8 KV heads of 128, an output matrix of its own),
+with the same tokenizer: 7.0B parameters, a 14 GiB F16 file on the way (written one tensor at
+a time, so never held in memory whole).
 
-    python benchmarks/model_1b.py [--out FILE] [--type Q4_K_M]
+    python benchmarks/model_1b.py [--shape 1b|8b] [--out FILE] [--type Q4_K_M]
 
 Prints the file's path; reuses it when it exists. Then, e.g.:
 
@@ -28,8 +31,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_llamacpp as harness  # noqa: E402
 
-SHAPE = dict(layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8, head_dim=64,
-             context=8192, rope_theta=500000.0, eps=1e-5)
+SHAPES = {
+    "1b": dict(name="random 1B (Llama-3.2-1B shape)", layers=16, hidden=2048, ffn=8192,
+               heads=32, kv_heads=8, head_dim=64, context=8192, rope_theta=500000.0, eps=1e-5,
+               tied=True),
+    "8b": dict(name="random 8B (Llama-3.1-8B shape)", layers=32, hidden=4096, ffn=14336,
+               heads=32, kv_heads=8, head_dim=128, context=8192, rope_theta=500000.0,
+               eps=1e-5, tied=False),
+}
 
 
 def quantize_tool(peers: harness.Peers) -> Path:
@@ -46,15 +55,15 @@ def quantize_tool(peers: harness.Peers) -> Path:
     return tool
 
 
-def write_f16(path: Path, tokenizer_gguf: Path, seed: int = 0) -> None:
+def write_f16(path: Path, tokenizer_gguf: Path, shape: str = "1b", seed: int = 0) -> None:
     """The random F16 model, the tokenizer's metadata copied from `tokenizer_gguf`."""
     import gguf
 
-    s = SHAPE
+    s = SHAPES[shape]
     src = gguf.GGUFReader(str(tokenizer_gguf))
     vocab = len(src.fields["tokenizer.ggml.tokens"].data)
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("random 1B (Llama-3.2-1B shape)")
+    w.add_name(s["name"])
     w.add_block_count(s["layers"])
     w.add_context_length(s["context"])
     w.add_embedding_length(s["hidden"])
@@ -84,18 +93,29 @@ def write_f16(path: Path, tokenizer_gguf: Path, seed: int = 0) -> None:
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
 
     h, kv = s["hidden"], s["kv_heads"] * s["head_dim"]
-    w.add_tensor("token_embd.weight", normal(vocab, h))
-    w.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
+    # (name, shape): matrices random float16, norms float32 ones
+    tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (vocab, h)),
+                                                  ("output_norm.weight", (h,))]
+    if not s["tied"]:
+        tensors.append(("output.weight", (vocab, h)))
     for i in range(s["layers"]):
-        for name, shape in (("attn_q", (h, h)), ("attn_k", (kv, h)), ("attn_v", (kv, h)),
-                            ("attn_output", (h, h)), ("ffn_gate", (s["ffn"], h)),
-                            ("ffn_up", (s["ffn"], h)), ("ffn_down", (h, s["ffn"]))):
-            w.add_tensor(f"blk.{i}.{name}.weight", normal(*shape))
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(h, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(h, dtype=np.float32))
+        tensors += [(f"blk.{i}.{name}.weight", shape) for name, shape in (
+            ("attn_q", (h, h)), ("attn_k", (kv, h)), ("attn_v", (kv, h)),
+            ("attn_output", (h, h)), ("ffn_gate", (s["ffn"], h)), ("ffn_up", (s["ffn"], h)),
+            ("ffn_down", (h, s["ffn"])))]
+        tensors += [(f"blk.{i}.attn_norm.weight", (h,)), (f"blk.{i}.ffn_norm.weight", (h,))]
+
+    def make(shape: tuple[int, ...]) -> np.ndarray:
+        return normal(*shape) if len(shape) == 2 else np.ones(shape, dtype=np.float32)
+
+    for name, shape in tensors:  # infos first, then the data one tensor at a time
+        dtype = np.dtype(np.float16 if len(shape) == 2 else np.float32)
+        w.add_tensor_info(name, shape, dtype, int(np.prod(shape)) * dtype.itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for _, shape in tensors:
+        w.write_tensor_data(make(shape))
     w.close()
 
 
@@ -104,8 +124,9 @@ def main() -> int:
     cache = Path(os.environ.get("KVSERVE_BENCH_CACHE", "~/.cache/kvserve-bench")).expanduser()
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--type", default="Q4_K_M", help="llama-quantize's type name")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     args = p.parse_args()
-    out = (args.out or cache / f"random-1b-llama-{args.type}.gguf").expanduser()
+    out = (args.out or cache / f"random-{args.shape}-llama-{args.type}.gguf").expanduser()
     if out.is_file():
         print(out)
         return 0
@@ -119,7 +140,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     f16 = out.with_name(out.stem + ".F16.gguf")
     t0 = time.perf_counter()
-    write_f16(f16, tokenizer)
+    write_f16(f16, tokenizer, args.shape)
     harness.log(f"wrote {f16} ({f16.stat().st_size / 2**30:.2f} GiB) in "
                 f"{time.perf_counter() - t0:.0f} s")
     harness.run_logged([str(tool), str(f16), str(out), args.type],

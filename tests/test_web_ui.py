@@ -248,7 +248,9 @@ def _charts(driver) -> dict[str, dict]:
         return [...document.querySelectorAll('#charts .chart')].map(f => {
           const paths = [...f.querySelectorAll('path.series')].map(p => p.getAttribute('d'));
           return {id: f.id.replace('chart-', ''), visible: f.offsetParent !== null,
-                  paths, points: Math.min(...paths.map(d => (d.match(/[ML]/g) || []).length)),
+                  // no series drawn yet: 0 (Math.min of nothing is Infinity, null in JSON)
+                  paths, points: paths.length ? Math.min(...paths.map(
+                    d => (d.match(/[ML]/g) || []).length)) : 0,
                   targets: [...f.querySelectorAll('line.target')].map(l => l.getAttribute('y1')),
                   caption: f.querySelector('figcaption').textContent,
                   values: [...f.querySelectorAll('figcaption b, text.ylabel')]

@@ -16,7 +16,7 @@
 //                                    acc = fma(d dx, s, acc) then fma(-(dmin dx), t, acc)
 //   Q6_K               s = sum_j sc_j (sum q x - 32 sum x)      acc = fma(d dx, s, acc)
 //     (one accumulator per output: a K-quant block's sums are whole integers, so a layout
-//     with 8 rows in the lanes, Q4_Kx8, gives the same bits as the file's)
+//     with 8 rows in the lanes, Q4_Kx8 or Q6_Kx8, gives the same bits as the file's)
 //
 // The integer sums are exact whatever order adds them, so the portable path (plain C++) and
 // the AVX2 path (vpmaddubsw / vpmaddwd, also taken on AVX-512 machines) give the same bits,
