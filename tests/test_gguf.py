@@ -219,8 +219,8 @@ def test_q6k_layers_serve_their_own_codes(tmp_path_factory):
 
 
 def test_k_quant_layers_under_auto_read_the_files_codes(tmp_path_factory, monkeypatch):
-    """`auto` on a Q4_K_M-like file, where the tiles run on AVX2 (forced here on any CPU,
-    after checking which CPUs get it): every matrix on gguf_linear (Q4_K and Q6_K interleaved
+    """`auto` on a Q4_K_M-like file, where gguf_linear has a vector path (forced here on any
+    CPU, after checking which CPUs get it): every matrix on gguf_linear (Q4_K and Q6_K interleaved
     8 rows at a time at load, the embedding looked up in place), with the same logits,
     bit for bit, as `gguf` reading the file's layout (chunked otherwise), and close to the
     float32 model on the same dequantized weights."""
@@ -231,8 +231,10 @@ def test_k_quant_layers_under_auto_read_the_files_codes(tmp_path_factory, monkey
     if kernels.gguf_kernels(torch.float32, "cpu", [12, 14]) is None:
         pytest.fail("the GGUF kernels are built with the C++ kernels, which every test "
                     "machine has")
-    print(f"tiles' ISA here: {kernels.isa()}; auto's GGUF types: {quant.gguf_auto_types()}")
-    assert quant.gguf_auto_types() == (quant.GGUF_AUTO_TYPES if kernels.isa() == "AVX2"
+    print(f"gguf_linear's path here: {kernels.ops().gguf_path()}; auto's GGUF types: "
+          f"{quant.gguf_auto_types()}")
+    assert quant.gguf_auto_types() == (quant.GGUF_AUTO_TYPES
+                                       if kernels.ops().gguf_path() in ("AVX2", "VNNI")
                                        else frozenset())
     monkeypatch.setattr(quant, "gguf_auto_types", lambda: quant.GGUF_AUTO_TYPES)
     path, (auto, in_place, ref) = _packed_models(

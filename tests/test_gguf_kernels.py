@@ -2,9 +2,9 @@
 
 Each type is checked on random blocks against gguf's own dequantization (gguf_rows bit for
 bit; gguf_linear against the float matmul of those weights with the activations quantized
-as the kernel quantizes them, exactly up to float rounding), the native path against the
-portable one bit for bit (on every machine: the test names the path it compared), and rows
-across batch sizes bit for bit (batch invariance).
+as the kernel quantizes them, exactly up to float rounding), every path built for this CPU
+(VNNI, AVX2) against the portable one bit for bit (on every machine: the test names the paths
+it compared), and rows across batch sizes bit for bit (batch invariance).
 """
 
 from __future__ import annotations
@@ -80,11 +80,11 @@ def test_linear_matches_reference_and_portable(kind):
     x = torch.randn(7, cols, generator=torch.Generator().manual_seed(3))
     block = 256 if kind.endswith("_K") else 32
     ref = quantized_x(x, block).double() @ w.T
-    native = k.gguf_linear(x, [raw], [type_id(kind)], [torch.empty(0, dtype=torch.long)])
-    portable = k.gguf_linear(x, [raw], [type_id(kind)], [torch.empty(0, dtype=torch.long)],
-                             portable=True)
-    print(f"{kind}: native path {k.gguf_path()} against portable")
-    assert torch.equal(native, portable)
+    none = [torch.empty(0, dtype=torch.long)]
+    native = k.gguf_linear(x, [raw], [type_id(kind)], none)
+    print(f"{kind}: paths {k.gguf_paths()} (best {k.gguf_path()}) against portable")
+    for path in k.gguf_paths():
+        assert torch.equal(k.gguf_linear(x, [raw], [type_id(kind)], none, path=path), native)
     scale = ref.abs().max().item()
     assert (native.double() - ref).abs().max().item() <= 1e-5 * scale + 1e-6
 
@@ -134,6 +134,9 @@ def test_bad_input_is_refused():
         k.gguf_linear(x, [raw], [type_id("Q4_K")], [torch.tensor([0, 16])])
     with pytest.raises(RuntimeError, match="out of range"):
         k.gguf_rows(raw, type_id("Q4_K"), 256, torch.tensor([16]), torch.float32)
+    with pytest.raises(RuntimeError, match="unknown path"):
+        k.gguf_linear(x, [raw], [type_id("Q4_K")], none, path="SSE2")
+    assert k.gguf_paths()[0] == k.gguf_path() and k.gguf_paths()[-1] == "portable"
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
@@ -154,11 +157,12 @@ def test_interleaved_gives_the_files_bits(kind):
     x = torch.randn(300, cols, generator=torch.Generator().manual_seed(14))
     none = [torch.empty(0, dtype=torch.long)]
     ref = k.gguf_linear(x, [raw], [tid], [order])
-    print(f"{kind}x8: native path {k.gguf_path()} against portable and the file's layout")
+    print(f"{kind}x8: paths {k.gguf_paths()} against the file's layout")
     for m in (1, 2, 3, 4, 5, 17, 300):
         got = k.gguf_linear(x[:m], [packed], [x8], none)
         assert torch.equal(got, ref[:m])
-        assert torch.equal(got, k.gguf_linear(x[:m], [packed], [x8], none, portable=True))
+        for path in k.gguf_paths():
+            assert torch.equal(got, k.gguf_linear(x[:m], [packed], [x8], none, path=path))
     # beside parts in the file's layouts and the other interleaved type
     b = torch.from_numpy(random_blocks("Q5_K", 8, cols, seed=15))
     other = "Q6_K" if kind == "Q4_K" else "Q4_K"
@@ -186,7 +190,10 @@ def test_interleaved_q6k_extremes_stay_exact():
         none = [torch.empty(0, dtype=torch.long)]
         for x in (torch.ones(2, cols), -torch.ones(2, cols)):
             got = k.gguf_linear(x, [packed], [k.gguf_repacked_type(tid)], none)
-            assert torch.equal(got, k.gguf_linear(x, [raw], [tid], none))
+            assert torch.equal(got, k.gguf_linear(x, [raw], [tid], none, path="portable"))
+            for path in k.gguf_paths():
+                assert torch.equal(got, k.gguf_linear(x, [packed], [k.gguf_repacked_type(tid)],
+                                                      none, path=path))
             ref = quantized_x(x, 256) @ gguf_weight("Q6_K", raw.numpy(), cols).T
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-3)
 

@@ -83,7 +83,7 @@ class LinearBase(nn.Module):
         `gguf` (IN_PLACE) serves a layer whose every part is a GGUF tensor of a type
         gguf_linear reads in the file's own blocks, in place (GGUFWeight), and any other layer
         as `auto` does. `auto` does the same for a layer whose parts are all of
-        quant.gguf_auto_types() (Q4_K and Q6_K where the tiles run on AVX2), with Q4_K
+        quant.gguf_auto_types() (Q4_K and Q6_K where gguf_linear has a vector path), with Q4_K
         interleaved at load (the same results). Otherwise a GGUF weight whose type has an
         exact form (see models/gguf_quants.py) keeps its own codes on the VNNI kernel, 4-bit
         ones widened to 8 for int8 or where parts mix; other weights are quantized again.

@@ -80,15 +80,20 @@ GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12,
 # the int4 tiles at one row and 1.10-1.13x at 512, at 0.5625 bytes a weight against 0.625;
 # Q6_Kx8 1.09x the int8 tiles at 512 rows (1.5x the file's layout), at 0.82 bytes a weight
 # against 1.125. Fewer bytes win decode and memory (benchmarks/RESULTS.md). The other types'
-# kernels are slower than the tiles they would be repacked into.
+# kernels are slower than the tiles they would be repacked into. On a Zen 4 (AVX-512 VNNI, 2
+# threads) the x8 kernels on vpdpbusd, 16 rows a register, are 0.93x the tiles (Q4_K) and
+# 0.64x (Q6_K) at 512 rows; served (two paired runs against llama-server, one after the
+# other), the 1.5B Q4_K_M prefilled at 0.93x the tiles' speed and held 1.62 GiB against
+# their 6.95 (peak RSS), but decoded at 0.76x their speed (at one row the x8 kernels are
+# bound by decoding the codes there, not by memory): memory decided it.
 GGUF_AUTO_TYPES = frozenset({"Q4_K", "Q6_K"})
 
 
 def gguf_auto_types() -> frozenset[str]:
-    """GGUF_AUTO_TYPES where the tiles run on AVX2; none where they run on AVX-512 (VNNI's
-    vpdpbusd), which gguf_linear does not use yet: there the tiles stay until it does and is
-    measured against them."""
-    return GGUF_AUTO_TYPES if kernels.isa() == "AVX2" else frozenset()
+    """GGUF_AUTO_TYPES where gguf_linear has a vector path (AVX2, or VNNI where the tiles run
+    on AVX-512); none where it has only the portable one."""
+    ops = kernels.ops()
+    return GGUF_AUTO_TYPES if ops is not None and ops.gguf_path() != "portable" else frozenset()
 
 
 @dataclass

@@ -50,10 +50,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed);
 
 // gguf_linear.cpp
 bool gguf_supports(int64_t type);
-std::string gguf_path(bool portable);
+std::string gguf_path();
+std::vector<std::string> gguf_paths();
 at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts,
                        const std::vector<int64_t>& types, const std::vector<at::Tensor>& rows,
-                       bool portable);
+                       const std::string& path);
 at::Tensor gguf_rows(const at::Tensor& part, int64_t type, int64_t K, const at::Tensor& ids,
                      at::ScalarType dtype);
 int64_t gguf_repacked_type(int64_t type);

@@ -18,8 +18,9 @@
 //     (one accumulator per output: a K-quant block's sums are whole integers, so a layout
 //     with 8 rows in the lanes, Q4_Kx8 or Q6_Kx8, gives the same bits as the file's)
 //
-// The integer sums are exact whatever order adds them, so the portable path (plain C++) and
-// the AVX2 path (vpmaddubsw / vpmaddwd, also taken on AVX-512 machines) give the same bits,
+// The integer sums are exact whatever order adds them, so the portable path (plain C++), the
+// AVX2 path (vpmaddubsw / vpmaddwd) and the VNNI path (the x8 layouts on vpdpbusd, with
+// AVX512-VNNI or AVX-VNNI) give the same bits,
 // and a row's result never depends on the other rows of the call (batch invariance): work
 // is split over output rows only. The activations' quantization is one scalar routine for
 // both paths. Float contraction is off in this file: a compiler fusing a multiply into a
@@ -410,8 +411,31 @@ inline __m256i scaled_runs(const __m256i* q, const __m256i* scales, const int8_t
 // same integers either way: the results do not change).
 template <int N>
 inline void in_registers(__m256i (&v)[N]) {
+#if defined(__AVX512VL__)
+  for (int i = 0; i < N; ++i) asm("" : "+v"(v[i]));  // any of the 32 registers
+#else
   for (int i = 0; i < N; ++i) asm("" : "+x"(v[i]));
+#endif
 }
+
+// vpdpbusd: unsigned bytes times signed bytes, each 4 products summed into an int32 lane,
+// with no saturation (the "s" form saturates). Exact, like vpmaddubsw's pair sums where those
+// cannot saturate: the x8 kernels' VNNI form gives the AVX2 form's integers, in fewer steps
+// (one instruction for vpmaddubsw + vpaddw, and int32 sums over a whole sub-block).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kHasVnniPath = true;
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_dpbusd_epi32(acc, u, s);
+}
+#elif defined(__AVXVNNI__)
+constexpr bool kHasVnniPath = true;
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+}
+#else
+constexpr bool kHasVnniPath = false;
+__m256i dpbusd(__m256i acc, __m256i u, __m256i s);  // only in VNNI kernels, not built here
+#endif
 
 inline int32_t hsum_i32(__m256i v) {  // exact: any order gives the same integer
   __m128i a = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -571,55 +595,90 @@ void rows_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX& x,
     default: row_dot_avx2<Type, 4>(w, blocks, bytes, x, m0, out); break;
   }
 }
+// A Q4_Kx8 block's float steps for activation row m (kquant_acc in 8 lanes): s the rows'
+// sums of codes times scales times x, mins[k] minimums 2k and 2k + 1 in a row's two int16
+// lanes, d and dmin the rows' scales.
+inline __m256 q4x8_acc(const __m256i* mins, __m256 d, __m256 dmin, const QuantX& x, int64_t m,
+                       int64_t b, __m256i s, __m256 acc) {
+  // sub-block sums of x: runs of 16 in pairs (vpmaddwd by ones), as int16 pairs 2k, 2k+1
+  const __m256i bs = _mm256_madd_epi16(load32(x.run_sums(m, b)), _mm256_set1_epi16(1));
+  const __m256i bs16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(bs, bs), 0xd8);
+  __m256i t = _mm256_setzero_si256();
+  for (int k = 0; k < 4; ++k)
+    t = _mm256_add_epi32(t, _mm256_madd_epi16(
+        mins[k], _mm256_permutevar8x32_epi32(bs16, _mm256_set1_epi32(k))));
+  const __m256 dx = _mm256_set1_ps(x.scale(m, b));
+  acc = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(s), acc);
+  return _mm256_fmadd_ps(_mm256_xor_ps(_mm256_mul_ps(dmin, dx), _mm256_set1_ps(-0.f)),
+                         _mm256_cvtepi32_ps(t), acc);
+}
+
+// A Q4_Kx8 block's minimums for q4x8_acc, from its words (k_scale_words for 8 rows at once).
+inline void q4x8_mins(const uint8_t* g, __m256i* mins) {
+  const __m256i u1 = load32(g + 64), u2 = load32(g + 96);
+  const __m256i m6 = _mm256_set1_epi8(0x3f), m4 = _mm256_set1_epi8(0x0f),
+                top = _mm256_set1_epi8(0x30);
+  const __m256i mn_lo = _mm256_and_si256(u1, m6);
+  const __m256i mn_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4),
+                                        _mm256_and_si256(_mm256_srli_epi32(u1, 2), top));
+  for (int k = 0; k < 4; ++k) {
+    const char o = static_cast<char>(2 * (k % 2)), z = static_cast<char>(0x80);
+    const __m256i pick = _mm256_setr_epi8(
+        o, z, o + 1, z, o + 4, z, o + 5, z, o + 8, z, o + 9, z, o + 12, z, o + 13, z,
+        o, z, o + 1, z, o + 4, z, o + 5, z, o + 8, z, o + 9, z, o + 12, z, o + 13, z);
+    mins[k] = _mm256_shuffle_epi8(k < 2 ? mn_lo : mn_hi, pick);
+  }
+}
+
+inline __m256 f16x8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // 8 rows of Q4_Kx8 against NR activation rows, the rows in the lanes: per chunk, the 8 rows'
 // 4 codes times 4 activations broadcast (vpmaddubsw; a sub-block's 8 chunks summed in int16,
 // at most 8 * 2 * 15 * 127), then times the rows' scales (vpmaddwd) into int32 per row.
-template <int NR>
+// Vnni: a sub-block's 8 chunks summed by vpdpbusd into one int32 per row (at most
+// 32 * 15 * 127), then times the row's scale (vpmulld): the same integers.
+template <int NR, bool Vnni>
 void x8_dot_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, float* out) {
   __m256 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i m6 = _mm256_set1_epi8(0x3f), m4 = _mm256_set1_epi8(0x0f),
                 top = _mm256_set1_epi8(0x30);
   const uint8_t* ahead = g + kAhead;
   for (int64_t b = 0; b < blocks; ++b, g += kX8Bytes<kQ4_K>) {
     for (; ahead < g + kX8Bytes<kQ4_K> + kAhead; ahead += 64)
       _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
-    // k_scale_words for 8 rows at once: scale bytes 0-3 and 4-7, minimum bytes 0-3 and 4-7
-    const __m256i u0 = load32(g + 32), u1 = load32(g + 64), u2 = load32(g + 96);
+    // k_scale_words for 8 rows at once: scale bytes 0-3 and 4-7
+    const __m256i u0 = load32(g + 32), u2 = load32(g + 96);
     const __m256i sc_lo = _mm256_and_si256(u0, m6);
     const __m256i sc_hi = _mm256_or_si256(_mm256_and_si256(u2, m4),
                                           _mm256_and_si256(_mm256_srli_epi32(u0, 2), top));
-    const __m256i mn_lo = _mm256_and_si256(u1, m6);
-    const __m256i mn_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4),
-                                          _mm256_and_si256(_mm256_srli_epi32(u1, 2), top));
-    // sub-block j's scale in both int16 lanes of each row: byte j % 4 of the row's word
+    // sub-block j's scale in both int16 lanes of each row (Vnni: in its int32 lane): byte
+    // j % 4 of the row's word
     __m256i scale[8];
     for (int j = 0; j < 8; ++j) {
+      if constexpr (Vnni) {
+        scale[j] = _mm256_and_si256(_mm256_srli_epi32(j < 4 ? sc_lo : sc_hi, 8 * (j % 4)),
+                                    _mm256_set1_epi32(0xFF));
+        continue;
+      }
       const char o = static_cast<char>(j % 4), z = static_cast<char>(0x80);
       const __m256i pick = _mm256_setr_epi8(
           o, z, o, z, o + 4, z, o + 4, z, o + 8, z, o + 8, z, o + 12, z, o + 12, z,
           o, z, o, z, o + 4, z, o + 4, z, o + 8, z, o + 8, z, o + 12, z, o + 12, z);
       scale[j] = _mm256_shuffle_epi8(j < 4 ? sc_lo : sc_hi, pick);
     }
-    // minimums 2k and 2k + 1 in a row's two int16 lanes, against the sub-blocks' sums of x
     __m256i mins[4];
-    for (int k = 0; k < 4; ++k) {
-      const char o = static_cast<char>(2 * (k % 2)), z = static_cast<char>(0x80);
-      const __m256i pick = _mm256_setr_epi8(
-          o, z, o + 1, z, o + 4, z, o + 5, z, o + 8, z, o + 9, z, o + 12, z, o + 13, z,
-          o, z, o + 1, z, o + 4, z, o + 5, z, o + 8, z, o + 9, z, o + 12, z, o + 13, z);
-      mins[k] = _mm256_shuffle_epi8(k < 2 ? mn_lo : mn_hi, pick);
-    }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
-    const __m256 dmin = _mm256_cvtph_ps(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16)));
+    q4x8_mins(g, mins);
+    const __m256 d = f16x8(g), dmin = f16x8(g + 16);
     __m256i s[NR];
     for (int r = 0; r < NR; ++r) s[r] = _mm256_setzero_si256();
     const uint8_t* qs = g + 128;
     for (int k = 0; k < 4; ++k) {
-      __m256i lo16[NR], hi16[NR];
-      for (int r = 0; r < NR; ++r) lo16[r] = hi16[r] = _mm256_setzero_si256();
+      __m256i lo[NR], hi[NR];  // int16 pairs (Vnni: int32) of sub-blocks 2k, 2k + 1
+      for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
       for (int c = 0; c < 8; ++c) {
         const __m256i p = load32(qs + 32 * (8 * k + c));
         const __m256i qlo = _mm256_and_si256(p, low);
@@ -629,34 +688,56 @@ void x8_dot_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, 
           int32_t alo, ahi;
           std::memcpy(&alo, a, 4);
           std::memcpy(&ahi, a + 32, 4);
-          lo16[r] = _mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(qlo, _mm256_set1_epi32(alo)));
-          hi16[r] = _mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(qhi, _mm256_set1_epi32(ahi)));
+          if constexpr (Vnni) {
+            lo[r] = dpbusd(lo[r], qlo, _mm256_set1_epi32(alo));
+            hi[r] = dpbusd(hi[r], qhi, _mm256_set1_epi32(ahi));
+          } else {
+            lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(qlo, _mm256_set1_epi32(alo)));
+            hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(qhi, _mm256_set1_epi32(ahi)));
+          }
         }
-        in_registers(lo16);
-        in_registers(hi16);
+        in_registers(lo);
+        in_registers(hi);
       }
-      for (int r = 0; r < NR; ++r)
-        s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(_mm256_madd_epi16(lo16[r], scale[2 * k]),
-                                                       _mm256_madd_epi16(hi16[r],
-                                                                         scale[2 * k + 1])));
+      for (int r = 0; r < NR; ++r) {
+        if constexpr (Vnni)
+          s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(_mm256_mullo_epi32(lo[r], scale[2 * k]),
+                                                         _mm256_mullo_epi32(hi[r],
+                                                                            scale[2 * k + 1])));
+        else
+          s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(_mm256_madd_epi16(lo[r], scale[2 * k]),
+                                                         _mm256_madd_epi16(hi[r],
+                                                                           scale[2 * k + 1])));
+      }
     }
-    for (int r = 0; r < NR; ++r) {
-      const int64_t m = m0 + r;
-      // sub-block sums of x: runs of 16 in pairs (vpmaddwd by ones), as int16 pairs 2k, 2k+1
-      const __m256i bs = _mm256_madd_epi16(load32(x.run_sums(m, b)), ones);
-      const __m256i bs16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(bs, bs), 0xd8);
-      __m256i t = _mm256_setzero_si256();
-      for (int k = 0; k < 4; ++k)
-        t = _mm256_add_epi32(t, _mm256_madd_epi16(
-            mins[k], _mm256_permutevar8x32_epi32(bs16, _mm256_set1_epi32(k))));
-      const __m256 dx = _mm256_set1_ps(x.scale(m, b));
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(s[r]), acc[r]);
-      acc[r] = _mm256_fmadd_ps(
-          _mm256_xor_ps(_mm256_mul_ps(dmin, dx), _mm256_set1_ps(-0.f)),
-          _mm256_cvtepi32_ps(t), acc[r]);
-    }
+    for (int r = 0; r < NR; ++r) acc[r] = q4x8_acc(mins, d, dmin, x, m0 + r, b, s[r], acc[r]);
   }
   for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+// A Q6_Kx8 block's scales as int16 pairs for q6x8_acc: scales 2k, 2k + 1 of each row.
+inline void q6x8_pairs(const uint8_t* g, __m256i* pairs) {
+  for (int k = 0; k < 8; ++k) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16 + 16 * k));
+    pairs[k] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, _mm_srli_si128(v, 8)));
+  }
+}
+
+// A Q6_Kx8 block's float steps for activation row m (kquant_acc in 8 lanes): s the rows' sums
+// of codes times scales times x, less 32 times sum_j sc_j runs_j (the scales' pairs against
+// the pair of x's sums of runs 2k, 2k + 1 broadcast).
+inline __m256 q6x8_acc(const __m256i* pairs, __m256 d, const QuantX& x, int64_t m, int64_t b,
+                       __m256i s, __m256 acc) {
+  const int16_t* runs = x.run_sums(m, b);
+  __m256i c = _mm256_setzero_si256();
+  for (int k = 0; k < 8; ++k) {
+    int32_t two;
+    std::memcpy(&two, runs + 2 * k, 4);
+    c = _mm256_add_epi32(c, _mm256_madd_epi16(pairs[k], _mm256_set1_epi32(two)));
+  }
+  const __m256i t = _mm256_sub_epi32(s, _mm256_slli_epi32(c, 5));
+  return _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scale(m, b))), _mm256_cvtepi32_ps(t),
+                         acc);
 }
 
 // 8 rows of Q6_Kx8 against NR activation rows, the rows in the lanes. Per run of 32 inputs
@@ -664,7 +745,9 @@ void x8_dot_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, 
 // times 4 activations broadcast (vpmaddubsw), 2 chunks summed in int16 (at most
 // 2 * 2 * 63 * 127 = 32004), then times the rows' scales (vpmaddwd) into int32 per row;
 // less 32 times the scales times the sub-blocks' sums of x (Q6_K's codes are offset by 32).
-template <int NR>
+// Vnni: a sub-block's 4 chunks summed by vpdpbusd into one int32 per row, then times the
+// row's scale (vpmulld): the same integers.
+template <int NR, bool Vnni>
 void x8q6_dot_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0,
                    float* out) {
   constexpr int64_t kBytes = kX8Bytes<kQ6_K>;
@@ -683,8 +766,10 @@ void x8q6_dot_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0
           // scale j = 8 h + 2 run + half of the 8 rows, in both int16 lanes of each row
           const __m256i sc32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
               reinterpret_cast<const __m128i*>(g + 16 + 8 * (8 * h + 2 * run + half))));
-          const __m256i scale = _mm256_or_si256(
+          const __m256i scale = Vnni ? sc32 : _mm256_or_si256(
               _mm256_and_si256(sc32, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc32, 16));
+          __m256i p32[NR];
+          for (int r = 0; r < NR; ++r) p32[r] = _mm256_setzero_si256();
           for (int pair = 0; pair < 2; ++pair) {
             __m256i p16[NR];
             for (int r = 0; r < NR; ++r) p16[r] = _mm256_setzero_si256();
@@ -701,85 +786,289 @@ void x8q6_dot_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0
               for (int r = 0; r < NR; ++r) {
                 int32_t a;
                 std::memcpy(&a, x.row(m0 + r) + b * 256 + 128 * h + 32 * run + 4 * c, 4);
-                p16[r] = _mm256_add_epi16(p16[r],
-                                          _mm256_maddubs_epi16(q, _mm256_set1_epi32(a)));
+                if constexpr (Vnni)
+                  p32[r] = dpbusd(p32[r], q, _mm256_set1_epi32(a));
+                else
+                  p16[r] = _mm256_add_epi16(p16[r],
+                                            _mm256_maddubs_epi16(q, _mm256_set1_epi32(a)));
               }
-              in_registers(p16);
+              if constexpr (Vnni)
+                in_registers(p32);
+              else
+                in_registers(p16);
             }
+            if constexpr (!Vnni) {
+              for (int r = 0; r < NR; ++r)
+                s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p16[r], scale));
+              in_registers(s);
+            }
+          }
+          if constexpr (Vnni) {
             for (int r = 0; r < NR; ++r)
-              s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p16[r], scale));
+              s[r] = _mm256_add_epi32(s[r], _mm256_mullo_epi32(p32[r], scale));
             in_registers(s);
           }
         }
-    // sum_j sc_j runs_j per row: scales 2k, 2k + 1 as a row's int16 pair, against the pair
-    // of x's sums of runs 2k, 2k + 1 broadcast
     __m256i pairs[8];
-    for (int k = 0; k < 8; ++k) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16 + 16 * k));
-      pairs[k] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, _mm_srli_si128(v, 8)));
-    }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
-    for (int r = 0; r < NR; ++r) {
-      const int16_t* runs = x.run_sums(m0 + r, b);
-      __m256i c = _mm256_setzero_si256();
-      for (int k = 0; k < 8; ++k) {
-        int32_t two;
-        std::memcpy(&two, runs + 2 * k, 4);
-        c = _mm256_add_epi32(c, _mm256_madd_epi16(pairs[k], _mm256_set1_epi32(two)));
-      }
-      const __m256i t = _mm256_sub_epi32(s[r], _mm256_slli_epi32(c, 5));
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scale(m0 + r, b))),
-                               _mm256_cvtepi32_ps(t), acc[r]);
-    }
+    q6x8_pairs(g, pairs);
+    const __m256 d = f16x8(g);
+    for (int r = 0; r < NR; ++r) acc[r] = q6x8_acc(pairs, d, x, m0 + r, b, s[r], acc[r]);
   }
   for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
-template <int64_t Type, int NR>
-void x8_dot(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, float* out) {
-  if constexpr (Type == kQ4_K)
-    x8_dot_avx2<NR>(g, blocks, x, m0, out);
-  else
-    x8q6_dot_avx2<NR>(g, blocks, x, m0, out);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// 16 rows at once, two adjacent groups of an x8 part (g0's 8 rows, then g1's) in the 16 int32
+// lanes of a 512-bit register: the x8 VNNI kernels' integer sums for both groups, one
+// broadcast of the activations and one vpdpbusd per 64 products instead of two. Each
+// group's float steps are then the 8-lane kernels' own (q4x8_acc, q6x8_acc), on its half of
+// the sums: the same bits. out[16 r + i]: activation row m0 + r, row i of the 16.
+constexpr int64_t kPairRows = 8;  // activation rows per pass over 16 weight rows
+
+inline __m512i load2x32(const uint8_t* a, const uint8_t* b) {  // a's 32 bytes low, b's high
+  return _mm512_inserti64x4(_mm512_castsi256_si512(load32(a)), load32(b), 1);
 }
 
+inline __m256i half256(__m512i v, int h) {  // h: 0 low, 1 high
+  return h ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v);
+}
+
+template <int N>
+inline void in_registers(__m512i (&v)[N]) {
+  for (int i = 0; i < N; ++i) asm("" : "+v"(v[i]));
+}
+
+template <int NR>
+void x16_q4k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const QuantX& x,
+                  int64_t m0, float* out) {
+  constexpr int64_t kBytes = kX8Bytes<kQ4_K>;
+  __m256 acc[2][NR];
+  for (int r = 0; r < NR; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3f),
+                m4 = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30),
+                byte = _mm512_set1_epi32(0xFF);
+  const uint8_t *ahead0 = g0 + kAhead, *ahead1 = g1 + kAhead;
+  for (int64_t b = 0; b < blocks; ++b, g0 += kBytes, g1 += kBytes) {
+    for (; ahead0 < g0 + kBytes + kAhead; ahead0 += 64, ahead1 += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead0), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead1), _MM_HINT_T0);
+    }
+    // k_scale_words for 16 rows: scale bytes 0-3 and 4-7 of each row's lane
+    const __m512i u0 = load2x32(g0 + 32, g1 + 32), u2 = load2x32(g0 + 96, g1 + 96);
+    const __m512i sc_lo = _mm512_and_si512(u0, m6);
+    const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(u2, m4),
+                                          _mm512_and_si512(_mm512_srli_epi32(u0, 2), top));
+    __m512i s[NR];
+    for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_si512();
+    const uint8_t *qs0 = g0 + 128, *qs1 = g1 + 128;
+    for (int k = 0; k < 4; ++k) {
+      __m512i lo[NR], hi[NR];  // int32 sums of sub-blocks 2k, 2k + 1
+      for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) {
+        const __m512i p = load2x32(qs0 + 32 * (8 * k + c), qs1 + 32 * (8 * k + c));
+        const __m512i qlo = _mm512_and_si512(p, low);
+        const __m512i qhi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+        for (int r = 0; r < NR; ++r) {
+          const int8_t* a = x.row(m0 + r) + b * 256 + 64 * k + 4 * c;
+          int32_t alo, ahi;
+          std::memcpy(&alo, a, 4);
+          std::memcpy(&ahi, a + 32, 4);
+          lo[r] = _mm512_dpbusd_epi32(lo[r], qlo, _mm512_set1_epi32(alo));
+          hi[r] = _mm512_dpbusd_epi32(hi[r], qhi, _mm512_set1_epi32(ahi));
+        }
+        in_registers(lo);
+        in_registers(hi);
+      }
+      const __m512i sl = _mm512_and_si512(_mm512_srli_epi32(k < 2 ? sc_lo : sc_hi, 16 * (k % 2)),
+                                          byte);
+      const __m512i sh = _mm512_and_si512(
+          _mm512_srli_epi32(k < 2 ? sc_lo : sc_hi, 16 * (k % 2) + 8), byte);
+      for (int r = 0; r < NR; ++r)
+        s[r] = _mm512_add_epi32(s[r], _mm512_add_epi32(_mm512_mullo_epi32(lo[r], sl),
+                                                       _mm512_mullo_epi32(hi[r], sh)));
+    }
+    __m256i mins[2][4];
+    q4x8_mins(g0, mins[0]);
+    q4x8_mins(g1, mins[1]);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* g = h ? g1 : g0;
+      const __m256 d = f16x8(g), dmin = f16x8(g + 16);
+      for (int r = 0; r < NR; ++r)
+        acc[h][r] = q4x8_acc(mins[h], d, dmin, x, m0 + r, b, half256(s[r], h),
+                             acc[h][r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    _mm256_storeu_ps(out + 16 * r, acc[0][r]);
+    _mm256_storeu_ps(out + 16 * r + 8, acc[1][r]);
+  }
+}
+
+template <int NR>
+void x16_q6k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const QuantX& x,
+                  int64_t m0, float* out) {
+  constexpr int64_t kBytes = kX8Bytes<kQ6_K>;
+  __m256 acc[2][NR];
+  for (int r = 0; r < NR; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  const uint8_t *ahead0 = g0 + kAhead, *ahead1 = g1 + kAhead;
+  for (int64_t b = 0; b < blocks; ++b, g0 += kBytes, g1 += kBytes) {
+    for (; ahead0 < g0 + kBytes + kAhead; ahead0 += 64, ahead1 += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead0), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead1), _MM_HINT_T0);
+    }
+    __m512i s[NR];
+    for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h)
+      for (int run = 0; run < 4; ++run)  // inputs 128 h + 32 run ..: ql's low nibbles first
+        for (int half = 0; half < 2; ++half) {
+          const int64_t j = 16 + 8 * (8 * h + 2 * run + half);  // scale 8h + 2run + half
+          const __m512i scale = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(g0 + j)),
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(g1 + j))));
+          __m512i p32[NR];
+          for (int r = 0; r < NR; ++r) p32[r] = _mm512_setzero_si512();
+          for (int cc = 0; cc < 4; ++cc) {
+            const int c = 4 * half + cc;
+            const int64_t t = 144 + 96 * (8 * h + c);
+            const __m512i l = load2x32(g0 + t + 32 * (run % 2), g1 + t + 32 * (run % 2));
+            const __m512i hb = load2x32(g0 + t + 64, g1 + t + 64);
+            const __m512i nib = run < 2 ? l : _mm512_srli_epi16(l, 4);
+            // bits 2 run, 2 run + 1 of qh to bits 4, 5
+            const __m512i hi = run == 2 ? hb : run < 2 ? _mm512_slli_epi16(hb, 4 - 2 * run)
+                                                       : _mm512_srli_epi16(hb, 2);
+            const __m512i q = _mm512_or_si512(_mm512_and_si512(nib, low),
+                                              _mm512_and_si512(hi, top));
+            for (int r = 0; r < NR; ++r) {
+              int32_t a;
+              std::memcpy(&a, x.row(m0 + r) + b * 256 + 128 * h + 32 * run + 4 * c, 4);
+              p32[r] = _mm512_dpbusd_epi32(p32[r], q, _mm512_set1_epi32(a));
+            }
+            in_registers(p32);
+          }
+          for (int r = 0; r < NR; ++r)
+            s[r] = _mm512_add_epi32(s[r], _mm512_mullo_epi32(p32[r], scale));
+          in_registers(s);
+        }
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* g = h ? g1 : g0;
+      __m256i pairs[8];
+      q6x8_pairs(g, pairs);
+      const __m256 d = f16x8(g);
+      for (int r = 0; r < NR; ++r)
+        acc[h][r] = q6x8_acc(pairs, d, x, m0 + r, b, half256(s[r], h),
+                             acc[h][r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    _mm256_storeu_ps(out + 16 * r, acc[0][r]);
+    _mm256_storeu_ps(out + 16 * r + 8, acc[1][r]);
+  }
+}
+
+template <int64_t Type, int NR>
+void x16_dot(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const QuantX& x, int64_t m0,
+             float* out) {
+  if constexpr (Type == kQ4_K)
+    x16_q4k_vnni<NR>(g0, g1, blocks, x, m0, out);
+  else
+    x16_q6k_vnni<NR>(g0, g1, blocks, x, m0, out);
+}
+
+// Two adjacent groups (g, g + stride) against activation rows m0 .. m0 + nr - 1.
 template <int64_t Type>
+void x16_vnni(const uint8_t* g, int64_t stride, int64_t blocks, const QuantX& x, int64_t m0,
+              int nr, float* out) {
+  switch (nr) {
+    case 1: x16_dot<Type, 1>(g, g + stride, blocks, x, m0, out); break;
+    case 2: x16_dot<Type, 2>(g, g + stride, blocks, x, m0, out); break;
+    case 3: x16_dot<Type, 3>(g, g + stride, blocks, x, m0, out); break;
+    case 4: x16_dot<Type, 4>(g, g + stride, blocks, x, m0, out); break;
+    case 5: x16_dot<Type, 5>(g, g + stride, blocks, x, m0, out); break;
+    case 6: x16_dot<Type, 6>(g, g + stride, blocks, x, m0, out); break;
+    case 7: x16_dot<Type, 7>(g, g + stride, blocks, x, m0, out); break;
+    default: x16_dot<Type, 8>(g, g + stride, blocks, x, m0, out); break;
+  }
+}
+#else
+constexpr int64_t kPairRows = kRows;
+#endif
+
+template <int64_t Type, int NR, bool Vnni>
+void x8_dot(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, float* out) {
+  if constexpr (Type == kQ4_K)
+    x8_dot_avx2<NR, Vnni>(g, blocks, x, m0, out);
+  else
+    x8q6_dot_avx2<NR, Vnni>(g, blocks, x, m0, out);
+}
+
+template <int64_t Type, bool Vnni>
 void x8_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, int nr,
              float* out) {
   switch (nr) {
-    case 1: x8_dot<Type, 1>(g, blocks, x, m0, out); break;
-    case 2: x8_dot<Type, 2>(g, blocks, x, m0, out); break;
-    case 3: x8_dot<Type, 3>(g, blocks, x, m0, out); break;
-    default: x8_dot<Type, 4>(g, blocks, x, m0, out); break;
+    case 1: x8_dot<Type, 1, Vnni>(g, blocks, x, m0, out); break;
+    case 2: x8_dot<Type, 2, Vnni>(g, blocks, x, m0, out); break;
+    case 3: x8_dot<Type, 3, Vnni>(g, blocks, x, m0, out); break;
+    case 4: x8_dot<Type, 4, Vnni>(g, blocks, x, m0, out); break;
+    case 5: x8_dot<Type, 5, Vnni>(g, blocks, x, m0, out); break;
+    case 6: x8_dot<Type, 6, Vnni>(g, blocks, x, m0, out); break;
+    case 7: x8_dot<Type, 7, Vnni>(g, blocks, x, m0, out); break;
+    default: x8_dot<Type, 8, Vnni>(g, blocks, x, m0, out); break;
   }
 }
 #else
 constexpr bool kHasAvx2Path = false;
+constexpr bool kHasVnniPath = false;
 constexpr int kRows = 4;
+constexpr int64_t kPairRows = kRows;
 #endif
+
+// The paths gguf_linear can take, best first where built: VNNI (the x8 layouts on vpdpbusd;
+// the file's layouts on AVX2's kernels), AVX2, portable. All give the same bits.
+enum class Path { kPortable, kAvx2, kVnni };
+
+Path best_path() {
+  return kHasVnniPath ? Path::kVnni : kHasAvx2Path ? Path::kAvx2 : Path::kPortable;
+}
+
+const char* path_name(Path path) {
+  return path == Path::kVnni ? "VNNI" : path == Path::kAvx2 ? "AVX2" : "portable";
+}
+
+// "" for the best path built here, else one of path_name's names that is built here.
+Path parse_path(const std::string& name) {
+  if (name.empty()) return best_path();
+  for (Path p : {Path::kPortable, Path::kAvx2, Path::kVnni})
+    if (name == path_name(p)) {
+      TORCH_CHECK(p <= best_path(), "gguf_linear: path ", name, " is not built for this CPU",
+                  " (best here: ", path_name(best_path()), ")");
+      return p;
+    }
+  TORCH_CHECK(false, "gguf_linear: unknown path '", name, "' (VNNI, AVX2 or portable)");
+}
 
 // One weight row (`w`, `blocks` blocks) against activation rows m0 .. m0 + nr - 1.
 using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, const QuantX&, int64_t, int, float*);
 
 template <int64_t Type>
-RowsFn rows_fn(bool portable) {
+RowsFn rows_fn(Path path) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  if (!portable) return rows_avx2<Type>;
+  if (path != Path::kPortable) return rows_avx2<Type>;
 #endif
-  (void)portable;
+  (void)path;
   return rows_portable<Type>;
 }
 
-RowsFn pick(int64_t type, bool portable) {
+RowsFn pick(int64_t type, Path path) {
   switch (type) {
-    case kQ4_0: return rows_fn<kQ4_0>(portable);
-    case kQ4_1: return rows_fn<kQ4_1>(portable);
-    case kQ5_0: return rows_fn<kQ5_0>(portable);
-    case kQ5_1: return rows_fn<kQ5_1>(portable);
-    case kQ8_0: return rows_fn<kQ8_0>(portable);
-    case kQ4_K: return rows_fn<kQ4_K>(portable);
-    case kQ5_K: return rows_fn<kQ5_K>(portable);
-    default: return rows_fn<kQ6_K>(portable);
+    case kQ4_0: return rows_fn<kQ4_0>(path);
+    case kQ4_1: return rows_fn<kQ4_1>(path);
+    case kQ5_0: return rows_fn<kQ5_0>(path);
+    case kQ5_1: return rows_fn<kQ5_1>(path);
+    case kQ8_0: return rows_fn<kQ8_0>(path);
+    case kQ4_K: return rows_fn<kQ4_K>(path);
+    case kQ5_K: return rows_fn<kQ5_K>(path);
+    default: return rows_fn<kQ6_K>(path);
   }
 }
 
@@ -787,16 +1076,31 @@ RowsFn pick(int64_t type, bool portable) {
 using GroupFn = void (*)(const uint8_t*, int64_t, const QuantX&, int64_t, int, float*);
 
 template <int64_t Type>
-GroupFn group_fn(bool portable) {
+GroupFn group_fn(Path path) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  if (!portable) return x8_avx2<Type>;
+  if constexpr (kHasVnniPath)
+    if (path == Path::kVnni) return x8_avx2<Type, true>;
+  if (path != Path::kPortable) return x8_avx2<Type, false>;
 #endif
-  (void)portable;
+  (void)path;
   return x8_portable<Type>;
 }
 
-GroupFn pick_group(int64_t x8, bool portable) {
-  return x8 == kQ4_Kx8 ? group_fn<kQ4_K>(portable) : group_fn<kQ6_K>(portable);
+GroupFn pick_group(int64_t x8, Path path) {
+  return x8 == kQ4_Kx8 ? group_fn<kQ4_K>(path) : group_fn<kQ6_K>(path);
+}
+
+// Two adjacent groups of an x8 part (16 rows, the second `stride` bytes after the first)
+// against activation rows m0 .. m0 + nr - 1: out[16 r + i].
+using PairFn = void (*)(const uint8_t*, int64_t, int64_t, const QuantX&, int64_t, int, float*);
+
+PairFn pick_pair(int64_t x8, Path path) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (path == Path::kVnni) return x8 == kQ4_Kx8 ? x16_vnni<kQ4_K> : x16_vnni<kQ6_K>;
+#endif
+  (void)x8;
+  (void)path;
+  return nullptr;
 }
 
 // Output rows per unit of work: a unit's weights (~16 rows of a few KB) stay in cache while
@@ -807,7 +1111,7 @@ constexpr int64_t kUnit = 16;
 template <typename T>
 at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
                const std::vector<int64_t>& types, const std::vector<at::Tensor>& rows,
-               bool portable) {
+               Path path) {
   const int64_t M = x.size(0), K = x.size(1);
   const size_t P = parts.size();
   // Everything a row needs, read off the tensors once: their accessors cost tens of
@@ -818,6 +1122,7 @@ at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
     const int64_t* order;
     RowsFn fn;      // a row at a time (the file's layouts)
     GroupFn group;  // 8 rows at a time (the x8 layouts), else null
+    PairFn pair;    // 16 rows at a time (the x8 layouts, where built), else null
     const QuantX* x;
   };
   QuantX x32, x256;
@@ -835,7 +1140,8 @@ at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
     part[p] = {static_cast<const uint8_t*>(parts[p].data_ptr()), parts[p].stride(0),
                K / info.block, info.bytes, N, n,
                rows[p].numel() ? rows[p].data_ptr<int64_t>() : nullptr,
-               x8 ? nullptr : pick(types[p], portable), x8 ? pick_group(types[p], portable) : nullptr,
+               x8 ? nullptr : pick(types[p], path), x8 ? pick_group(types[p], path) : nullptr,
+               x8 ? pick_pair(types[p], path) : nullptr,
                info.block == 32 ? &x32 : &x256};
     for (int64_t r = 0; r < n; r += kUnit) units.emplace_back(p, r);
     N += n;
@@ -846,18 +1152,25 @@ at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
   auto y = at::empty({M, N}, x.options());
   T* yp = y.data_ptr<T>();
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
-    float out[kRows * 8];
+    float out[kPairRows * 16];
     for (int64_t u = begin; u < end; ++u) {
       const Part& q = part[units[u].first];
       const int64_t r0 = units[u].second, r1 = std::min(q.n, r0 + kUnit);
       if (q.group != nullptr) {
-        for (int64_t m0 = 0; m0 < M; m0 += kRows) {  // 2 and 3 rows were no faster
-          const int nr = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-          for (int64_t r = r0; r < r1; r += 8) {
-            q.group(q.base + (r / 8) * q.stride, q.blocks, *q.x, m0, nr, out);
+        const int64_t pass = q.pair != nullptr ? kPairRows : kRows;
+        for (int64_t m0 = 0; m0 < M; m0 += pass) {  // 2 and 3 rows were no faster
+          const int nr = static_cast<int>(std::min<int64_t>(pass, M - m0));
+          for (int64_t r = r0; r < r1;) {
+            const uint8_t* g = q.base + (r / 8) * q.stride;
+            const int n = q.pair != nullptr && r + 16 <= r1 ? 16 : 8;
+            if (n == 16)
+              q.pair(g, q.stride, q.blocks, *q.x, m0, nr, out);
+            else
+              q.group(g, q.blocks, *q.x, m0, nr, out);
             for (int a = 0; a < nr; ++a)
-              for (int i = 0; i < 8; ++i)
-                yp[(m0 + a) * N + q.begin + r + i] = static_cast<T>(out[8 * a + i]);
+              for (int i = 0; i < n; ++i)
+                yp[(m0 + a) * N + q.begin + r + i] = static_cast<T>(out[n * a + i]);
+            r += n;
           }
         }
         continue;
@@ -1058,17 +1371,24 @@ at::Tensor gguf_repack(const at::Tensor& part, int64_t type, int64_t K, const at
   return out;
 }
 
-std::string gguf_path(bool portable) {
-  return !portable && kHasAvx2Path ? "AVX2" : "portable";
+std::string gguf_path() { return path_name(best_path()); }
+
+std::vector<std::string> gguf_paths() {
+  std::vector<std::string> out;
+  for (Path p : {Path::kVnni, Path::kAvx2, Path::kPortable})
+    if (p <= best_path()) out.emplace_back(path_name(p));
+  return out;
 }
 
 // x [M, K] float32 or bf16 times the row-concatenation of `parts` (each [N_p, row bytes], the
 // file's blocks of GGML type types[p]; rows[p] an int64 [N_p] of the rows to take, in output
-// order, or empty for all in order) -> [M, sum N_p] in x's dtype. `portable` takes the
-// plain C++ path (the reference the vector path is tested against).
+// order, or empty for all in order) -> [M, sum N_p] in x's dtype. `path` names one of
+// gguf_paths() (the portable one is the plain C++ reference the others are tested against),
+// or is empty for the best.
 at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts,
                        const std::vector<int64_t>& types, const std::vector<at::Tensor>& rows,
-                       bool portable) {
+                       const std::string& path_name) {
+  const Path path = parse_path(path_name);
   kvs::check_cpu("gguf_linear", x);
   kvs::check_cpu("gguf_linear", parts);
   kvs::check_cpu("gguf_linear", rows);
@@ -1085,8 +1405,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
     check_order("gguf_linear", rows[p], parts[p].size(0));
   }
   auto xc = x.contiguous();
-  return x.scalar_type() == at::kFloat ? run<float>(xc, parts, types, rows, portable)
-                                       : run<c10::BFloat16>(xc, parts, types, rows, portable);
+  return x.scalar_type() == at::kFloat ? run<float>(xc, parts, types, rows, path)
+                                       : run<c10::BFloat16>(xc, parts, types, rows, path);
 }
 
 // Rows `ids` of a [N, row bytes] part of GGML type `type` with K inputs, dequantized into

@@ -194,7 +194,7 @@ at::Tensor linear(const at::Tensor& x, const LinearWeights& w, int64_t group) {
   const at::Tensor& q = w.packed;
   at::Tensor y;
   if (!w.parts.empty()) {
-    y = gguf_linear(x, w.parts, w.types, w.rows, false);
+    y = gguf_linear(x, w.parts, w.types, w.rows, "");
   } else if (q.dim() == 3) {
     y = q.scalar_type() == at::kByte || q.scalar_type() == at::kChar ? quant_linear(x, q)
                                                                        : dense_linear(x, q);
@@ -296,11 +296,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil());
   m.def("store_kv", &store_kv, "write K/V rows into their cache slots (CPU)", nogil());
   m.def("gguf_supports", &gguf_supports, "whether gguf_linear reads this GGML type");
-  m.def("gguf_path", &gguf_path, "the path gguf_linear takes here (AVX2 or portable)",
-        py::arg("portable") = false);
+  m.def("gguf_path", &gguf_path, "the path gguf_linear takes here (VNNI, AVX2 or portable)");
+  m.def("gguf_paths", &gguf_paths, "the paths gguf_linear can take here, best first");
   m.def("gguf_linear", &gguf_linear, "x @ W.T, W a GGUF file's own blocks (CPU)", py::arg("x"),
-        py::arg("parts"), py::arg("types"), py::arg("rows"), py::arg("portable") = false,
-        nogil());
+        py::arg("parts"), py::arg("types"), py::arg("rows"), py::arg("path") = "", nogil());
   m.def("gguf_rows", &gguf_rows, "rows of a GGUF tensor, dequantized as gguf does (CPU)",
         py::arg("part"), py::arg("type"), py::arg("k"), py::arg("ids"), py::arg("dtype"),
         nogil());
