@@ -81,11 +81,10 @@ GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12,
 # Q6_Kx8 1.09x the int8 tiles at 512 rows (1.5x the file's layout), at 0.82 bytes a weight
 # against 1.125. Fewer bytes win decode and memory (benchmarks/RESULTS.md). The other types'
 # kernels are slower than the tiles they would be repacked into. On a Zen 4 (AVX-512 VNNI, 2
-# threads) the x8 kernels on vpdpbusd, 16 rows a register, are 0.93x the tiles (Q4_K) and
-# 0.64x (Q6_K) at 512 rows; served (two paired runs against llama-server, one after the
-# other), the 1.5B Q4_K_M prefilled at 0.93x the tiles' speed and held 1.62 GiB against
-# their 6.95 (peak RSS), but decoded at 0.76x their speed (at one row the x8 kernels are
-# bound by decoding the codes there, not by memory): memory decided it.
+# threads) the x8 kernels on vpdpbusd, 16 rows a 512-bit register, ran at 0.98x the tiles'
+# speed (Q4_K) and 0.79x (Q6_K) at 512 rows; served, the 1.5B Q4_K_M prefilled at 1.59x
+# llama-server and decoded at 0.87x (the tiles, in an earlier run: 1.67x and 0.93x) and held
+# 1.62 GiB at its peak against the tiles' 6.95: memory decided it.
 GGUF_AUTO_TYPES = frozenset({"Q4_K", "Q6_K"})
 
 

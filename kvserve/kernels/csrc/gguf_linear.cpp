@@ -904,13 +904,29 @@ void x16_q4k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const Qu
   }
 }
 
+// Q6_K codes of run `run` (0..3) of a chunk: the low nibbles in `nib` (already shifted down
+// for runs 2, 3) and bits 2 run, 2 run + 1 of qh (`hb`) moved to bits 4, 5: nib & 0x0F, then
+// one vpternlogd for | (hi & 0x30).
+inline __m512i q6_codes(__m512i nib, __m512i hb, int run) {
+  const __m512i hi = run == 2 ? hb : run < 2 ? _mm512_slli_epi16(hb, 4 - 2 * run)
+                                             : _mm512_srli_epi16(hb, 2);
+  return _mm512_ternarylogic_epi32(_mm512_and_si512(nib, _mm512_set1_epi8(0x0F)), hi,
+                                   _mm512_set1_epi8(0x30), 0xF8);  // a | (b & c)
+}
+
+// Scale j of 16 rows (8 of g0's group, 8 of g1's) as int32 lanes.
+inline __m512i q6x16_scale(const uint8_t* g0, const uint8_t* g1, int j) {
+  return _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(g0 + 16 + 8 * j)),
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(g1 + 16 + 8 * j))));
+}
+
 template <int NR>
 void x16_q6k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const QuantX& x,
                   int64_t m0, float* out) {
   constexpr int64_t kBytes = kX8Bytes<kQ6_K>;
   __m256 acc[2][NR];
   for (int r = 0; r < NR; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
   const uint8_t *ahead0 = g0 + kAhead, *ahead1 = g1 + kAhead;
   for (int64_t b = 0; b < blocks; ++b, g0 += kBytes, g1 += kBytes) {
     for (; ahead0 < g0 + kBytes + kAhead; ahead0 += 64, ahead1 += 64) {
@@ -922,10 +938,6 @@ void x16_q6k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const Qu
     for (int h = 0; h < 2; ++h)
       for (int run = 0; run < 4; ++run)  // inputs 128 h + 32 run ..: ql's low nibbles first
         for (int half = 0; half < 2; ++half) {
-          const int64_t j = 16 + 8 * (8 * h + 2 * run + half);  // scale 8h + 2run + half
-          const __m512i scale = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(g0 + j)),
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(g1 + j))));
           __m512i p32[NR];
           for (int r = 0; r < NR; ++r) p32[r] = _mm512_setzero_si512();
           for (int cc = 0; cc < 4; ++cc) {
@@ -933,12 +945,7 @@ void x16_q6k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const Qu
             const int64_t t = 144 + 96 * (8 * h + c);
             const __m512i l = load2x32(g0 + t + 32 * (run % 2), g1 + t + 32 * (run % 2));
             const __m512i hb = load2x32(g0 + t + 64, g1 + t + 64);
-            const __m512i nib = run < 2 ? l : _mm512_srli_epi16(l, 4);
-            // bits 2 run, 2 run + 1 of qh to bits 4, 5
-            const __m512i hi = run == 2 ? hb : run < 2 ? _mm512_slli_epi16(hb, 4 - 2 * run)
-                                                       : _mm512_srli_epi16(hb, 2);
-            const __m512i q = _mm512_or_si512(_mm512_and_si512(nib, low),
-                                              _mm512_and_si512(hi, top));
+            const __m512i q = q6_codes(run < 2 ? l : _mm512_srli_epi16(l, 4), hb, run);
             for (int r = 0; r < NR; ++r) {
               int32_t a;
               std::memcpy(&a, x.row(m0 + r) + b * 256 + 128 * h + 32 * run + 4 * c, 4);
@@ -946,6 +953,7 @@ void x16_q6k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const Qu
             }
             in_registers(p32);
           }
+          const __m512i scale = q6x16_scale(g0, g1, 8 * h + 2 * run + half);
           for (int r = 0; r < NR; ++r)
             s[r] = _mm512_add_epi32(s[r], _mm512_mullo_epi32(p32[r], scale));
           in_registers(s);
@@ -1086,7 +1094,12 @@ GroupFn group_fn(Path path) {
   return x8_portable<Type>;
 }
 
-GroupFn pick_group(int64_t x8, Path path) {
+// For a call of M activation rows. At decode sizes (M <= kRows) the VNNI path takes the AVX2
+// form: with few rows its vpdpbusd sums are short chains of dependent adds (~4-5 cycles each
+// on a Zen 4) where vpmaddubsw's products are independent, and a decode step streaming
+// weights from memory ran 1.2-2x faster on it there. The same bits either way.
+GroupFn pick_group(int64_t x8, Path path, int64_t M) {
+  if (path == Path::kVnni && M <= kRows) path = Path::kAvx2;
   return x8 == kQ4_Kx8 ? group_fn<kQ4_K>(path) : group_fn<kQ6_K>(path);
 }
 
@@ -1094,12 +1107,14 @@ GroupFn pick_group(int64_t x8, Path path) {
 // against activation rows m0 .. m0 + nr - 1: out[16 r + i].
 using PairFn = void (*)(const uint8_t*, int64_t, int64_t, const QuantX&, int64_t, int, float*);
 
-PairFn pick_pair(int64_t x8, Path path) {
+// Where built, for a call of M rows above decode sizes (see pick_group).
+PairFn pick_pair(int64_t x8, Path path, int64_t M) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  if (path == Path::kVnni) return x8 == kQ4_Kx8 ? x16_vnni<kQ4_K> : x16_vnni<kQ6_K>;
+  if (path == Path::kVnni && M > kRows) return x8 == kQ4_Kx8 ? x16_vnni<kQ4_K> : x16_vnni<kQ6_K>;
 #endif
   (void)x8;
   (void)path;
+  (void)M;
   return nullptr;
 }
 
@@ -1140,8 +1155,8 @@ at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
     part[p] = {static_cast<const uint8_t*>(parts[p].data_ptr()), parts[p].stride(0),
                K / info.block, info.bytes, N, n,
                rows[p].numel() ? rows[p].data_ptr<int64_t>() : nullptr,
-               x8 ? nullptr : pick(types[p], path), x8 ? pick_group(types[p], path) : nullptr,
-               x8 ? pick_pair(types[p], path) : nullptr,
+               x8 ? nullptr : pick(types[p], path), x8 ? pick_group(types[p], path, M) : nullptr,
+               x8 ? pick_pair(types[p], path, M) : nullptr,
                info.block == 32 ? &x32 : &x256};
     for (int64_t r = 0; r < n; r += kUnit) units.emplace_back(p, r);
     N += n;
@@ -1157,14 +1172,15 @@ at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
       const Part& q = part[units[u].first];
       const int64_t r0 = units[u].second, r1 = std::min(q.n, r0 + kUnit);
       if (q.group != nullptr) {
-        const int64_t pass = q.pair != nullptr ? kPairRows : kRows;
+        const PairFn pair = q.pair;
+        const int64_t pass = pair != nullptr ? kPairRows : kRows;
         for (int64_t m0 = 0; m0 < M; m0 += pass) {  // 2 and 3 rows were no faster
           const int nr = static_cast<int>(std::min<int64_t>(pass, M - m0));
           for (int64_t r = r0; r < r1;) {
             const uint8_t* g = q.base + (r / 8) * q.stride;
-            const int n = q.pair != nullptr && r + 16 <= r1 ? 16 : 8;
+            const int n = pair != nullptr && r + 16 <= r1 ? 16 : 8;
             if (n == 16)
-              q.pair(g, q.stride, q.blocks, *q.x, m0, nr, out);
+              pair(g, q.stride, q.blocks, *q.x, m0, nr, out);
             else
               q.group(g, q.blocks, *q.x, m0, nr, out);
             for (int a = 0; a < nr; ++a)
