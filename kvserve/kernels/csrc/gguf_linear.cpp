@@ -1095,9 +1095,9 @@ GroupFn group_fn(Path path) {
 }
 
 // For a call of M activation rows. At decode sizes (M <= kRows) the VNNI path takes the AVX2
-// form: with few rows its vpdpbusd sums are short chains of dependent adds (~4-5 cycles each
-// on a Zen 4) where vpmaddubsw's products are independent, and a decode step streaming
-// weights from memory ran 1.2-2x faster on it there. The same bits either way.
+// form: with few rows its vpdpbusd sums are short chains of dependent adds where
+// vpmaddubsw's products are independent, and on a Zen 4 one row against weights streamed
+// from memory ran 1.2-2.5x faster on it. The same bits either way.
 GroupFn pick_group(int64_t x8, Path path, int64_t M) {
   if (path == Path::kVnni && M <= kRows) path = Path::kAvx2;
   return x8 == kQ4_Kx8 ? group_fn<kQ4_K>(path) : group_fn<kQ6_K>(path);
