@@ -766,7 +766,6 @@ void x8q6_dot_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0
   constexpr int64_t kBytes = kX8Bytes<kQ6_K>;
   __m256 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
   const uint8_t* ahead = g + kAhead;
   for (int64_t b = 0; b < blocks; ++b, g += kBytes) {
     for (; ahead < g + kBytes + kAhead; ahead += 64)
@@ -819,12 +818,7 @@ void x8q6_dot_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0
                 const int c = 4 * half + 2 * pair + cc;
                 const uint8_t* t = g + 144 + 96 * (8 * h + c);
                 const __m256i l = load32(t + 32 * (run % 2)), hb = load32(t + 64);
-                const __m256i nib = run < 2 ? l : _mm256_srli_epi16(l, 4);
-                // bits 2 run, 2 run + 1 of qh to bits 4, 5
-                const __m256i hi = run == 2 ? hb : run < 2 ? _mm256_slli_epi16(hb, 4 - 2 * run)
-                                                           : _mm256_srli_epi16(hb, 2);
-                const __m256i q = _mm256_or_si256(_mm256_and_si256(nib, low),
-                                                  _mm256_and_si256(hi, top));
+                const __m256i q = q6_codes8(run < 2 ? l : _mm256_srli_epi16(l, 4), hb, run);
                 for (int r = 0; r < NR; ++r) {
                   int32_t a;
                   std::memcpy(&a, x.row(m0 + r) + b * 256 + 128 * h + 32 * run + 4 * c, 4);
@@ -1218,15 +1212,14 @@ at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
       const Part& q = part[units[u].first];
       const int64_t r0 = units[u].second, r1 = std::min(q.n, r0 + kUnit);
       if (q.group != nullptr) {
-        const PairFn pair = q.pair;
-        const int64_t pass = pair != nullptr ? kPairRows : kRows;
+        const int64_t pass = q.pair != nullptr ? kPairRows : kRows;
         for (int64_t m0 = 0; m0 < M; m0 += pass) {  // 2 and 3 rows were no faster
           const int nr = static_cast<int>(std::min<int64_t>(pass, M - m0));
           for (int64_t r = r0; r < r1;) {
             const uint8_t* g = q.base + (r / 8) * q.stride;
-            const int n = pair != nullptr && r + 16 <= r1 ? 16 : 8;
+            const int n = q.pair != nullptr && r + 16 <= r1 ? 16 : 8;
             if (n == 16)
-              pair(g, q.stride, q.blocks, *q.x, m0, nr, out);
+              q.pair(g, q.stride, q.blocks, *q.x, m0, nr, out);
             else
               q.group(g, q.blocks, *q.x, m0, nr, out);
             for (int a = 0; a < nr; ++a)
