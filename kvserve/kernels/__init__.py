@@ -2,13 +2,15 @@
 the system compiler), Triton kernels for paged attention on a GPU (triton_paged), and the one
 place that decides whether a kernel or torch's fallback serves an operation.
 
-The install (setup.py) builds `csrc/*.cpp` into `kvserve.kernels._cpu_ops`, with a record of
-the sources' fingerprint, the CPU's flags (-march=native) and torch's version
-(build_spec.build_info). `ops()` imports it when that record is this checkout's, CPU's and
-torch's. Otherwise (csrc edited since the install, a venv copied to another CPU, another
-torch, an install without it) it says why and `torch.utils.cpp_extension` compiles
-`csrc/*.cpp` with ninja (a pinned dependency) into the torch extensions cache
-(~/.cache/torch_extensions) the first time they are needed (about a minute on 2 cores; the
+The install (setup.py) builds `csrc/*.cpp` once per x86 level (build_spec.variants(): AVX2,
+AVX-512 with VNNI and BF16, and that with AMX) into `kvserve.kernels._cpu_ops_<variant>`, each
+with a record of the variant, the sources' fingerprint and torch's version
+(build_spec.build_info). `ops()` imports the best variant this CPU runs
+(build_spec.host_variant; $KVSERVE_CPU_VARIANT names another), when its record is this
+checkout's and torch's, and logs which. Otherwise (csrc edited since the install, another
+torch, an install without it) it says why and `torch.utils.cpp_extension` compiles that
+variant from `csrc/*.cpp` with ninja (a pinned dependency) into the torch extensions cache
+(~/.cache/torch_extensions) the first time it is needed (about a minute on 2 cores; the
 model runner asks at start-up, not in the first request) and loads the cached build
 afterwards. Where no compiler is available, the build fails, or KVSERVE_NO_CPP=1, `ops()`
 returns None and callers keep their torch implementation.
@@ -16,10 +18,10 @@ returns None and callers keep their torch implementation.
 The run-time load imports torch's extension builder (setuptools) and runs ninja over the build:
 ~0.2 s of every start. Once a build has loaded, the start-up cache (kvserve.disk_cache) notes
 which library file it was for a digest of everything the build depends on (sources, flags,
-torch, Python, CPU flags, TORCH_EXTENSIONS_DIR); later starts with the same digest import that
-file directly, provided it still has the size and mtime noted.
+torch, Python, the variant, TORCH_EXTENSIONS_DIR); later starts with the same digest import
+that file directly, provided it still has the size and mtime noted.
 
-The run-time build is named for the CPU and for this checkout's csrc directory (`_name`): two
+The run-time build is named for the variant and for this checkout's csrc directory (`_name`): two
 checkouts (git worktrees) on one machine then keep builds of their own instead of rebuilding
 one library from alternating sources (a minute each time on 2 cores).
 
@@ -47,7 +49,7 @@ import torch
 
 from kvserve.disk_cache import atomic_write, cache_root, digest
 from kvserve.kernels import build_spec, triton_paged
-from kvserve.kernels.build_spec import CFLAGS, CSRC, LDFLAGS
+from kvserve.kernels.build_spec import CSRC, LDFLAGS, Variant
 from kvserve.kernels.triton_paged import TritonPagedAttention
 
 log = logging.getLogger(__name__)
@@ -56,21 +58,39 @@ log = logging.getLogger(__name__)
 BUILD_NOTICE_S = 2.0
 
 
-def _name() -> str:
-    """The run-time build's name: per CPU (build_spec.cpu_tag) and per checkout."""
+def variant() -> Variant | None:
+    """The kernel build this CPU runs (build_spec.host_variant); None where none runs."""
+    return build_spec.host_variant()
+
+
+def _name(v: Variant) -> str:
+    """The run-time build's name: per variant (and CPU, for `native`) and per checkout."""
     where = hashlib.blake2b(str(CSRC).encode(), digest_size=3).hexdigest()
-    return f"kvserve_cpu_ops_{build_spec.cpu_tag()}_{where}"
+    cpu = f"_{build_spec.cpu_tag()}" if v.native else ""
+    return f"kvserve_cpu_ops_{v.name}{cpu}_{where}"
 
 
 @cache
 def ops() -> ModuleType | None:
     if _flag("KVSERVE_NO_CPP"):
         return None
-    module = _load_prebuilt()
+    v = variant()
+    if v is None:
+        log.warning("no C++ CPU kernel build runs on this CPU (they need AVX2, FMA and F16C "
+                    "on x86); using the torch implementation")
+        return None
+    module = _load_prebuilt(v)
+    if module is None:
+        module = _load_runtime(v)
     if module is not None:
-        return module
-    name = _name()
-    key = build_id(name)
+        log.info("C++ CPU kernels: the %s build, for %s", v.name, v.about)
+    return module
+
+
+def _load_runtime(v: Variant) -> ModuleType | None:
+    """Variant `v` compiled from this checkout's csrc (once; then the cached build)."""
+    name = _name(v)
+    key = build_id(v)
     marker = _marker_path(name)
     module = _load_noted(marker, key) if marker is not None else None
     if module is not None:
@@ -85,7 +105,7 @@ def ops() -> ModuleType | None:
 
         build_spec.ensure_ninja()
         module = load(name=name, sources=[str(s) for s in build_spec.sources()],
-                      extra_include_paths=[str(CSRC)], extra_cflags=list(CFLAGS),
+                      extra_include_paths=[str(CSRC)], extra_cflags=list(v.cflags),
                       extra_ldflags=list(LDFLAGS), verbose=False)  # lists load() extends
     except Exception as e:  # no compiler, no ninja, a failed build: keep the torch path
         log.warning("C++ CPU kernels unavailable (%s); using the torch implementation",
@@ -98,22 +118,24 @@ def ops() -> ModuleType | None:
     return module
 
 
-def prebuilt_path() -> Path | None:
-    """The install's library (setup.py), without loading it; None when it was not built."""
+def prebuilt_path(v: Variant) -> Path | None:
+    """The install's library of variant `v` (setup.py), without loading it; None when it
+    was not built."""
     try:
-        spec = importlib.util.find_spec(build_spec.EXTENSION)
+        spec = importlib.util.find_spec(v.extension)
     except ImportError:
         return None
     return None if spec is None or spec.origin is None else Path(spec.origin)
 
 
-def _load_prebuilt() -> ModuleType | None:
-    """The install's library when its record (build_spec.build_info) is what this checkout,
-    CPU and torch would build now, else None after saying why (the run-time compile follows)."""
-    path = prebuilt_path()
+def _load_prebuilt(v: Variant) -> ModuleType | None:
+    """The install's library of `v` when its record (build_spec.build_info) is what this
+    checkout and torch would build now, else None after saying why (the run-time compile
+    follows)."""
+    path = prebuilt_path(v)
     if path is None:
-        log.info("no prebuilt C++ CPU kernels (kvserve was installed without them): "
-                 "taking the run-time build")
+        log.info("no prebuilt C++ CPU kernels of the %s build (kvserve was installed without "
+                 "them): taking the run-time build", v.name)
         return None
     try:
         built = build_spec.read_build_info(path)
@@ -122,15 +144,16 @@ def _load_prebuilt() -> ModuleType | None:
     else:
         reason = "it carries no build record"
     if built is not None:
-        now = build_spec.build_info(torch.__version__)
+        now = build_spec.build_info(v, torch.__version__)
         what = {"fingerprint": "kernel sources or flags (csrc edited since the install)",
                 "cpu": "CPU flags (built with -march=native on another CPU)",
-                "torch": f"torch version (built against {built.get('torch')})"}
+                "torch": f"torch version (built against {built.get('torch')})",
+                "variant": f"variant (built as {built.get('variant')})"}
         differ = [what.get(k, k) for k in sorted(set(now) | set(built))
                   if now.get(k) != built.get(k)]
         if not differ:
             try:
-                return importlib.import_module(build_spec.EXTENSION)
+                return importlib.import_module(v.extension)
             except ImportError as e:
                 reason = f"it does not import: {e}"
         else:
@@ -143,24 +166,25 @@ def _load_prebuilt() -> ModuleType | None:
 def loaded_build_id() -> str:
     """build_id() of the kernels `ops()` serves in this process (it loads them), or "none"
     without them."""
-    return "none" if ops() is None else build_id()
+    v = variant()
+    return "none" if ops() is None or v is None else build_id(v)
 
 
 def expected_build_id() -> str:
     """loaded_build_id() as far as it is known without loading the kernels (a listing of the
-    weight cache): "none" under KVSERVE_NO_CPP, else build_id() (a build that fails is only
-    known by trying it)."""
-    return "none" if _flag("KVSERVE_NO_CPP") else build_id()
+    weight cache): "none" under KVSERVE_NO_CPP or on a CPU no variant runs on, else
+    build_id() (a build that fails is only known by trying it)."""
+    v = None if _flag("KVSERVE_NO_CPP") else variant()
+    return "none" if v is None else build_id(v)
 
 
 @cache
-def build_id(name: str | None = None) -> str:
-    """A digest of everything the kernels' build depends on: the sources and headers, flags,
-    torch and Python versions, the CPU's flags (-march=native) and TORCH_EXTENSIONS_DIR. Also
-    part of the weight cache's fingerprint (packed layouts are the kernels')."""
-    return digest({"name": name or _name(),
-                   "sources": build_spec.fingerprint(),
-                   "flags": [list(CFLAGS), list(LDFLAGS)], "torch": torch.__version__,
+def build_id(v: Variant) -> str:
+    """A digest of everything variant `v`'s build depends on: the sources and headers, its
+    flags, torch and Python versions, the CPU's flags for `native`, and TORCH_EXTENSIONS_DIR.
+    Also part of the weight cache's fingerprint (packed layouts are the kernels')."""
+    return digest({"name": _name(v), "sources": build_spec.fingerprint(v),
+                   "flags": [list(v.cflags), list(LDFLAGS)], "torch": torch.__version__,
                    "python": sys.version, "ext_dir": os.environ.get("TORCH_EXTENSIONS_DIR", "")})
 
 

@@ -17,7 +17,7 @@ off with `KVSERVE_NO_WEIGHT_CACHE=1`):
 
 `key` digests the whole fingerprint: the model file (resolved path, size, mtime, first MiB),
 the dtype, the device, the quantization asked for, the tensor-parallel rank and size, the
-kernels' build (kernels.build_id: sources, flags, CPU), torch's version, this entry format and
+kernels' build (kernels.build_id: sources, flags, variant), torch's version, this entry format and
 the source of the code whose output an entry holds (`_CODE`), so any change is another key, and
 a start never reads an entry made by other code. `slot` digests the parts a user chooses (model
 path, dtype, device, quantization, rank): writing an entry removes the slot's older ones, which

@@ -6,8 +6,10 @@
 // summed separately); never along a reduction.
 #pragma once
 
-#include <torch/extension.h>
-
+// ATen, not torch/extension.h: the kernels need tensors only, and torch's whole API with
+// pybind11 took ~20 s more to compile per file, once per x86 level built (build_spec.py).
+// layers.cpp, which defines the Python module, includes it.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -76,7 +78,7 @@ inline void check_cpu(const char* fn, const std::vector<at::Tensor>& ts) {
   for (const auto& t : ts) check_cpu(fn, t);
 }
 
-// What this build's instruction set allows (built with -march=native: this machine's CPU).
+// What this build's instruction set allows (its variant's -march: build_spec.py).
 #if defined(__AVX512F__)
 constexpr bool kAvx512 = true;
 #else

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <vector>
 
+#include <torch/extension.h>
 #include <pybind11/stl.h>
 
 namespace {
@@ -266,6 +267,8 @@ at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // Classes are module_local: pybind11 registers types process-wide, and two variants of this
+  // module (build_spec.py) may be loaded side by side (the tests compare them).
   // The compute entries release the GIL: they touch no Python object, and a decode step's
   // run_layers runs for milliseconds, during which the server's event loop must be free
   // to stream the previous step's tokens and take new requests.
@@ -307,7 +310,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the interleaved layout gguf_repack makes of a GGML type (its type id), or 0");
   m.def("gguf_repack", &gguf_repack, "rows of a GGUF tensor, 8 at a time interleaved (CPU)",
         py::arg("part"), py::arg("type"), py::arg("k"), py::arg("order"), nogil());
-  py::class_<LinearWeights>(m, "LinearWeights")
+  py::class_<LinearWeights>(m, "LinearWeights", py::module_local())
       .def(py::init([](at::Tensor weight, at::Tensor packed, at::Tensor scales, at::Tensor bias,
                        std::vector<at::Tensor> parts, std::vector<int64_t> types,
                        std::vector<at::Tensor> rows) {
@@ -317,7 +320,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("parts") = std::vector<at::Tensor>{},
            py::arg("types") = std::vector<int64_t>{},
            py::arg("rows") = std::vector<at::Tensor>{});
-  py::class_<LayerWeights>(m, "LayerWeights")
+  py::class_<LayerWeights>(m, "LayerWeights", py::module_local())
       .def(py::init([](int64_t window, bool local_rope, bool gelu, at::Tensor input_norm,
                        at::Tensor post_attention_norm, at::Tensor attn_out_norm,
                        at::Tensor mlp_out_norm, at::Tensor q_norm, at::Tensor k_norm,
@@ -332,7 +335,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("attn_out_norm"),
            py::arg("mlp_out_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
            py::arg("o"), py::arg("gate_up"), py::arg("down"));
-  py::class_<DecoderWeights>(m, "DecoderWeights")
+  py::class_<DecoderWeights>(m, "DecoderWeights", py::module_local())
       .def(py::init<std::vector<LayerWeights>>(), py::arg("layers"));
   m.def("run_layers", &run_layers, "all decoder layers of a step (CPU)", nogil());
 }
