@@ -3,7 +3,7 @@ a time as `auto` serves it) against quant_linear (kvserve's int4/int8 tiles, the
 weights were repacked into before), on one layer's matrices of a real model's shape, at decode
 (1 row) and prefill (512 rows) sizes.
 
-    python benchmarks/gguf_kernels.py [--shape qwen2.5-1.5b] [--repeats 15]
+    python benchmarks/gguf_kernels.py [--shape qwen2.5-1.5b] [--repeats 15] [--as-type IQ4_XS]
 
 Weights are random blocks of each type (the kernels' speed does not depend on the values).
 For each matrix it prints the median time of --repeats calls, the bytes each form reads per
@@ -51,7 +51,7 @@ def random_blocks(kind: str, rows: int, cols: int) -> torch.Tensor:
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
     scale = np.full(raw.shape[:2], 0.01, np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
-    for off in ((208,) if kind == "Q6_K" else (0, 2)):
+    for off in ((208,) if kind == "Q6_K" else (0,) if kind.startswith("IQ4") else (0, 2)):
         raw[:, :, off:off + 2] = scale
     return torch.from_numpy(raw.reshape(rows, -1))
 
@@ -65,6 +65,8 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's own)")
+    ap.add_argument("--as-type", default=None, metavar="TYPE",
+                    help="every matrix in this GGUF type instead (IQ4_XS: an IQ4_XS file)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -82,6 +84,7 @@ def main() -> None:
           f"{'ratio':>6} {'gguf MB':>8} {'tiles MB':>8} {'gguf GB/s':>9} {'GMAC/s':>7}")
     totals = {1: [0.0, 0.0], 512: [0.0, 0.0]}
     for name, n, k, kind in SHAPES[args.shape]:
+        kind = args.as_type or kind
         raw = random_blocks(kind, n, k)
         tid = int(GGMLQuantizationType[kind])
         w = ops.gguf_rows(raw, tid, k, torch.arange(n), torch.float32)

@@ -22,10 +22,10 @@ from kvserve import kernels
 
 pytestmark = pytest.mark.skipif(kernels.ops() is None, reason="C++ kernels unavailable")
 
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 # Byte offsets of the float16 scale fields in each type's block (kept finite and small).
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -78,7 +78,7 @@ def test_linear_matches_reference_and_portable(kind):
     raw = torch.from_numpy(random_blocks(kind, rows, cols, seed=2))
     w = gguf_weight(kind, raw.numpy(), cols).double()
     x = torch.randn(7, cols, generator=torch.Generator().manual_seed(3))
-    block = 256 if kind.endswith("_K") else 32
+    block = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]
     ref = quantized_x(x, block).double() @ w.T
     none = [torch.empty(0, dtype=torch.long)]
     native = k.gguf_linear(x, [raw], [type_id(kind)], none)
@@ -89,7 +89,7 @@ def test_linear_matches_reference_and_portable(kind):
     assert (native.double() - ref).abs().max().item() <= 1e-5 * scale + 1e-6
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS"])
 def test_rows_do_not_depend_on_the_batch(kind):
     k = kernels.ops()
     cols = 256

@@ -73,7 +73,7 @@ class QuantGroups:
 
 # GGML's type numbers (as GGUF stores them) of the types gguf_linear reads in place.
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
-              "Q6_K": 14}
+              "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
 # The GGUF types `--quantization auto` serves on gguf_linear, at the file's bytes, rather than
 # on the int4/int8 tiles: both interleaved 8 rows at a time at load (gguf_repack). On a
 # Zen 3, 2 threads (benchmarks/gguf_kernels.py, one layer of a 1.5B model): Q4_Kx8 as fast as
@@ -84,7 +84,11 @@ GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12,
 # threads) the x8 kernels on vpdpbusd, 16 rows a 512-bit register, ran at 0.98x the tiles'
 # speed (Q4_K) and 0.79x (Q6_K) at 512 rows; served, the 1.5B Q4_K_M prefilled at 1.59x
 # llama-server and decoded at 0.87x (the tiles, in an earlier run: 1.67x and 0.93x) and held
-# 1.62 GiB at its peak against the tiles' 6.95: memory decided it.
+# 1.62 GiB at its peak against the tiles' 6.95: memory decided it. IQ4_XS and IQ4_NL are read
+# in place (`gguf`: their 16 levels exactly, which the int4 tiles only approximate) by a
+# kernel of the file's layout that ran at 0.24-0.31x the tiles' speed at 1 and 512 rows on
+# that Zen 4 (`benchmarks/gguf_kernels.py --as-type IQ4_XS`): `auto` keeps the tiles for them
+# until they have an interleaved layout.
 GGUF_AUTO_TYPES = frozenset({"Q4_K", "Q6_K"})
 
 

@@ -47,15 +47,31 @@ namespace {
 
 // GGML's type numbers (ggml.h), as GGUF stores them.
 enum : int64_t {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kIQ4_NL = 20, kIQ4_XS = 23
 };
 // kvserve's own: a type's blocks with 8 rows interleaved (gguf_repack), numbered 1000 + the
 // GGML type. A part of one is [rows / 8, blocks * 8 * block bytes].
 enum : int64_t { kX8 = 1000, kQ4_Kx8 = kX8 + kQ4_K, kQ6_Kx8 = kX8 + kQ6_K };
 
-// The K-quants keep one accumulator per output; the types with blocks of 32, 8 lanes.
+// The K-quants (and IQ4_XS, blocks of 256 too) keep one accumulator per output; the types
+// with blocks of 32, 8 lanes.
 constexpr bool is_kquant(int64_t type) {
-  return type == kQ4_K || type == kQ5_K || type == kQ6_K;
+  return type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kIQ4_XS;
+}
+
+// IQ4_NL's and IQ4_XS's 16 levels (GGML's kvalues_iq4nl): a 4-bit code indexes them.
+alignas(16) constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1,    13,   25,  38,  53,  69,  89,  113};
+
+// IQ4_XS block (136 bytes): d (float16), scales_h (uint16: 2 high bits of each sub-block's
+// scale), scales_l (4 bytes: 4 low bits each), 128 bytes of codes; sub-block j's scale is
+// (its 6 bits) - 32, its codes are bytes 8 + 16 j .. + 15 (low nibbles: inputs 32 j + i,
+// high: 32 j + 16 + i).
+inline int32_t iq4xs_scale(const uint8_t* w, int j) {
+  const uint32_t bits = static_cast<uint32_t>(w[2]) | static_cast<uint32_t>(w[3]) << 8;
+  const uint32_t high = bits >> (2 * j);
+  return static_cast<int32_t>(((w[4 + j / 2] >> (4 * (j % 2))) & 15) | ((high & 3) << 4)) - 32;
 }
 
 struct TypeInfo {
@@ -74,6 +90,8 @@ bool type_info(int64_t type, TypeInfo* info) {
     case kQ4_K: *info = {256, 144}; return true;
     case kQ5_K: *info = {256, 176}; return true;
     case kQ6_K: *info = {256, 210}; return true;
+    case kIQ4_NL: *info = {32, 18}; return true;
+    case kIQ4_XS: *info = {256, 136}; return true;
     case kQ4_Kx8: *info = {256, 8 * 144, 8}; return true;
     case kQ6_Kx8: *info = {256, 8 * 210, 8}; return true;
     default: return false;
@@ -191,6 +209,7 @@ inline float sum_lanes(const float* a) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3
 template <int64_t Type>
 inline int32_t code32(const uint8_t* w, int i) {
   if constexpr (Type == kQ8_0) return static_cast<int8_t>(w[2 + i]);
+  if constexpr (Type == kIQ4_NL) return kIQ4Levels[i < 16 ? w[2 + i] & 15 : w[2 + i - 16] >> 4];
   const bool hasmin = Type == kQ4_1 || Type == kQ5_1, five = Type == kQ5_0 || Type == kQ5_1;
   const uint8_t* qs = w + (hasmin ? 4 : 2) + (five ? 4 : 0);
   int32_t q = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
@@ -244,7 +263,16 @@ inline void kquant_sums(const uint8_t* w, const QuantX& x, int64_t m, int64_t b,
   const int8_t* xb = x.row(m) + b * 256;
   const int16_t* runs = x.run_sums(m, b);
   *s = *t = 0;
-  if constexpr (Type == kQ6_K) {
+  if constexpr (Type == kIQ4_XS) {
+    for (int j = 0; j < 8; ++j) {
+      int32_t sum = 0;
+      for (int i = 0; i < 16; ++i) {
+        const uint8_t c = w[8 + 16 * j + i];
+        sum += kIQ4Levels[c & 15] * xb[32 * j + i] + kIQ4Levels[c >> 4] * xb[32 * j + 16 + i];
+      }
+      *s += iq4xs_scale(w, j) * sum;
+    }
+  } else if constexpr (Type == kQ6_K) {
     const auto* sc6 = reinterpret_cast<const int8_t*>(w + 192);
     for (int e = 0; e < 256; ++e) *s += sc6[e / 16] * code256<Type>(w, e) * xb[e];
     for (int g = 0; g < 16; ++g) *s -= 32 * sc6[g] * runs[g];
@@ -275,9 +303,10 @@ void rows_portable(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX
         const uint8_t* wb = w + b * bytes;
         int32_t s, t;
         kquant_sums<Type>(wb, x, m0 + r, b, &s, &t);
-        acc = Type == kQ6_K
-                  ? kquant_acc(acc, f16(wb + 208), 0.f, x.scale(m0 + r, b), s, t, false)
-                  : kquant_acc(acc, f16(wb), f16(wb + 2), x.scale(m0 + r, b), s, t, true);
+        const float dx = x.scale(m0 + r, b);
+        acc = Type == kQ6_K     ? kquant_acc(acc, f16(wb + 208), 0.f, dx, s, t, false)
+              : Type == kIQ4_XS ? kquant_acc(acc, f16(wb), 0.f, dx, s, t, false)
+                                : kquant_acc(acc, f16(wb), f16(wb + 2), dx, s, t, true);
       }
       out[r] = acc;
     } else {
@@ -394,6 +423,12 @@ inline __m256i load32(const void* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
+// kIQ4Levels in both 128-bit lanes: a vpshufb table from 4-bit codes to levels.
+inline __m256i iq4_levels() {
+  return _mm256_broadcastsi128_si256(
+      _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Levels)));
+}
+
 // The 8 runs of 32 of a K-quant block: codes q (unsigned) times activations a, each run's
 // int16 pair sums times its scales' int16 lanes (vpmaddwd), added up in 8 int32 lanes.
 inline __m256i scaled_runs(const __m256i* q, const __m256i* scales, const int8_t* a) {
@@ -468,9 +503,13 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
       _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
     if constexpr (!is_kquant(Type)) {
       const float d = f16(w);
-      __m256i q;  // the block's 32 codes as bytes (Q8_0: signed)
+      __m256i q;  // the block's 32 codes as bytes (Q8_0, IQ4_NL: signed)
       if constexpr (Type == kQ8_0) {
         q = load32(w + 2);
+      } else if constexpr (Type == kIQ4_NL) {
+        const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2));
+        q = _mm256_shuffle_epi8(
+            iq4_levels(), _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low));
       } else {
         const bool hasmin = Type == kQ4_1 || Type == kQ5_1;
         const bool five = Type == kQ5_0 || Type == kQ5_1;
@@ -481,12 +520,13 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
           q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes(u32(w + (hasmin ? 4 : 2))),
                                                   _mm256_set1_epi8(16)));
       }
-      __m256i qa = q;  // Q8_0: |q|, x taking q's sign
-      if constexpr (Type == kQ8_0) qa = _mm256_abs_epi8(q);
+      constexpr bool is_signed = Type == kQ8_0 || Type == kIQ4_NL;
+      __m256i qa = q;  // signed codes: |q|, x taking q's sign
+      if constexpr (is_signed) qa = _mm256_abs_epi8(q);
       for (int r = 0; r < NR; ++r) {
         const int64_t m = m0 + r;
         __m256i a = load32(x.row(m) + b * 32);
-        if constexpr (Type == kQ8_0) a = _mm256_sign_epi8(a, q);
+        if constexpr (is_signed) a = _mm256_sign_epi8(a, q);
         __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(qa, a), ones);
         const __m256i xs = load32(x.lane_sums(m, b));
         if constexpr (Type == kQ4_0) s = _mm256_sub_epi32(s, _mm256_slli_epi32(xs, 3));
@@ -496,6 +536,50 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
         if constexpr (Type == kQ4_1 || Type == kQ5_1)
           acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16(w + 2) * dx), _mm256_cvtepi32_ps(xs),
                                    acc[r]);
+      }
+    } else if constexpr (Type == kIQ4_XS) {
+      // 32 bytes of codes hold sub-blocks 2c and 2c + 1: their low nibbles (inputs 0..15 of
+      // each) in the low nibbles, inputs 16..31 in the high ones; the lanes' halves are
+      // exchanged so that one register holds one sub-block's 32 inputs in order, then the
+      // codes become their signed levels (vpshufb) and pair with x as Q8_0's codes do.
+      __m256i q[8];
+      for (int c = 0; c < 4; ++c) {
+        const __m256i p = load32(w + 8 + 32 * c);
+        const __m256i lo = _mm256_and_si256(p, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+        q[2 * c] = _mm256_shuffle_epi8(iq4_levels(), _mm256_permute2x128_si256(lo, hi, 0x20));
+        q[2 * c + 1] = _mm256_shuffle_epi8(iq4_levels(),
+                                           _mm256_permute2x128_si256(lo, hi, 0x31));
+      }
+      // the 8 scales as int16, iq4xs_scale in registers: the low nibbles of bytes 4..7 in
+      // order, the 2-bit fields of bytes 2..3 shifted to the top of each lane by a multiply
+      // (vpmullw keeps the low 16 bits) and back down
+      const __m128i l4 = _mm_cvtsi32_si128(static_cast<int>(u32(w + 4)));
+      const __m128i nib = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(
+          _mm_and_si128(l4, _mm_set1_epi8(15)), _mm_and_si128(_mm_srli_epi16(l4, 4),
+                                                              _mm_set1_epi8(15))));
+      const __m128i h2 = _mm_srli_epi16(
+          _mm_mullo_epi16(_mm_set1_epi16(static_cast<int16_t>(w[2] | w[3] << 8)),
+                          _mm_setr_epi16(1 << 14, 1 << 12, 1 << 10, 1 << 8, 1 << 6, 1 << 4,
+                                         1 << 2, 1)),
+          14);
+      const __m256i words = _mm256_broadcastsi128_si256(_mm_sub_epi16(
+          _mm_or_si128(nib, _mm_slli_epi16(h2, 4)), _mm_set1_epi16(32)));
+      __m256i scale[8];  // each sub-block's scale in every int16 lane
+      for (int j = 0; j < 8; ++j)
+        scale[j] = _mm256_shuffle_epi8(words, _mm256_set1_epi16(
+            static_cast<int16_t>((2 * j) | ((2 * j + 1) << 8))));
+      __m256i qa[8];  // |level|: x takes the level's sign
+      for (int j = 0; j < 8; ++j) qa[j] = _mm256_abs_epi8(q[j]);
+      const float d = f16(w);
+      for (int r = 0; r < NR; ++r) {
+        const int64_t m = m0 + r;
+        const int8_t* a = x.row(m) + b * 256;
+        __m256i s = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j)  // pairs at most 2 * 127 * 127: no int16 saturation
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(
+              qa[j], _mm256_sign_epi8(load32(a + 32 * j), q[j])), scale[j]));
+        kacc[r] = kquant_acc(kacc[r], d, 0.f, x.scale(m, b), hsum_i32(s), 0, false);
       }
     } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
       // scales in bytes 0..7, minimums in 8..15, built in registers: stored to memory as
@@ -1113,6 +1197,8 @@ RowsFn pick(int64_t type, Path path) {
     case kQ8_0: return rows_fn<kQ8_0>(path);
     case kQ4_K: return rows_fn<kQ4_K>(path);
     case kQ5_K: return rows_fn<kQ5_K>(path);
+    case kIQ4_NL: return rows_fn<kIQ4_NL>(path);
+    case kIQ4_XS: return rows_fn<kIQ4_XS>(path);
     default: return rows_fn<kQ6_K>(path);
   }
 }
@@ -1265,6 +1351,23 @@ void dequant_block(int64_t type, const uint8_t* w, float* out) {
           out[i] = d * static_cast<float>(q) + mn;
         else
           out[i] = d * static_cast<float>(q - (five ? 16 : 8));
+      }
+      return;
+    }
+    case kIQ4_NL: {
+      const float d = f16(w);
+      for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(code32<kIQ4_NL>(w, i));
+      return;
+    }
+    case kIQ4_XS: {  // as gguf: each sub-block's d * scale, then times its levels
+      const float d = f16(w);
+      for (int j = 0; j < 8; ++j) {
+        const float dl = d * static_cast<float>(iq4xs_scale(w, j));
+        for (int i = 0; i < 16; ++i) {
+          const uint8_t c = w[8 + 16 * j + i];
+          out[32 * j + i] = dl * static_cast<float>(kIQ4Levels[c & 15]);
+          out[32 * j + 16 + i] = dl * static_cast<float>(kIQ4Levels[c >> 4]);
+        }
       }
       return;
     }
