@@ -1,0 +1,148 @@
+"""Cold start: the time from launching `kvserve serve` and llama-server on the same GGUF to
+their first healthy /health, from a dropped page cache and from a warm one.
+
+    python benchmarks/cold_start.py --model FILE.gguf [--rounds 5] [--kvserve-args "..."]
+        [--llama-server-args "..."]
+
+Each round starts each server twice, the order alternating round by round (both started as
+benchmarks/vs_llamacpp.py starts them: `kvserve serve` with its defaults, llama-server `-t 2`):
+
+  cold  after `sync` and dropping the kernel's page cache (/proc/sys/vm/drop_caches, which
+        needs root); elsewhere only the model file's pages are dropped (posix_fadvise
+        DONTNEED) and the table says so. Either way the model is read from disk again; with
+        the whole cache dropped so are the server's own program and libraries (for kvserve,
+        Python, torch and its kernels), as on a freshly booted or freshly scheduled machine.
+  warm  right after, every file still in the page cache.
+
+/health is polled every 10 ms; a server is stopped as soon as it answers 200. kvserve's
+start-up cache (kernels, tokenizer; ~/.cache/kvserve) is kept, as a restarted server keeps
+it. Printed: every start, then the medians and the median of the per-round ratios
+(kvserve's time over llama-server's), with the machine's CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from vs_llamacpp import Peers, Workload, command_str, free_port, machine, server_spec
+
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def drop_page_cache(model: Path) -> str:
+    """Drops the page cache (all of it where allowed, else the model file's pages): what
+    was dropped."""
+    os.sync()
+    try:
+        DROP_CACHES.write_text("3\n")
+        return "the whole page cache"
+    except OSError:
+        fd = os.open(model, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return "the model file's pages only (dropping the whole page cache needs root)"
+
+
+def time_to_health(argv: list[str], health: str, port: int, log_path: Path,
+                   timeout: float) -> float:
+    """Seconds from launching argv to a 200 from its health path; the server is stopped."""
+    url = f"http://127.0.0.1:{port}{health}"
+    with open(log_path, "a") as out:
+        out.write(f"\n$ {command_str(argv)}\n")
+        out.flush()
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        with httpx.Client(trust_env=False, timeout=1) as client:
+            while True:
+                try:
+                    if client.get(url).status_code == 200:
+                        return time.perf_counter() - t0
+                except httpx.TransportError:
+                    pass
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode}; log in {log_path}")
+                if time.perf_counter() - t0 > timeout:
+                    raise RuntimeError(f"not healthy after {timeout:.0f} s; log in {log_path}")
+                time.sleep(0.01)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--kvserve-args", default="")
+    p.add_argument("--llama-server-args", default="")
+    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "kvserve-bench")
+    p.add_argument("--out-dir", type=Path, default=Path("/tmp/kvserve-cold-start"))
+    p.add_argument("--start-timeout", type=float, default=600)
+    args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if not args.model.is_file():
+        p.error(f"no model file at {args.model}")
+    peers = Peers(args.cache_dir)
+    if not peers.llama_server.is_file():
+        p.error(f"no llama-server at {peers.llama_server}: build it with "
+                "benchmarks/vs_llamacpp.py first")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    args.llama_cpp_python_args = args.vllm_args = ""  # server_spec's other peers' options
+    args.hf_dir = None
+    names = ("kvserve", "llama-server")
+    w = Workload("cold-start", "", 16, 16, 1, 1, ())
+    specs = {n: server_spec(n, w, args.model, peers, args) for n in names}
+    times = {(n, m): [] for n in names for m in ("cold", "warm")}
+    print(f"machine: {machine()}; model {args.model.name} "
+          f"({args.model.stat().st_size / 2**30:.2f} GiB)")
+    for name in names:
+        print(f"{name}: {command_str(specs[name].argv)}")
+    dropped = ""
+    for r in range(args.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        line = []
+        for name in order:
+            spec = specs[name]
+            for mode in ("cold", "warm"):
+                if mode == "cold":
+                    dropped = drop_page_cache(args.model)
+                port = free_port()
+                argv = [a.replace("{port}", str(port)) for a in spec.argv]
+                t = time_to_health(argv, spec.health_path, port,
+                                   args.out_dir / f"{name}.log", args.start_timeout)
+                times[(name, mode)].append(t)
+                line.append(f"{name} {mode} {t:.2f} s")
+        print(f"round {r}: " + ", ".join(line), flush=True)
+    print(f"\ncold: dropped {dropped}")
+    med = statistics.median
+    print(f"medians of {args.rounds} rounds (seconds to the first healthy /health):")
+    for mode in ("cold", "warm"):
+        k, ll = times[("kvserve", mode)], times[("llama-server", mode)]
+        ratios = [a / b for a, b in zip(k, ll, strict=True)]
+        print(f"  {mode}: kvserve {med(k):.2f} s (min {min(k):.2f}, max {max(k):.2f}), "
+              f"llama-server {med(ll):.2f} s (min {min(ll):.2f}, max {max(ll):.2f}); "
+              f"kvserve/llama-server {med(ratios):.2f}x (min {min(ratios):.2f}, max "
+              f"{max(ratios):.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
