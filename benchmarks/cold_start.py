@@ -32,7 +32,15 @@ import time
 from pathlib import Path
 
 import httpx
-from vs_llamacpp import Peers, Workload, command_str, free_port, machine, server_spec
+from vs_llamacpp import (
+    Workload,
+    add_beside_llama_server_args,
+    beside_llama_server,
+    command_str,
+    free_port,
+    machine,
+    server_spec,
+)
 
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
@@ -88,25 +96,12 @@ def time_to_health(argv: list[str], health: str, port: int, log_path: Path,
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, required=True)
+    add_beside_llama_server_args(p, "/tmp/kvserve-cold-start")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--kvserve-args", default="")
-    p.add_argument("--llama-server-args", default="")
-    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "kvserve-bench")
-    p.add_argument("--out-dir", type=Path, default=Path("/tmp/kvserve-cold-start"))
-    p.add_argument("--start-timeout", type=float, default=600)
     args = p.parse_args()
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
-    if not args.model.is_file():
-        p.error(f"no model file at {args.model}")
-    peers = Peers(args.cache_dir)
-    if not peers.llama_server.is_file():
-        p.error(f"no llama-server at {peers.llama_server}: build it with "
-                "benchmarks/vs_llamacpp.py first")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    args.llama_cpp_python_args = args.vllm_args = ""  # server_spec's other peers' options
-    args.hf_dir = None
+    peers = beside_llama_server(p, args)
     names = ("kvserve", "llama-server")
     w = Workload("cold-start", "", 16, 16, 1, 1, ())
     specs = {n: server_spec(n, w, args.model, peers, args) for n in names}

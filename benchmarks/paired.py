@@ -31,10 +31,18 @@ import signal
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import httpx
-from vs_llamacpp import THREADS, Peers, Server, Workload, command_str, machine, server_spec
+from vs_llamacpp import (
+    THREADS,
+    Server,
+    Workload,
+    add_beside_llama_server_args,
+    beside_llama_server,
+    command_str,
+    machine,
+    server_spec,
+)
 
 
 def stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
@@ -64,31 +72,17 @@ def stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float, 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, required=True)
+    add_beside_llama_server_args(p, "/tmp/kvserve-paired")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=500)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--pause", type=float, default=1.0, help="seconds idle after each request")
-    p.add_argument("--kvserve-args", default="")
-    p.add_argument("--llama-server-args", default="")
-    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "kvserve-bench")
-    p.add_argument("--out-dir", type=Path, default=Path("/tmp/kvserve-paired"))
-    p.add_argument("--start-timeout", type=float, default=600)
     args = p.parse_args()
     if args.rounds < 1 or args.prompt_len < 1 or args.output_len < 2:
         p.error("--rounds and --prompt-len must be at least 1, --output-len at least 2")
-    if not args.model.is_file():
-        p.error(f"no model file at {args.model}")
-    peers = Peers(args.cache_dir)
-    if not peers.llama_server.is_file():
-        p.error(f"no llama-server at {peers.llama_server}: build it with "
-                "benchmarks/vs_llamacpp.py first")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    peers = beside_llama_server(p, args)
     # SIGTERM too stops both servers (the `finally` below), as Ctrl-C does
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    # server_spec's other peers' options, unused here
-    args.llama_cpp_python_args = args.vllm_args = ""
-    args.hf_dir = None
     names = ("kvserve", "llama-server")
     servers: dict[str, Server] = {}
     try:

@@ -807,6 +807,32 @@ def report(results: dict[str, dict[str, Cell]], workloads: Sequence[Workload], p
 # ----------------------------------------------------------------------------------- main
 
 
+def add_beside_llama_server_args(p: argparse.ArgumentParser, out_dir: str) -> None:
+    """The options of the scripts that run kvserve beside llama-server alone."""
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--kvserve-args", default="")
+    p.add_argument("--llama-server-args", default="")
+    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "kvserve-bench")
+    p.add_argument("--out-dir", type=Path, default=Path(out_dir))
+    p.add_argument("--start-timeout", type=float, default=600)
+
+
+def beside_llama_server(p: argparse.ArgumentParser, args: argparse.Namespace) -> Peers:
+    """For the scripts that run kvserve beside llama-server alone (paired.py, cold_start.py):
+    their --model and the built llama-server checked (p.error otherwise), --out-dir made,
+    and server_spec's options for the other peers unset."""
+    if not args.model.is_file():
+        p.error(f"no model file at {args.model}")
+    peers = Peers(args.cache_dir)
+    if not peers.llama_server.is_file():
+        p.error(f"no llama-server at {peers.llama_server}: build it with "
+                "benchmarks/vs_llamacpp.py first")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    args.llama_cpp_python_args = args.vllm_args = ""
+    args.hf_dir = None
+    return peers
+
+
 def parse_list(text: str, allowed: Sequence[str], what: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in items if x not in allowed]
