@@ -172,8 +172,8 @@ def load_packed(path: Path, dtype: torch.dtype, device: torch.device,
             return loaded, applied
     if entry is not None:
         log.info("preparing %s for this machine (weights its kernels read in another form "
-                 "than the file's are packed once, then kept in %s)", path.name,
-                 entry.data.parent)
+                 "than the file's are packed, and kept in %s unless served from the file's "
+                 "pages)", path.name, entry.data.parent)
     loaded = load_model(path, dtype, device, backend_factory, tp, max_model_len)
     applied = pack(loaded)
     if entry is not None and loaded.model.reads_gguf_in_place():
