@@ -205,15 +205,16 @@ inline float sum_lanes(const float* a) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3
   return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
-// Code i (0..31) of a block of 32 (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0), as stored (Q8_0: signed).
+// Code i (0..31) of a block of 32 (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 as stored, Q8_0 signed; IQ4_NL
+// the signed level its code indexes).
 template <int64_t Type>
 inline int32_t code32(const uint8_t* w, int i) {
   if constexpr (Type == kQ8_0) return static_cast<int8_t>(w[2 + i]);
-  if constexpr (Type == kIQ4_NL) return kIQ4Levels[i < 16 ? w[2 + i] & 15 : w[2 + i - 16] >> 4];
   const bool hasmin = Type == kQ4_1 || Type == kQ5_1, five = Type == kQ5_0 || Type == kQ5_1;
   const uint8_t* qs = w + (hasmin ? 4 : 2) + (five ? 4 : 0);
   int32_t q = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
   if constexpr (five) q |= ((u32(w + (hasmin ? 4 : 2)) >> i) & 1) << 4;
+  if constexpr (Type == kIQ4_NL) return kIQ4Levels[q];  // Q4_0's nibble: a level's index
   return q;
 }
 
@@ -429,6 +430,14 @@ inline __m256i iq4_levels() {
       _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Levels)));
 }
 
+// Int16 word j of `words` (the same 8 words in both 128-bit lanes) in every int16 lane of
+// out[j]: each run's scale, for vpmaddwd.
+inline void broadcast_words(__m256i words, __m256i* out) {
+  for (int j = 0; j < 8; ++j)
+    out[j] = _mm256_shuffle_epi8(words, _mm256_set1_epi16(
+        static_cast<int16_t>((2 * j) | ((2 * j + 1) << 8))));
+}
+
 // The 8 runs of 32 of a K-quant block: codes q (unsigned) times activations a, each run's
 // int16 pair sums times its scales' int16 lanes (vpmaddwd), added up in 8 int32 lanes.
 inline __m256i scaled_runs(const __m256i* q, const __m256i* scales, const int8_t* a) {
@@ -506,11 +515,7 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
       __m256i q;  // the block's 32 codes as bytes (Q8_0, IQ4_NL: signed)
       if constexpr (Type == kQ8_0) {
         q = load32(w + 2);
-      } else if constexpr (Type == kIQ4_NL) {
-        const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2));
-        q = _mm256_shuffle_epi8(
-            iq4_levels(), _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low));
-      } else {
+      } else {  // Q4_0's nibbles (IQ4_NL: indices of its levels)
         const bool hasmin = Type == kQ4_1 || Type == kQ5_1;
         const bool five = Type == kQ5_0 || Type == kQ5_1;
         const __m128i qs = _mm_loadu_si128(
@@ -519,6 +524,7 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
         if constexpr (five)
           q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes(u32(w + (hasmin ? 4 : 2))),
                                                   _mm256_set1_epi8(16)));
+        if constexpr (Type == kIQ4_NL) q = _mm256_shuffle_epi8(iq4_levels(), q);
       }
       constexpr bool is_signed = Type == kQ8_0 || Type == kIQ4_NL;
       __m256i qa = q;  // signed codes: |q|, x taking q's sign
@@ -563,12 +569,10 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
                           _mm_setr_epi16(1 << 14, 1 << 12, 1 << 10, 1 << 8, 1 << 6, 1 << 4,
                                          1 << 2, 1)),
           14);
-      const __m256i words = _mm256_broadcastsi128_si256(_mm_sub_epi16(
-          _mm_or_si128(nib, _mm_slli_epi16(h2, 4)), _mm_set1_epi16(32)));
       __m256i scale[8];  // each sub-block's scale in every int16 lane
-      for (int j = 0; j < 8; ++j)
-        scale[j] = _mm256_shuffle_epi8(words, _mm256_set1_epi16(
-            static_cast<int16_t>((2 * j) | ((2 * j + 1) << 8))));
+      broadcast_words(_mm256_broadcastsi128_si256(_mm_sub_epi16(
+                          _mm_or_si128(nib, _mm_slli_epi16(h2, 4)), _mm_set1_epi16(32))),
+                      scale);
       __m256i qa[8];  // |level|: x takes the level's sign
       for (int j = 0; j < 8; ++j) qa[j] = _mm256_abs_epi8(q[j]);
       const float d = f16(w);
@@ -611,11 +615,8 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
       const __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(
           sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
       // each run's scale in every int16 lane: word j of the 8 scales, picked by a shuffle
-      const __m256i words = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
       __m256i scale[8];
-      for (int j = 0; j < 8; ++j)
-        scale[j] = _mm256_shuffle_epi8(words, _mm256_set1_epi16(
-            static_cast<int16_t>((2 * j) | ((2 * j + 1) << 8))));
+      broadcast_words(_mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm)), scale);
       const float d = f16(w), dmin = f16(w + 2);
       for (int r = 0; r < NR; ++r) {
         const int64_t m = m0 + r;
