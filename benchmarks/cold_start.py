@@ -24,20 +24,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 from vs_llamacpp import (
+    Server,
     Workload,
     add_beside_llama_server_args,
     beside_llama_server,
     command_str,
-    free_port,
     machine,
     server_spec,
 )
@@ -59,39 +55,6 @@ def drop_page_cache(model: Path) -> str:
         finally:
             os.close(fd)
         return "the model file's pages only (dropping the whole page cache needs root)"
-
-
-def time_to_health(argv: list[str], health: str, port: int, log_path: Path,
-                   timeout: float) -> float:
-    """Seconds from launching argv to a 200 from its health path; the server is stopped."""
-    url = f"http://127.0.0.1:{port}{health}"
-    with open(log_path, "a") as out:
-        out.write(f"\n$ {command_str(argv)}\n")
-        out.flush()
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        with httpx.Client(trust_env=False, timeout=1) as client:
-            while True:
-                try:
-                    if client.get(url).status_code == 200:
-                        return time.perf_counter() - t0
-                except httpx.TransportError:
-                    pass
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode}; log in {log_path}")
-                if time.perf_counter() - t0 > timeout:
-                    raise RuntimeError(f"not healthy after {timeout:.0f} s; log in {log_path}")
-                time.sleep(0.01)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
 
 
 def main() -> int:
@@ -119,10 +82,11 @@ def main() -> int:
             for mode in ("cold", "warm"):
                 if mode == "cold":
                     dropped = drop_page_cache(args.model)
-                port = free_port()
-                argv = [a.replace("{port}", str(port)) for a in spec.argv]
-                t = time_to_health(argv, spec.health_path, port,
-                                   args.out_dir / f"{name}.log", args.start_timeout)
+                server = Server(spec, args.out_dir / f"{name}.log", args.start_timeout,
+                                warmup=False, poll=0.01)
+                server.stop()
+                t = server.healthy_after
+                assert t is not None  # set when Server returns
                 times[(name, mode)].append(t)
                 line.append(f"{name} {mode} {t:.2f} s")
         print(f"round {r}: " + ", ".join(line), flush=True)
