@@ -28,6 +28,7 @@ import os
 import platform
 import shutil
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -95,8 +96,10 @@ def variants() -> tuple[Variant, ...]:
     return X86_VARIANTS if platform.machine().lower() in ("x86_64", "amd64") else (NATIVE,)
 
 
+@cache
 def cpu_flags() -> frozenset[str]:
-    """This CPU's flags as Linux shows them (empty where /proc/cpuinfo is not to be read)."""
+    """This CPU's flags as Linux shows them (empty where /proc/cpuinfo is not to be read);
+    read once per process (build ids and the weight cache's keys ask again)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
