@@ -27,7 +27,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvserve import kernels  # noqa: E402
-from kvserve.layers.quant import QuantizedWeight  # noqa: E402
+from kvserve.layers.quant import GGML_TYPES, QuantizedWeight  # noqa: E402
 from kvserve.roofline import run_times  # noqa: E402
 
 # (name, out, in, GGUF type) of one decoder layer, as a Q4_K_M file stores them.
@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's own)")
-    ap.add_argument("--as-type", default=None, metavar="TYPE",
+    ap.add_argument("--as-type", default=None, choices=sorted(GGML_TYPES),
                     help="every matrix in this GGUF type instead (IQ4_XS: an IQ4_XS file)")
     args = ap.parse_args()
     if args.threads:
