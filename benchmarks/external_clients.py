@@ -117,7 +117,7 @@ def write_hf_dir(path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvserve.models.loader import resolve_model
+    from kvserve.models.paths import resolve_model
 
     gguf = resolve_model(None)
     kw = {"gguf_file": gguf.name}

@@ -25,7 +25,8 @@ from kvserve.attention.backend import AttentionBatch
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.config import CacheConfig
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.loader import load_model, resolve_model
+from kvserve.models.loader import load_model
+from kvserve.models.paths import resolve_model
 from kvserve.tokenizer import Tokenizer
 from kvserve.worker.model_runner import ModelRunner
 

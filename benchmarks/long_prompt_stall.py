@@ -142,7 +142,7 @@ def fmt(x: float | None, digits: int = 0) -> str:
 
 
 def main() -> int:
-    from kvserve.models.loader import default_model_path
+    from kvserve.models.paths import default_model_path
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=None,

@@ -130,7 +130,7 @@ def main() -> int:
     if out.is_file():
         print(out)
         return 0
-    from kvserve.models.loader import default_model_path
+    from kvserve.models.paths import default_model_path
 
     tokenizer = default_model_path()
     if tokenizer is None:

@@ -15,7 +15,7 @@ import time
 
 from kvserve.engine.llm import LLM
 from kvserve.kv_cache.planner import slot_bytes
-from kvserve.models.loader import gemma3_model_path
+from kvserve.models.paths import gemma3_model_path
 from kvserve.sampling_params import SamplingParams
 
 

@@ -70,7 +70,7 @@ def grammar_steps(port: int) -> list[dict]:
 
 def compile_times() -> list[tuple[str, float, float]]:
     """(schema, cold ms, cached ms) with a GrammarCompiler on the default model's tokenizer."""
-    from kvserve.models.loader import resolve_model
+    from kvserve.models.paths import resolve_model
     from kvserve.sampling_params import StructuredOutputs
     from kvserve.structured import GrammarCompiler
     from kvserve.tokenizer import Tokenizer

@@ -889,7 +889,7 @@ def main() -> int:
     out_dir = (args.out_dir or cache / "runs" / f"{started:%Y%m%d-%H%M%S}").expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.model is None:
-        from kvserve.models.loader import default_model_path
+        from kvserve.models.paths import default_model_path
         model = default_model_path()
     else:
         model = args.model.expanduser().resolve()

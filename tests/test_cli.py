@@ -86,9 +86,9 @@ def test_chat_on_the_default_model(real_model_path):
 
 def test_missing_default_model_says_how_to_get_it(monkeypatch, capsys):
     from kvserve import cli
-    from kvserve.models import loader
+    from kvserve.models import paths
 
-    monkeypatch.setattr(loader, "default_model_path", lambda: None)
+    monkeypatch.setattr(paths, "default_model_path", lambda: None)
     monkeypatch.setattr(cli, "default_model_path", lambda: None)
     assert cli.main(["generate", "hi", "--no-download"]) == 2
     err = capsys.readouterr().err

@@ -29,7 +29,7 @@ import torch
 
 from kvserve import kernels
 from kvserve.kernels import build_spec
-from tests.test_gguf_kernels import TYPES, random_blocks, type_id
+from tests.test_gguf_kernels import TYPES, random_blocks, repack, type_id
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = build_spec.variants()
@@ -79,8 +79,8 @@ def test_variants_give_the_served_variants_bits_for_gguf_matrices(v, served):
         forms = [(raw, tid)]
         x8 = served.gguf_repacked_type(tid)
         if x8:
-            packed = served.gguf_repack(raw, tid, k, none[0])
-            assert torch.equal(module.gguf_repack(raw, tid, k, none[0]), packed), kind
+            packed = repack(served, raw, tid, k)
+            assert torch.equal(repack(module, raw, tid, k), packed), kind
             forms.append((packed, x8))
         x = torch.randn(37, k, generator=g)
         for part, t in forms:

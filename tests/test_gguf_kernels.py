@@ -9,9 +9,6 @@ it compared), and rows across batch sizes bit for bit (batch invariance).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -49,6 +46,15 @@ def gguf_weight(kind: str, raw: np.ndarray, cols: int) -> torch.Tensor:
 
 def type_id(kind: str) -> int:
     return int(GGMLQuantizationType[kind])
+
+
+def repack(module, raw: torch.Tensor, tid: int, cols: int,
+           order: torch.Tensor | None = None) -> torch.Tensor:
+    """`module.gguf_repack` of `raw`'s rows (`order`, or all) into a fresh tensor."""
+    order = torch.empty(0, dtype=torch.long) if order is None else order
+    rows = order.numel() or raw.shape[0]
+    out = torch.empty(rows // 8, 8 * raw.shape[1], dtype=torch.uint8)
+    return module.gguf_repack(raw, tid, cols, order, out)
 
 
 def quantized_x(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -150,7 +156,7 @@ def test_interleaved_gives_the_files_bits(kind):
     cols, rows = 768, 40
     raw = torch.from_numpy(random_blocks(kind, rows, cols, seed=12))
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(13))
-    packed = k.gguf_repack(raw, tid, cols, order)
+    packed = repack(k, raw, tid, cols, order)
     block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
     assert packed.shape == (rows // 8, 3 * 8 * block_bytes) and packed.dtype == torch.uint8
     assert sorted(packed.flatten().tolist()) == sorted(raw.flatten().tolist())  # same bytes
@@ -167,7 +173,7 @@ def test_interleaved_gives_the_files_bits(kind):
     b = torch.from_numpy(random_blocks("Q5_K", 8, cols, seed=15))
     other = "Q6_K" if kind == "Q4_K" else "Q4_K"
     c = torch.from_numpy(random_blocks(other, 16, cols, seed=16))
-    c8 = k.gguf_repack(c, type_id(other), cols, none[0])
+    c8 = repack(k, c, type_id(other), cols)
     mixed = k.gguf_linear(x[:7], [b, packed, c8], [type_id("Q5_K"), x8,
                                                   k.gguf_repacked_type(type_id(other))], none * 3)
     assert torch.equal(mixed, torch.cat([
@@ -186,7 +192,7 @@ def test_interleaved_q6k_extremes_stay_exact():
         raw.reshape(8, 2, 210)[:, :, :192] = fill
         raw.reshape(8, 2, 210)[:, :, 192:208] = 127  # scales at their largest
         raw = torch.from_numpy(raw)
-        packed = k.gguf_repack(raw, tid, cols, torch.empty(0, dtype=torch.long))
+        packed = repack(k, raw, tid, cols)
         none = [torch.empty(0, dtype=torch.long)]
         for x in (torch.ones(2, cols), -torch.ones(2, cols)):
             got = k.gguf_linear(x, [packed], [k.gguf_repacked_type(tid)], none)
@@ -198,64 +204,23 @@ def test_interleaved_q6k_extremes_stay_exact():
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-3)
 
 
-def _mapping_flags(address: int) -> tuple[int, list[str]]:
-    """(start, VmFlags) of this process's mapping that holds `address` (/proc/self/smaps)."""
-    start = None
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            start = lo if lo <= address < hi else None
-        elif head == "VmFlags:" and start is not None:
-            return start, line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="smaps is Linux's")
-def test_interleaved_parts_are_on_huge_page_arenas():
-    """Repacked parts are carved out of arenas mapped at a 2 MiB boundary and advised
-    MADV_HUGEPAGE ("hg" in smaps), which a decode step streams faster, small parts too; they
-    compute what the file's layout computes, and an arena is unmapped with its last part."""
-    k = kernels.ops()
-    q4k, x8 = type_id("Q4_K"), kernels.ops().gguf_repacked_type(type_id("Q4_K"))
-    none = torch.empty(0, dtype=torch.long)
-    # more than an arena's 64 MiB: an arena of its own, holding nothing else
-    cols, rows = 4096, 29184
-    raw = torch.from_numpy(random_blocks("Q4_K", rows, cols, seed=18))
-    big = k.gguf_repack(raw, q4k, cols, none)
-    start, flags = _mapping_flags(big.data_ptr())
-    assert start == big.data_ptr() and start % (2 << 20) == 0 and "hg" in flags
-    x = torch.randn(2, cols, generator=torch.Generator().manual_seed(19))
-    assert torch.equal(k.gguf_linear(x, [big], [x8], [none]),
-                       k.gguf_linear(x, [raw], [q4k], [none]))
-    del big
-    assert all(not (lo <= start < hi) for lo, hi in _maps())
-    small = [k.gguf_repack(raw[64 * i:64 * i + 64], q4k, cols, none) for i in range(3)]
-    for part in small:
-        start, flags = _mapping_flags(part.data_ptr())
-        assert start % (2 << 20) == 0 and "hg" in flags and part.data_ptr() % 64 == 0
-    assert torch.equal(k.gguf_linear(x, small, [x8] * 3, [none] * 3),
-                       k.gguf_linear(x, [raw[:192]], [q4k], [none]))
-
-
-def _maps() -> list[tuple[int, int]]:
-    return [tuple(int(v, 16) for v in line.split()[0].split("-"))
-            for line in Path("/proc/self/maps").read_text().splitlines()]
-
-
 def test_interleaving_bad_input_is_refused():
     k = kernels.ops()
     q4k = type_id("Q4_K")
     raw = torch.from_numpy(random_blocks("Q4_K", 12, 256, seed=16))
     none = torch.empty(0, dtype=torch.long)
     with pytest.raises(RuntimeError, match="not a multiple of 8"):
-        k.gguf_repack(raw, q4k, 256, none)
+        repack(k, raw, q4k, 256)
     with pytest.raises(RuntimeError, match="no interleaved layout"):
-        k.gguf_repack(torch.from_numpy(random_blocks("Q5_K", 8, 256, seed=17)),
-                      type_id("Q5_K"), 256, none)
+        repack(k, torch.from_numpy(random_blocks("Q5_K", 8, 256, seed=17)), type_id("Q5_K"), 256)
     with pytest.raises(RuntimeError, match="out of range"):
-        k.gguf_repack(raw, q4k, 256, torch.arange(8) + 5)
-    packed = k.gguf_repack(raw[:8], q4k, 256, none)
+        repack(k, raw, q4k, 256, torch.arange(8) + 5)
+    for out in (torch.empty(1, 8 * 144 - 1, dtype=torch.uint8),
+                torch.empty(1, 8 * 144, dtype=torch.int8),
+                torch.empty(2, 8 * 144, dtype=torch.uint8)[:, :8 * 143]):
+        with pytest.raises(RuntimeError, match="out must be contiguous uint8"):
+            k.gguf_repack(raw[:8], q4k, 256, none, out)
+    packed = repack(k, raw[:8], q4k, 256)
     x8 = k.gguf_repacked_type(q4k)
     with pytest.raises(RuntimeError, match="takes no row order"):
         k.gguf_linear(torch.randn(1, 256), [packed], [x8], [torch.arange(8)])

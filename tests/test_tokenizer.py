@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserve.models.loader import DEFAULT_GGUF, default_model_path
+from kvserve.models.paths import DEFAULT_GGUF, default_model_path
 from kvserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 from tests.conftest import gguf_parsed_once
 

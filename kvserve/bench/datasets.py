@@ -129,7 +129,7 @@ def load_tokenizer(spec: str | None) -> Tokenizer:
         if path.is_file() and path.name == "tokenizer.json":
             return Tokenizer.from_dir(path.parent)
     # Imports torch (the loader builds models), which is why it is only imported here.
-    from kvserve.models.loader import resolve_model
+    from kvserve.models.paths import resolve_model
 
     try:
         resolved = resolve_model(spec)

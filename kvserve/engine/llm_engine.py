@@ -13,7 +13,7 @@ from kvserve.engine.args import EngineArgs
 from kvserve.engine.core import EngineCore, EngineDeadError
 from kvserve.engine.core_process import CoreProcess
 from kvserve.engine.processor import OutputProcessor
-from kvserve.models.loader import resolve_model
+from kvserve.models.paths import resolve_model
 from kvserve.outputs import OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.stats import EngineStats

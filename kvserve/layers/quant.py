@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve import kernels
+from kvserve import kernels, weight_arena
 
 QUANTIZATIONS = ("none", "int8", "int4")
 # --quantization gguf: a GGUF's matrices read in place in the file's own blocks (GGUFWeight);
@@ -292,8 +292,9 @@ class GGUFWeight(PackedWeight):
 
     With `interleave`, a part whose type has an interleaved layout (Q4_K, Q6_K) and whose
     rows are a multiple of 8 is repacked into it at load (`gguf_repack`: the same bytes, 8 rows side
-    by side, one per vector lane), in the process's memory, and the file's pages it was read
-    from are handed back; the results are the same bits as the file's layout gives."""
+    by side, one per vector lane), in the process's memory (kvserve.weight_arena), and the
+    file's pages it was read from are handed back; the results are the same bits as the file's
+    layout gives."""
 
     def __init__(self, parts: list[GGUFTensor], dtype: torch.dtype,
                  device: torch.device, interleave: bool = False) -> None:
@@ -308,7 +309,10 @@ class GGUFWeight(PackedWeight):
             order = none if p.order is None else p.order
             x8 = self.kernels.gguf_repacked_type(p.type_id) if interleave else 0
             if x8 and p.rows % 8 == 0:
-                self.data.append(self.kernels.gguf_repack(p.data, p.type_id, p.cols, order))
+                # the same bytes: 8 of the file's rows side by side in each row
+                out = weight_arena.take(p.rows // 8, 8 * p.data.shape[1])
+                self.data.append(self.kernels.gguf_repack(p.data, p.type_id, p.cols, order,
+                                                          out))
                 self.types.append(x8)
                 self.orders.append(none)
                 release_pages(p.data)

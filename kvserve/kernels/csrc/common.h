@@ -60,7 +60,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
 at::Tensor gguf_rows(const at::Tensor& part, int64_t type, int64_t K, const at::Tensor& ids,
                      at::ScalarType dtype);
 int64_t gguf_repacked_type(int64_t type);
-at::Tensor gguf_repack(const at::Tensor& part, int64_t type, int64_t K, const at::Tensor& order);
+at::Tensor gguf_repack(const at::Tensor& part, int64_t type, int64_t K, const at::Tensor& order,
+                       at::Tensor out);
 
 namespace kvs {
 

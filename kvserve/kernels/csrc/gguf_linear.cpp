@@ -32,14 +32,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <memory>
-#include <mutex>
 #include <vector>
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#include <unistd.h>
-#endif
 
 #pragma GCC optimize("fp-contract=off")
 
@@ -1433,74 +1426,14 @@ int64_t gguf_repacked_type(int64_t type) {
   return type == kQ4_K ? kQ4_Kx8 : type == kQ6_K ? kQ6_Kx8 : 0;
 }
 
-namespace {
-// Uninitialized [rows, cols] byte tensors for weights every decode step reads from end to end.
-// On Linux they are carved, one after the other, out of arenas of 64 MiB (or one part's size
-// rounded up to 2 MiB, if larger) mapped at a 2 MiB boundary and advised MADV_HUGEPAGE: with
-// 4 KiB pages a stream crosses a page (a TLB walk, and the end of what the hardware
-// prefetcher follows) every 4 KiB, and a part of its own smaller than 2 MiB (a 1.5B model's
-// q/k/v and o) could never be on a huge page. On a Zen 3 (2 threads) a plain sum read
-// 21.8 GB/s from 4 KiB pages and 26.0 GB/s from huge ones. An arena is unmapped when the
-// last tensor carved from it is freed; pages never written are never resident. Where
-// mapping fails, or off Linux, torch's allocator.
-class StreamArena {
- public:
-  at::Tensor take(int64_t rows, int64_t cols) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    const auto n = static_cast<uintptr_t>(rows * cols);
-    const uintptr_t need = (n + 63) / 64 * 64;  // the next part starts on a cache line
-    std::lock_guard<std::mutex> lock(mu_);
-    auto arena = current_.lock();
-    if (!arena || arena->used + need > arena->len) {
-      arena = Arena::map(std::max<uintptr_t>(kArena, (need + kHuge - 1) / kHuge * kHuge));
-      if (!arena) return at::empty({rows, cols}, at::kByte);
-      current_ = arena;
-    }
-    void* p = reinterpret_cast<void*>(arena->start + arena->used);
-    arena->used += need;
-    return at::from_blob(p, {rows, cols}, [arena](void*) {}, at::kByte);
-#else
-    return at::empty({rows, cols}, at::kByte);
-#endif
-  }
-
- private:
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  static constexpr uintptr_t kHuge = uintptr_t{2} << 20, kArena = uintptr_t{64} << 20;
-  struct Arena {
-    uintptr_t start = 0, len = 0, used = 0;
-    // len bytes at a 2 MiB boundary: kHuge more mapped, the head and tail unmapped again
-    static std::shared_ptr<Arena> map(uintptr_t len) {
-      void* m = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                     -1, 0);
-      if (m == MAP_FAILED) return nullptr;
-      const auto base = reinterpret_cast<uintptr_t>(m), start = (base + kHuge - 1) & ~(kHuge - 1);
-      if (start > base) munmap(m, start - base);
-      if (base + kHuge > start) munmap(reinterpret_cast<void*>(start + len), base + kHuge - start);
-      madvise(reinterpret_cast<void*>(start), len, MADV_HUGEPAGE);  // advice: may be refused
-      auto a = std::make_shared<Arena>();
-      a->start = start;
-      a->len = len;
-      return a;
-    }
-    ~Arena() { munmap(reinterpret_cast<void*>(start), len); }
-  };
-  std::mutex mu_;
-  std::weak_ptr<Arena> current_;
-#endif
-};
-
-at::Tensor streamed_bytes(int64_t rows, int64_t cols) {
-  static StreamArena arena;
-  return arena.take(rows, cols);
-}
-}  // namespace
-
 // Rows `order` (int64, output order; empty: all in order) of a [N, row bytes] part of GGML type
-// `type` with K inputs, 8 at a time interleaved into the type's x8 layout:
-// [rows / 8, K / block * 8 * block bytes]. The same bytes, and gguf_linear gives the same bits.
-at::Tensor gguf_repack(const at::Tensor& part, int64_t type, int64_t K, const at::Tensor& order) {
+// `type` with K inputs, 8 at a time interleaved into the type's x8 layout, written to `out`:
+// uint8 [rows / 8, K / block * 8 * block bytes], contiguous (kvserve.weight_arena's memory, on
+// huge pages). The same bytes, and gguf_linear gives the same bits. Returns `out`.
+at::Tensor gguf_repack(const at::Tensor& part, int64_t type, int64_t K, const at::Tensor& order,
+                       at::Tensor out) {
   kvs::check_cpu("gguf_repack", part, order);
+  kvs::check_cpu("gguf_repack", out);
   check_part("gguf_repack", part, type, K);
   const int64_t x8 = gguf_repacked_type(type);
   TORCH_CHECK(x8 != 0, "gguf_repack: GGML type ", type, " has no interleaved layout");
@@ -1511,7 +1444,10 @@ at::Tensor gguf_repack(const at::Tensor& part, int64_t type, int64_t K, const at
   type_info(type, &info);
   type_info(x8, &out_info);
   const int64_t blocks = K / info.block;
-  auto out = streamed_bytes(n / 8, blocks * out_info.bytes);
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == n / 8 && out.size(1) == blocks * out_info.bytes,
+              "gguf_repack: out must be contiguous uint8 [", n / 8, ", ", blocks * out_info.bytes,
+              "]");
   const auto* base = static_cast<const uint8_t*>(part.data_ptr());
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, n / 8, 16, [&](int64_t begin, int64_t end) {

@@ -309,7 +309,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_repacked_type", &gguf_repacked_type,
         "the interleaved layout gguf_repack makes of a GGML type (its type id), or 0");
   m.def("gguf_repack", &gguf_repack, "rows of a GGUF tensor, 8 at a time interleaved (CPU)",
-        py::arg("part"), py::arg("type"), py::arg("k"), py::arg("order"), nogil());
+        py::arg("part"), py::arg("type"), py::arg("k"), py::arg("order"), py::arg("out"),
+        nogil());
   py::class_<LinearWeights>(m, "LinearWeights", py::module_local())
       .def(py::init([](at::Tensor weight, at::Tensor packed, at::Tensor scales, at::Tensor bias,
                        std::vector<at::Tensor> parts, std::vector<int64_t> types,
