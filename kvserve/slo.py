@@ -91,6 +91,18 @@ class StepCostModel:
                                                  or self._since_fit >= self.refit):
             self._fit()
 
+    @property
+    def samples(self) -> list[tuple[tuple[float, ...], float]]:
+        """The steps observed within the window, oldest first: (features, seconds)."""
+        return list(zip(self._x, self._y, strict=True))
+
+    def add_samples(self, samples: list[tuple[tuple[float, ...], float]]) -> None:
+        """Take steps measured before (`samples` of an earlier model, as the calibration
+        cache keeps them) as if observed now; fit with fit_now."""
+        for x, y in samples:
+            self._x.append(tuple(x))
+            self._y.append(float(y))
+
     def fit_now(self) -> None:
         """Fit on what was observed so far (a calibration run's steps, fewer than
         min_samples but chosen to tell the fixed cost, a prompt token and a decode row
@@ -139,6 +151,10 @@ class StepCostModel:
         if self.coef is None:
             return None
         return float(np.dot(self.coef, shape.features()))
+
+    def predict_features(self, x: tuple[float, ...]) -> float | None:
+        """The fit's seconds for a step of features `x` (StepShape.features), no drift."""
+        return None if self.coef is None else float(np.dot(self.coef, x))
 
     def predict(self, shape: StepShape) -> float | None:
         """Seconds `shape` is predicted to take: the fit, scaled by `drift`; None unfitted."""

@@ -6,6 +6,7 @@ sizing, admission, shedding and recovery all see that machine, quickly and exact
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -265,3 +266,42 @@ def test_default_budget_never_limits_admission(tiny_llama_dir, machine):
             assert core.scheduler.num_preemptions == 0
             assert not any(s.requeued or s.preempted for s in core.steps)
     assert most["default"] == 16 and most["target"] < 16
+
+
+def test_a_restart_replays_the_calibration_kept_in_the_startup_cache(
+        tiny_llama_dir, machine, monkeypatch, tmp_path, caplog):
+    """With the start-up cache on, the first start's calibration steps are kept; a restart
+    runs only the warm-up, whose last step agrees with them, and fits the same model from
+    them. A machine now 2x slower disagrees: the restart calibrates anew (and replaces the
+    entry), as it does over a damaged entry."""
+    caplog.set_level(logging.INFO, logger="kvserve")
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KVSERVE_NO_WEIGHT_CACHE", "0")
+    first = engine(tiny_llama_dir)
+    assert not first.calibration_kept and first.scheduler.cost.calibrated
+    (entry,) = (tmp_path / "calibration").glob("*.json")
+    start = machine.now
+    again = engine(tiny_llama_dir)
+    warmup_only = machine.now - start
+    assert again.calibration_kept and again.scheduler.cost.calibrated
+    assert list(again.scheduler.cost.coef) == list(first.scheduler.cost.coef)
+    assert again.itl_budget_default and again.config.scheduler.target_itl_s == \
+        first.config.scheduler.target_itl_s
+    start = machine.now
+    machine.slowdown = 2.0
+    slower = engine(tiny_llama_dir)
+    assert not slower.calibration_kept
+    assert machine.now - start > 2 * 2 * warmup_only  # the measured steps ran too
+    assert slower.scheduler.cost.coef[:3] == pytest.approx(
+        2 * first.scheduler.cost.coef[:3], rel=0.02)
+    assert "calibrating anew" in caplog.text
+    (replaced,) = (tmp_path / "calibration").glob("*.json")
+    assert replaced == entry and engine(tiny_llama_dir).calibration_kept  # still 2x slow
+    entry.write_text('{"header": {}, "steps": []}\n')
+    caplog.clear()
+    damaged = engine(tiny_llama_dir)
+    assert not damaged.calibration_kept and "is unusable" in caplog.text
+    machine.slowdown = 1.0
+    other = engine(tiny_llama_dir, kv_cache_dtype="int8")  # another setting: another entry
+    assert not other.calibration_kept
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 2

@@ -16,12 +16,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import os
 import time
 from collections import deque
+from pathlib import Path
 
 import torch
 
-from kvserve import faults
+from kvserve import faults, kernels
 from kvserve.attention.kv_quant import kv_storage_dtype
 from kvserve.config import (
     CacheConfig,
@@ -34,6 +36,8 @@ from kvserve.config import (
 )
 from kvserve.distributed.parallel import SINGLE, TensorParallel, check_split
 from kvserve.engine.args import EngineArgs
+from kvserve.engine.calibration_cache import CalibrationCache, agrees
+from kvserve.kernels import build_spec
 from kvserve.kv_cache.layout import KVLayout
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_cache.planner import (
@@ -48,6 +52,7 @@ from kvserve.kv_cache.planner import (
 from kvserve.kv_cache.tiers import build_store, cache_fingerprint
 from kvserve.models.loader import read_model_config, shard_config
 from kvserve.models.paths import resolve_model
+from kvserve.models.weight_cache import code_versions
 from kvserve.outputs import LATE_REFUSAL, CoreOutput, RequestTimes
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler import MIN_PROMPT_TOKENS, TARGET_MARGIN, Scheduler, calibration_requests
@@ -174,6 +179,7 @@ class EngineCore:
                                 args.short_prompt_steps, targets.ttft_s, targets.itl_s,
                                 args.shed_late_requests)
         spec = SpecConfig.parse(args.speculative_config)
+        self._speculative_config = args.speculative_config
         drafter = (build_drafter(spec, loaded.model, path, dtype, device, sched)
                    if spec is not None else None)
         cache = CacheConfig(args.block_size, kv_cache_budget(args, device),
@@ -260,6 +266,7 @@ class EngineCore:
         self._step_start: tuple | None = None  # a step's timings until record_step
         self.itl_budget_default = args.target_itl_ms is None  # the default step budget
         self.calibration_seconds: float | None = None
+        self.calibration_kept = False  # replayed from the start-up cache (calibration_cache)
         if args.target_itl_ms != 0 or targets.ttft_s is not None:
             self.calibrate()
             self._resolve_itl_budget()
@@ -278,13 +285,31 @@ class EngineCore:
         sched = self.scheduler
         config = sched.config
         sched.config = dataclasses.replace(config, target_itl_s=None, shed_late_requests=False)
+        cache = self._calibration_cache()
         try:
             self.add_request(warmup)
             self._run_to_end()
+            (probe, seconds), = self.scheduler.cost.samples[-1:]  # the warm-up's last step
             self.scheduler.cost = cost = StepCostModel()
-            for req in measured:
-                self.add_request(req)
-            self._run_to_end()
+            kept = cache.load() if cache is not None else None
+            if kept is not None:
+                check = StepCostModel()
+                check.add_samples(kept)
+                check.fit_now()
+                if agrees(seconds, check.predict_features(probe)):
+                    cost.add_samples(kept)
+                else:
+                    log.info("step cost: the steps kept in the start-up cache predict %.1f ms "
+                             "for a step measured at %.1f ms now; calibrating anew",
+                             1e3 * (check.predict_features(probe) or 0.0), 1e3 * seconds)
+                    kept = None
+            self.calibration_kept = kept is not None
+            if kept is None:
+                for req in measured:
+                    self.add_request(req)
+                self._run_to_end()
+                if cache is not None:
+                    cache.save(cost.samples)
         finally:
             faults.install(saved)
             self.kv.enable_prefix_caching = caching
@@ -298,6 +323,20 @@ class EngineCore:
         seconds = time.perf_counter() - t0
         self.calibration_seconds = seconds
         return seconds
+
+    def _calibration_cache(self) -> CalibrationCache | None:
+        """Where this engine's calibration is kept: its model and what the engine was asked
+        for that changes a step's time, on this machine (kernels, threads, CPU)."""
+        if self.workers is not None or self.config.device.type != "cpu":
+            return None  # other ranks' and devices' times are not this process's to judge
+        c = self.config
+        setting = {"dtype": str(c.dtype), "quantization": self.quantization,
+                   "kv_cache_dtype": c.cache.kv_cache_dtype, "block_size": c.cache.block_size,
+                   "speculative": self._speculative_config}
+        machine = {"kernels": kernels.loaded_build_id(), "cpu": build_spec.cpu_tag(),
+                   "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+                   "torch": torch.__version__, "layers": code_versions()["code"]}
+        return CalibrationCache.at(Path(c.model), setting, machine)
 
     def _run_to_end(self) -> None:
         while self.has_unfinished_requests():
@@ -317,8 +356,10 @@ class EngineCore:
         c = cost.coef
         assert c is not None
         assert self.calibration_seconds is not None
-        log.info("step cost calibrated in %.2f s: fixed %.1f ms, a prompt token %.2f ms, a "
+        log.info("step cost calibrated in %.2f s%s: fixed %.1f ms, a prompt token %.2f ms, a "
                  "decode row %.2f ms, 1k attended pairs %.3f ms", self.calibration_seconds,
+                 " (the steps kept in the start-up cache, checked by a step now)"
+                 if self.calibration_kept else "",
                  1e3 * c[0], 1e3 * c[1], 1e3 * c[2], 1e3 * c[3])
         target = sched.config.target_itl_s
         if target is None:

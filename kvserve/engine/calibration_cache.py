@@ -1,0 +1,107 @@
+"""The start-up calibration's measured steps in the start-up cache (kvserve.disk_cache).
+
+A start runs the calibration (EngineCore.calibrate) before /health turns 200: 0.4 s of a
+3 s start for a 1.5B Q4_K_M on 2 Zen 4 cores. A restart of the same model, configuration and
+code on the same machine replays the steps kept from the last run instead, once the warm-up's
+last step, measured now, agrees with what they predict for it (AGREEMENT): a machine that got
+slower or faster since (a neighbour's load, another clock) calibrates again. The online fit
+goes on from there as after a measured calibration.
+
+An entry is one line of JSON: its header (everything its steps depend on) and the steps, each
+the cost model's features and seconds. Its name digests the header, so a changed input is
+another entry; writing one removes the others of its slot (the model's path and the
+configuration asked for), so the directory holds one per way a model is served.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvserve.disk_cache import atomic_write, cache_root, digest, model_fingerprint, sources_digest
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+# measured / predicted for the warm-up's last step that lets the kept steps stand in for a
+# calibration: the bimodal decode of benchmarks/RESULTS.md moves a step by ~1.4x.
+AGREEMENT = (2 / 3, 3 / 2)
+# The code a step's time depends on besides what `code` in the header names (the model's
+# layers and kernels: kvserve.models.weight_cache.code_versions): the engine's step and the
+# calibration's workload.
+_PKG = Path(__file__).resolve().parent.parent
+_CODE = [_PKG / p for p in ("engine/core.py", "scheduler.py", "slo.py", "worker/model_runner.py",
+                            "attention/torch_paged.py", "sampler.py")]
+
+Sample = tuple[tuple[float, ...], float]
+
+
+@dataclass(frozen=True)
+class CalibrationCache:
+    path: Path
+    header: dict[str, Any]
+
+    @classmethod
+    def at(cls, model: Path, setting: dict[str, Any], machine: dict[str, Any]
+           ) -> CalibrationCache | None:
+        """The entry for calibrating `model` served with `setting` on `machine` (what tells
+        the step times apart: kernels, threads, CPU); None with the cache off."""
+        root = cache_root()
+        if root is None:
+            return None
+        try:
+            fingerprint = model_fingerprint(model)
+            code = sources_digest(_CODE)
+        except OSError:
+            return None
+        header = {"format": FORMAT, "model": fingerprint, "setting": setting,
+                  "machine": machine, "code": code}
+        stem = re.sub(r"[^A-Za-z0-9._-]", "_", model.stem)[:80]
+        slot = digest({"path": fingerprint["path"], "setting": setting}, 6)
+        return cls(root / "calibration" / f"{stem}-{slot}-{digest(header, 10)}.json", header)
+
+    def load(self) -> list[Sample] | None:
+        """The kept steps, or None (none kept, or an entry in doubt: a warning, then a
+        measured calibration writes it anew)."""
+        try:
+            data = self.path.read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.warning("calibration cache: cannot read %s (%s)", self.path, e)
+            return None
+        try:
+            entry = json.loads(data)
+            if entry.get("header") != self.header:
+                raise ValueError("its header does not match")
+            steps = [(tuple(float(v) for v in x), float(y)) for x, y in entry["steps"]]
+            if len(steps) < 2 or any(len(x) != len(steps[0][0]) or not y > 0
+                                     for x, y in steps):
+                raise ValueError("its steps are malformed")
+            return steps
+        except (ValueError, TypeError, KeyError) as e:
+            log.warning("calibration cache: %s is unusable (%s); calibrating anew",
+                        self.path.name, e)
+            return None
+
+    def save(self, steps: list[Sample]) -> None:
+        line = json.dumps({"header": self.header, "steps": [[list(x), y] for x, y in steps]})
+        try:
+            atomic_write(self.path, lambda f: f.write(line.encode() + b"\n"))
+        except OSError as e:
+            log.warning("calibration cache: could not write %s (%s)", self.path, e)
+            return
+        slot = self.path.name.rsplit("-", 1)[0] + "-"
+        for old in self.path.parent.glob(f"{slot}*.json"):
+            if old != self.path:
+                old.unlink(missing_ok=True)
+
+
+def agrees(measured: float, predicted: float | None) -> bool:
+    """Whether a step measured now agrees with the kept steps' prediction (AGREEMENT)."""
+    return predicted is not None and predicted > 0 and \
+        AGREEMENT[0] <= measured / predicted <= AGREEMENT[1]
