@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# Set up (pinned) and run the whole test suite plus the linter. Extra args go to pytest.
+# Set up (pinned) and run the whole test suite plus the linters. Extra args go to pytest.
+#   scripts/test.sh            everything (what .ci/run calls)
+#   scripts/test.sh --fast     the fast lane: the linters and the tests not marked slow
+#                              (under 2 minutes on 2 cores); run it before each commit
 set -euo pipefail
 cd "$(dirname "$0")/.."
+lane=()
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  lane=(-m "not slow")
+fi
 scripts/setup.sh --test
 .venv/bin/ruff check kvserve tests benchmarks
 .venv/bin/lint-imports --no-cache
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q "${lane[@]}" "$@"

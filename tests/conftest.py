@@ -253,3 +253,69 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def device(request) -> str:
     return request.config.getoption("--device")
+
+
+# Skips that mean this machine lacks a tool the suite's setup installs (scripts/setup.sh
+# --test: the C++ kernels, the default model), not a CPU feature or device it lacks. Under
+# KVSERVE_STRICT_SKIPS=1 (.ci/run) any of them fails the run: a green CI must have run them.
+MISSING_TOOL_SKIPS = ("C++ kernels unavailable", "no C++ compiler", "did not build",
+                      "the C++ kernels", "no C++ kernels", "is not installed",
+                      "default model not installed", "Gemma 3 270M not installed")
+
+
+def _skip_reasons(config) -> dict[str, int]:
+    """Each skip reason of this session and how many tests gave it."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    reasons: dict[str, int] = {}
+    for rep in (reporter.stats.get("skipped", []) if reporter is not None else []):
+        longrepr = rep.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    return reasons
+
+
+def _missing_tools(reasons: dict[str, int]) -> list[str]:
+    return [r for r in reasons if any(m in r for m in MISSING_TOOL_SKIPS)]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """What this run tested: the CPU, the kernel build it served, and every skip reason with
+    its count, so that a green run on one CPU is not read as a green run on all."""
+    from kvserve import kernels
+    from kvserve.kernels import build_spec
+
+    flags = build_spec.cpu_flags()
+    isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni",
+                       "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16") if f in flags]
+    tr = terminalreporter
+    tr.section("what this run tested")
+    tr.write_line(f"CPU: {_cpu_name()}; flags: {' '.join(isa) or 'none of x86 SIMD'}")
+    v = kernels.variant() if kernels.ops() is not None else None
+    tr.write_line(f"C++ kernels: {'none' if v is None else f'the {v.name} build'}; "
+                  f"CUDA: {torch.cuda.is_available()}")
+    reasons = _skip_reasons(config)
+    if not reasons:
+        tr.write_line("skipped: none")
+    for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        tr.write_line(f"skipped {n:4d}: {reason}")
+    missing = _missing_tools(reasons)
+    if missing and os.environ.get("KVSERVE_STRICT_SKIPS") == "1":
+        tr.write_line("KVSERVE_STRICT_SKIPS=1: these skips mean a tool the setup installs is "
+                      "missing, and fail the run: " + "; ".join(missing), red=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("KVSERVE_STRICT_SKIPS") == "1" and exitstatus == 0 and \
+            _missing_tools(_skip_reasons(session.config)):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"

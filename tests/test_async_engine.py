@@ -12,6 +12,8 @@ from kvserve.engine.async_engine import AsyncEngine, QueueFullError
 from kvserve.engine.llm_engine import EngineArgs, build_engine
 from kvserve.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow
+
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 

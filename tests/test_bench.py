@@ -508,6 +508,7 @@ def test_random_prompts_on_a_byte_tokenizer(byte_tokenizer):
     assert load_requests(DatasetConfig(num_prompts=20, seed=1), byte_tokenizer) != reqs
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_random_prompts_hit_the_target_length(real_tokenizer):
     cfg = DatasetConfig(num_prompts=40, random_input_len=200, random_output_len=16,
@@ -604,6 +605,7 @@ def test_no_speculation_section_without_server_metrics(fake):
     assert "Speculative Decoding" not in format_report(result)
 
 
+@pytest.mark.slow
 def test_cli_plots(fake, tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(f'{{"prompt": "p {i}", "output_len": {3 + i}}}\n' for i in range(6)))

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 
 def run_cli(*args: str, stdin: str | None = None, timeout: int = 180):
     return subprocess.run([sys.executable, "-m", "kvserve.cli", *args], input=stdin,

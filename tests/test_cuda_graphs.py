@@ -16,10 +16,10 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.worker.cuda_graphs import eager_capture
 from kvserve.worker.model_runner import ForwardItem, run_forward
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not triton_paged.available() or os.environ.get("TRITON_INTERPRET") != "1",
     reason="needs triton, run under its interpreter (conftest sets TRITON_INTERPRET=1 "
-           "without a GPU)")
+           "without a GPU)")]
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 from kvserve.engine.llm_engine import EngineArgs, LLMEngine, build_engine
 from kvserve.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow
+
 
 def _invariant_or_skip(engine: LLMEngine) -> None:
     variant = engine.runner.model.batch_variant_parts()

@@ -19,6 +19,7 @@ def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(2, 300) for _ in range(rng.randrange(3, 70))] for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_batching_invariance_with_chunking_and_preemption(tiny_llama_dir):
     prompts = random_prompts(16)
     alone_llm = make_llm(tiny_llama_dir)

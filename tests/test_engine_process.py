@@ -19,6 +19,8 @@ from kvserve.structured import StructuredOutputError
 from tests.conftest import make_llm
 from tests.server_utils import run_server
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13] * 6, [40, 41] * 20, [7] * 3, [8, 9] * 5]
 
 

@@ -83,6 +83,7 @@ def test_the_switch_parses_and_refuses_what_it_does_not_know():
     assert faults.active() is None  # off unless the environment or a test turns it on
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("error", ["ENOSPC", "EIO"])
 def test_disk_write_failures_keep_outputs(tiny_llama_dir, tmp_path, alone, inject, error):
     """20 pool blocks cannot hold the prompts: blocks go to a host tier of 8 blocks, which

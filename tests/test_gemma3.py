@@ -20,7 +20,7 @@ from tests.conftest import gguf_parsed_once
 from tests.server_utils import run_server
 from tests.test_model import paged_logits
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 TEXTS = ["The capital of France is", "def fibonacci(n):\n    return n", "  two  spaces\tand a tab",
          "Ünïcödé — “quotes” and emoji 🙂🚀", "数学は楽しい。", "line one\n\nline three\n"]

@@ -388,6 +388,7 @@ def test_floats_from_the_groups_equal_gguf_dequantization(qtype, tiny_llama_dir,
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fast, slow, strict=True))
 
 
+@pytest.mark.slow
 def test_gemma3_tensors_keep_their_codes(gemma3_path):
     """On the real Gemma 3 270M file: every projection decodes to gguf's dequantization (Q6_K
     with its scales per 16 inputs)."""
@@ -468,6 +469,7 @@ def test_reader_fields_equal_gguf_readers_on_a_written_file(tiny_llama_dir, tmp_
     _assert_same_reading(path)
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_reader_fields_equal_gguf_readers_on_the_default_model(real_model_path):
     _assert_same_reading(real_model_path)

@@ -181,6 +181,7 @@ def _wait_samples(url: str, n: int, timeout: float = 30.0) -> list[dict]:
     raise AssertionError(f"fewer than {n} samples after {timeout} s")
 
 
+@pytest.mark.slow
 def test_route_samples_each_second(server):
     url, _ = server
     for i in range(3):
@@ -206,6 +207,7 @@ def test_route_samples_each_second(server):
     assert 1 <= len(recent) <= 3 and recent[0]["time"] >= asked - 2.5
 
 
+@pytest.mark.slow
 def test_route_carries_slo(server, monkeypatch):
     url, app = server
     metrics = app.state.kvserve.metrics

@@ -31,6 +31,7 @@ def _scales(rows: torch.Tensor) -> torch.Tensor:
     return rows[..., -INT8_SCALE_BYTES:].view(torch.float16).float()
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(x=arrays(np.float32, st.tuples(st.integers(1, 6), st.sampled_from([2, 16, 64])),
                 elements=st.floats(-1, 1, width=32)),
@@ -132,6 +133,7 @@ def test_engine_blocks_follow_the_kv_dtype(tiny_llama_dir):
                       "int8": (1 << 20) // (16 * 2 * 2 * 2 * 18)}
 
 
+@pytest.mark.slow
 def test_engine_batching_and_preemption_with_int8(tiny_llama_dir):
     prompts = random_prompts(12)
     common = dict(dtype="float32", block_size=4, kv_cache_dtype="int8")
@@ -162,6 +164,7 @@ def test_bad_kv_cache_dtype_is_refused_clearly(tiny_llama_dir):
         TorchPagedAttention(4, 2, 15, "int8")
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_default_model_with_int8_kv(real_model_path):
     llm = LLM(str(real_model_path), dtype="bfloat16", kv_cache_memory="64MiB",

@@ -14,6 +14,8 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.worker.model_runner import ModelRunner
 from tests.conftest import gguf_parsed_once
 
+pytestmark = pytest.mark.slow
+
 
 def _backend(c):
     return TorchPagedAttention.for_model(c)

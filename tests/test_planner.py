@@ -103,6 +103,7 @@ def test_plan_cli_prints_the_figures(tiny_llama_dir, capsys):
     assert "int8 holds 3.56x the tokens of float32" in out
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_plan_cli_on_the_default_model(real_model_path, capsys):
     assert cli.main(["plan", "--dtype", "bfloat16", "--bandwidth", "10"]) == 0

@@ -156,6 +156,7 @@ def test_measure_machine_reports_every_method():
     assert m.read_gbs == max(m.bandwidth.values())
 
 
+@pytest.mark.slow
 def test_roofline_command(tiny_llama_dir, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(roofline, "measure_machine", small_machine)
     png = tmp_path / "roofline.png"

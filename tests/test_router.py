@@ -17,6 +17,8 @@ from kvserve.router import Router, RouterConfig, build_router_app
 from kvserve.server.app import ServerArgs, build_app
 from tests.server_utils import free_port, start_in_thread
 
+pytestmark = pytest.mark.slow
+
 
 class Replica:
     """A kvserve server in a thread that can be stopped and started again on its port."""

@@ -277,6 +277,7 @@ logit_lists = st.integers(2, 24).flatmap(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(
     logits=logit_lists,
@@ -479,6 +480,7 @@ def test_logprobs_clamped_to_vocab() -> None:
     assert out.logprobs[0] is not None and len(out.logprobs[0].top) == 4
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None)
 @given(
     rows=st.lists(

@@ -17,7 +17,7 @@ from kvserve.engine.processor import OutputProcessor
 from tests.server_utils import metric, run_server
 from tests.test_cli import CHAT_QUESTION
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 MODEL = "SmolLM2-135M-Instruct"
 
 

@@ -121,6 +121,7 @@ def test_more_connections_than_the_cap_get_429_and_health_still_answers(server):
     assert completion(url).status_code == 200
 
 
+@pytest.mark.slow
 def test_a_client_that_stops_reading_is_disconnected_and_its_request_freed(server):
     """Slow steps (20 ms each) make the 500-token stream last over 10 s. Its client reads
     nothing; the kernel's socket buffers (megabytes on loopback) would take long to fill, so

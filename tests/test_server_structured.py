@@ -14,7 +14,7 @@ import pytest
 from kvserve.engine.llm_engine import EngineArgs
 from tests.server_utils import run_server
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 MODEL = "SmolLM2-135M-Instruct"
 
 

@@ -74,6 +74,7 @@ def test_fit_is_unknown_until_enough_steps_and_never_negative():
     assert model.coef is not None and (model.coef >= 0).all()
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(x=st.lists(st.tuples(*[st.floats(0, 100)] * 3), min_size=4, max_size=30),
        y=st.lists(st.floats(-10, 10), min_size=30, max_size=30))

@@ -15,7 +15,7 @@ import pytest
 from kvserve.bench.soak import FAULT_MARKER, add_parser, passed, run_soak
 from tests.server_utils import free_port
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 FAULTS = {"request_error": FAULT_MARKER, "slow_step_s": 0.3, "slow_every": 150,
           "disk_write": "ENOSPC", "disk_every": 3}

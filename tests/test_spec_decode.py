@@ -65,6 +65,7 @@ def spec_configs(tiny, other, mtp) -> dict[str, dict]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ngram", "draft-same", "draft-int8", "draft-other", "mtp"])
 def test_greedy_outputs_identical_with_speculation(tiny_llama_dir, other_tiny_dir, random_mtp,
                                                    name):
@@ -168,6 +169,7 @@ def _toy_requests(n: int, k: int, q: torch.Tensor | None, fixed: list[int] | Non
     return reqs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seeded", [False, True])
 @pytest.mark.parametrize("draft", ["bad-q", "one-hot"])
 def test_rejection_sampling_preserves_target_distribution(draft, seeded):
@@ -270,6 +272,7 @@ def oracle_setup(tiny_llama_dir):
     return prompts, params, truth
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**16), num_blocks=st.integers(24, 80),
        budget=st.sampled_from([8, 16, 64]), k=st.integers(1, 5))

@@ -117,6 +117,7 @@ def serve(core: EngineCore, m: Machine, arrivals: list[tuple[float, int, int]],
     return list(served.values())
 
 
+@pytest.mark.slow
 def test_default_budget_keeps_streams_flowing_beside_a_long_prompt(tiny_llama_dir, machine):
     """Four streams, then a long prompt: with default flags no step that carries a decode
     exceeds the default budget, and the long prompt finishes; with the budget off (the old
@@ -185,6 +186,7 @@ def test_cold_engine_under_an_overload_burst_admits_what_the_targets_allow(
         assert s.ttft <= ttft and s.max_gap <= itl, (s.ttft, s.max_gap)
 
 
+@pytest.mark.slow
 def test_a_machine_that_slows_down_halfway_shrinks_the_batch_back(tiny_llama_dir, machine):
     """Requests arrive steadily; halfway the machine turns 2x slower (a neighbour's load).
     Within a bounded number of steps the batch is cut back to what the ITL target allows

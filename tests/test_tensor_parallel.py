@@ -38,6 +38,8 @@ from kvserve.worker.tp_workers import (
 from tests.conftest import build_tiny_model
 from tests.server_utils import run_server
 
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 TINY_PROMPTS = ["hello world", "a" * 45, "The quick brown fox jumps over", "0123456789" * 3]
 

@@ -176,6 +176,7 @@ def smollm_split(ref: Any) -> Iterator[Any]:
 # ---------------------------------------------------------------------- GGUF metadata
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 @needs_model
 def test_gguf_metadata(tok: Tokenizer) -> None:
@@ -188,6 +189,7 @@ def test_gguf_metadata(tok: Tokenizer) -> None:
     assert not tok.is_special(17)
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 @needs_model
 def test_reuses_open_reader(tok: Tokenizer) -> None:
@@ -199,6 +201,7 @@ def test_reuses_open_reader(tok: Tokenizer) -> None:
 # ---------------------------------------------------------------------- parity with transformers
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 @needs_model
 def test_encode_matches_transformers(tok: Tokenizer, smollm_split: Any) -> None:
@@ -375,6 +378,7 @@ def _id_lists(tok_ids: dict[str, list[int]], vocab_size: int) -> st.SearchStrate
     return st.lists(one, min_size=1, max_size=60)
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 @needs_model
 @pytest.mark.parametrize("decode_kind", ["byte_level", "text"])
@@ -461,6 +465,7 @@ def _expected_stop(full: str, stops: list[str], include: bool) -> tuple[str, str
     return full, None
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 @needs_model
 def test_stop_strings_property(tok: Tokenizer, interesting_ids: dict[str, list[int]]) -> None:
@@ -720,6 +725,7 @@ HOSTILE_TEMPLATES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
 def test_hostile_chat_templates_fail_clearly_and_quickly(name: str) -> None:
     import time

@@ -17,6 +17,7 @@ from kvserve.kernels import triton_paged
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(not triton_paged.available(), reason="triton not installed"),
     pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
                        reason="without a GPU these run under Triton's interpreter "

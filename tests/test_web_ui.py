@@ -23,6 +23,7 @@ from tests.test_cli import CHAT_QUESTION
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.real_model,
     pytest.mark.skipif(CHROMIUM is None or DRIVER is None,
                        reason="needs chromium and chromedriver (apt-get install chromium "

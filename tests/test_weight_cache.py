@@ -122,6 +122,7 @@ def test_gguf_read_in_place_is_the_files_pages_and_not_cached(real_model_path, c
     assert held < real_model_path.stat().st_size / 100
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 @pytest.mark.parametrize("quantization", ["auto", "int8"])
 def test_hit_restores_the_fresh_model_bit_for_bit(real_model_path, cache_dir, caplog,
@@ -167,6 +168,7 @@ def _greedy(llm) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_hit_generates_the_same_tokens(real_model_path, cache_dir, monkeypatch):
     from kvserve.engine.llm import LLM
@@ -253,6 +255,7 @@ def test_off_writes_nothing(tiny_llama_dir, real_model_path, cache_dir, monkeypa
     assert not cache_dir.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_tokenizer_entry_is_the_built_tokenizer(real_model_path, cache_dir, caplog):
     built = Tokenizer.from_gguf(real_model_path)
@@ -293,6 +296,7 @@ def test_kernel_build_note(tmp_path):
     assert kernels._load_noted(marker, key) is None
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 def test_cli_says_what_it_prepares_then_starts_from_the_cache(cache_dir):
     """The first start says on stderr what it prepares; the next maps it; same output."""
