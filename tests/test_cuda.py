@@ -138,14 +138,12 @@ def test_prefix_hits_from_the_pinned_host_tier_keep_tokens(tiny_llama_dir, gpu):
 
 
 def test_server_completes_with_the_openai_client(tiny_llama_dir, gpu):
-    from openai import OpenAI
-
-    from tests.server_utils import run_server
+    from tests.server_utils import openai_client, run_server
 
     args = EngineArgs(model=str(tiny_llama_dir), dtype="float32", device=gpu, block_size=4,
                       kv_cache_memory="1GiB")
     with run_server(args) as (url, _):
-        client = OpenAI(base_url=f"{url}/v1", api_key="x")
+        client = openai_client(f"{url}/v1")
         out = client.completions.create(model=client.models.list().data[0].id, prompt="hello",
                                         max_tokens=8, temperature=0)
         assert out.choices[0].finish_reason in ("length", "stop")

@@ -17,7 +17,7 @@ from kvserve.engine.llm_engine import EngineArgs
 from kvserve.models.loader import load_model
 from kvserve.sampling_params import SamplingParams
 from tests.conftest import gguf_parsed_once
-from tests.server_utils import run_server
+from tests.server_utils import openai_client, run_server
 from tests.test_model import paged_logits
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
@@ -151,7 +151,7 @@ def test_cli_generate(gemma3_path):  # by its short name
 
 def test_server_completions(gemma3_path):
     with run_server(EngineArgs(model=str(gemma3_path), kv_cache_memory="256MiB")) as (url, _):
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        client = openai_client(f"{url}/v1")
         r = client.completions.create(model="gemma-3-270m-q4_k_m", prompt="Water boils at",
                                       max_tokens=8, temperature=0)
         stream = client.completions.create(model="gemma-3-270m-q4_k_m", prompt="Water boils at",

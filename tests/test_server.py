@@ -14,7 +14,13 @@ import torch
 
 from kvserve.engine.llm_engine import EngineArgs
 from kvserve.engine.processor import OutputProcessor
-from tests.server_utils import metric, run_server
+from tests.server_utils import (
+    assert_completion_envelope,
+    async_openai_client,
+    metric,
+    openai_client,
+    run_server,
+)
 from tests.test_cli import CHAT_QUESTION
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
@@ -32,7 +38,14 @@ def server(real_model_path):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+    return openai_client(f"{server[0]}/v1")
+
+
+@pytest.fixture(scope="module")
+def loose_client(server):
+    """For what OpenAI's API sends but the SDK's strict types refuse (LOOSE_BECAUSE); the
+    tests check the envelope themselves."""
+    return openai_client(f"{server[0]}/v1", strict=False)
 
 
 def test_models_health_version(server, client):
@@ -54,11 +67,14 @@ def test_completion(client):
     assert t["prefill_time"] + t["queue_time"] == pytest.approx(t["ttft"], abs=1e-6)
 
 
-def test_completion_stream_with_usage(client):
-    stream = client.completions.create(model=MODEL, prompt="The capital of France is",
+def test_completion_stream_with_usage(loose_client):
+    stream = loose_client.completions.create(model=MODEL, prompt="The capital of France is",
                                        max_tokens=8, temperature=0, stream=True,
                                        stream_options={"include_usage": True})
     chunks = list(stream)
+    for c in chunks:
+        assert_completion_envelope(c, MODEL)
+    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text.startswith(" Paris")
     assert chunks[-1].usage.completion_tokens == 8
@@ -84,12 +100,13 @@ def test_several_prompts_are_accepted_or_refused_together(server, client):
     _error(httpx.get(f"{url}/v1/requests/pair-0/timeline"), 404)
 
 
-def test_echo_with_logprobs_scores_the_prompt(client):
+def test_echo_with_logprobs_scores_the_prompt(loose_client):
     """What lm-evaluation-harness sends for log-likelihoods: echo + logprobs, max_tokens 0
     or 1."""
     text = "The capital of France is Paris"
-    r = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True,
+    r = loose_client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True,
                                   logprobs=1, temperature=0)
+    assert_completion_envelope(r, MODEL)
     c, n = r.choices[0], r.usage.prompt_tokens
     assert c.text == text and c.finish_reason == "length" and r.usage.completion_tokens == 0
     assert len(c.logprobs.tokens) == n and "".join(c.logprobs.tokens) == text
@@ -98,24 +115,24 @@ def test_echo_with_logprobs_scores_the_prompt(client):
     assert all(len(t) == 1 for t in c.logprobs.top_logprobs[1:])
     assert c.logprobs.text_offset[:3] == [0, len(c.logprobs.tokens[0]),
                                           len(c.logprobs.tokens[0] + c.logprobs.tokens[1])]
-    one = client.completions.create(model=MODEL, prompt=text, max_tokens=1, echo=True,
+    one = loose_client.completions.create(model=MODEL, prompt=text, max_tokens=1, echo=True,
                                     logprobs=1, temperature=0).choices[0]
     assert len(one.logprobs.tokens) == n + 1
     assert one.logprobs.token_logprobs[:n] == pytest.approx(c.logprobs.token_logprobs[:n],
                                                             abs=1e-5)
-    stream = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True,
+    stream = loose_client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True,
                                        logprobs=1, temperature=0, stream=True)
     chunks = [ch.choices[0] for ch in stream if ch.choices]
     assert "".join(ch.text for ch in chunks) == text
     assert [t for ch in chunks if ch.logprobs for t in ch.logprobs.tokens] == \
         c.logprobs.tokens
-    vllm = client.completions.create(model=MODEL, prompt=text, max_tokens=1, temperature=0,
+    vllm = loose_client.completions.create(model=MODEL, prompt=text, max_tokens=1, temperature=0,
                                      extra_body={"prompt_logprobs": 2}).choices[0]
     plp = vllm.model_extra["prompt_logprobs"]
     assert len(plp) == n and plp[0] is None
     assert all(1 <= len(e) <= 3 for e in plp[1:])
     with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(model=MODEL, prompt=text, max_tokens=0)
+        loose_client.completions.create(model=MODEL, prompt=text, max_tokens=0)
 
 
 def test_chat_and_stream_agree(client):
@@ -159,7 +176,7 @@ def test_repeated_chat_requests_give_identical_text(client):
         texts.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
 
     async def crowded() -> str:
-        aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key="x", max_retries=0)
+        aclient = async_openai_client(client.base_url)
         others = [aclient.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": f"Say {i} words."}],
             max_tokens=32, temperature=0.8, seed=i) for i in range(6)]
@@ -171,12 +188,12 @@ def test_repeated_chat_requests_give_identical_text(client):
     assert len(texts[0]) > 20 and all(t == texts[0] for t in texts)
 
 
-def test_repeated_seeded_sampling_gives_identical_text(client):
+def test_repeated_seeded_sampling_gives_identical_text(loose_client):
     _invariant_or_skip()
     kw = dict(model=MODEL, prompt="Write a short poem about rivers.", max_tokens=32,
               temperature=0.9, top_p=0.95, seed=42, extra_body={"ignore_eos": True})
-    texts = [client.completions.create(**kw).choices[0].text for _ in range(2)]
-    stream = client.completions.create(**kw, stream=True)
+    texts = [loose_client.completions.create(**kw).choices[0].text for _ in range(2)]
+    stream = loose_client.completions.create(**kw, stream=True)
     texts.append("".join(c.choices[0].text for c in stream if c.choices))
     assert texts[0] and texts[0] == texts[1] == texts[2]
 
@@ -252,7 +269,7 @@ def test_32_concurrent_streams_match_alone(server):
                f"Write a sentence about the number {i}." for i in range(32)]
 
     async def run() -> tuple[list[str], list[str]]:
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        client = async_openai_client(f"{url}/v1", strict=False)  # LOOSE_BECAUSE
         alone = [await _stream_text(client, p) for p in prompts]
         together = await asyncio.gather(*(_stream_text(client, p) for p in prompts))
         return alone, list(together)
@@ -481,7 +498,7 @@ def test_streaming_with_speculative_decoding(client, real_model_path):
     args = EngineArgs(model=str(real_model_path), kv_cache_memory="256MiB",
                       speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     with run_server(args) as (url, _):
-        spec = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        spec = openai_client(f"{url}/v1")
         got = spec.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
                                            temperature=0)
         assert got.choices[0].message.content == want
@@ -542,14 +559,15 @@ def test_web_ui_and_dashboard_stats(server, client):
     assert {"queue", "prefill", "decode"} <= kinds
 
 
-def test_embeddings(server, client):
-    r = client.embeddings.create(model=MODEL, input=["The cat sat.", "A dog ran.",
+def test_embeddings(server, client, loose_client):
+    r = loose_client.embeddings.create(model=MODEL, input=["The cat sat.", "A dog ran.",
                                                      "The cat sat."])
     vecs = [d.embedding for d in r.data]
     assert [d.index for d in r.data] == [0, 1, 2] and len(vecs[0]) == 576
     assert all(abs(sum(x * x for x in v) - 1) < 1e-3 for v in vecs)
     assert vecs[0] == vecs[2] and vecs[0] != vecs[1]
-    assert r.usage.prompt_tokens > 0
+    assert r.usage.prompt_tokens > 0 and r.object == "list" and r.model == MODEL
+    assert all(d.object == "embedding" for d in r.data)
     floats = client.embeddings.create(model=MODEL, input="The cat sat.",
                                       encoding_format="float").data[0].embedding
     assert floats == pytest.approx(vecs[0], abs=1e-6)

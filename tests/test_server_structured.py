@@ -7,12 +7,11 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pydantic
 import pytest
 
 from kvserve.engine.llm_engine import EngineArgs
-from tests.server_utils import run_server
+from tests.server_utils import openai_client, run_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 MODEL = "SmolLM2-135M-Instruct"
@@ -27,7 +26,7 @@ def server(real_model_path):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+    return openai_client(f"{server[0]}/v1")
 
 
 def ask(text: str) -> list[dict]:
