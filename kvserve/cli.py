@@ -375,18 +375,20 @@ def chat_loop(engine, args: argparse.Namespace) -> int:
             report(final)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    engine_args = engine_args_from(args)  # first: it starts the prefault before torch loads
-    import uvicorn
+def server_args_from(args: argparse.Namespace):
+    """`serve`'s server settings from its flags: every flag by its field's name (the limits'
+    flags are named after their fields), so no two can be crossed by position."""
+    import dataclasses
 
     from kvserve.config import parse_size
-    from kvserve.server.app import ServerArgs, build_app
-    from kvserve.server.connections import ConnectionLimits, server_config
+    from kvserve.server.app import ServerArgs
+    from kvserve.server.connections import ConnectionLimits
     from kvserve.server.limits import RequestLimits
 
-    if engine_args.kv_cache_memory is not None:
-        parse_size(engine_args.kv_cache_memory)  # fail before listening, not after
-    server_args = ServerArgs(
+    def by_name(cls):
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    return ServerArgs(
         host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
         max_request_bytes=parse_size(args.max_request_size),
@@ -394,12 +396,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         pooling=args.pooling, metrics_api_key=args.metrics_api_key,
-        limits=RequestLimits(args.max_n, args.max_logprobs, args.max_stop_strings,
-                             args.max_stop_length, args.max_logit_bias, args.max_prompts,
-                             args.max_prompt_tokens),
-        connections=ConnectionLimits(args.header_timeout, args.read_timeout,
-                                     args.write_timeout, args.keep_alive_timeout,
-                                     args.max_connections))
+        limits=by_name(RequestLimits), connections=by_name(ConnectionLimits))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    engine_args = engine_args_from(args)  # first: it starts the prefault before torch loads
+    import uvicorn
+
+    from kvserve.config import parse_size
+    from kvserve.server.app import build_app
+    from kvserve.server.connections import server_config
+
+    if engine_args.kv_cache_memory is not None:
+        parse_size(engine_args.kv_cache_memory)  # fail before listening, not after
+    server_args = server_args_from(args)
     if server_args.enable_auto_tool_choice and server_args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     failed: list[BaseException] = []
