@@ -181,3 +181,36 @@ def test_vnni_packs_exactly(bits):
     x[0, 5], x[1, 40], x[1, 63] = 127.0, -127.0, 127.0  # each group's absmax is 127 or 0
     y = kernels.ops().quant_linear(x.to(torch.bfloat16), packed).float()
     torch.testing.assert_close(y, (x @ w.t()).to(torch.bfloat16).float(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 40])
+def test_int4_copy_computes_its_format_exactly(monkeypatch, rows):
+    """torch's int4 path (what QuantizedWeight runs where the C++ quant kernels do not: AVX2
+    CPUs, KVSERVE_NO_CPP) against the format written out here: per group of 32 inputs, 16
+    steps from the group's min to its max, w' = (q - 8) * scale + zero with zero = min +
+    8 * scale, q = round((w - zero) / scale + 8). The product with w' is matched to float32
+    rounding (1e-5 of its norm), so a scale off by even 1% fails, where a bound against the
+    float weight (int4's own error, 8% of the norm here) would not see it. The C++ kernels' form is
+    checked against its own formula by test_kernels' test_quant_linear_sums_what_it_quantized."""
+    monkeypatch.setenv("KVSERVE_NO_CPP", "1")
+    kernels.ops.cache_clear()
+    try:
+        g = torch.Generator().manual_seed(rows)
+        n, k, group = 48, 128, 32
+        w = torch.randn(n, k, generator=g)
+        packed = QuantizedWeight(w, "int4")
+        assert packed.kernels is None  # the torch path
+        x = torch.randn(rows, k, generator=g)
+        got = packed.matmul(x)
+    finally:
+        kernels.ops.cache_clear()
+    wg = w.view(n, k // group, group)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    zero = lo + 8 * scale
+    q = ((wg - zero[..., None]) / scale[..., None] + 8).round().clamp(0, 15)
+    w_format = ((q - 8) * scale[..., None] + zero[..., None]).view(n, k)
+    want = x.double() @ w_format.double().t()
+    assert (got.double() - want).norm() / want.norm() < 1e-5
+    err_vs_float = (got.double() - x.double() @ w.double().t()).norm() / want.norm()
+    assert err_vs_float > 1e-3  # int4 does lose something: the check above is not vacuous
