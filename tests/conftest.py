@@ -10,10 +10,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import gguf
+import hypothesis
 import pytest
 import torch
 
 from kvserve.models.paths import default_model_path
+
+# Hypothesis: `ci` (.ci/run) draws the same examples on every run, so a red CI is the
+# change's and not the draw's; `dev` (the default) draws afresh each run, to find more. Both
+# print a failing example's reproduce blob (@reproduce_failure), since CI keeps no
+# .hypothesis/ database.
+hypothesis.settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+hypothesis.settings.register_profile("dev", print_blob=True)
+hypothesis.settings.load_profile(os.environ.get("KVSERVE_HYPOTHESIS_PROFILE", "dev"))
 
 if not torch.cuda.is_available():
     # Triton's GPU kernels run here under its interpreter (test_triton_attention). It must
