@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
+
+log = logging.getLogger(__name__)
 
 ENV_DIR = "KVSERVE_CACHE_DIR"
 ENV_OFF = "KVSERVE_NO_WEIGHT_CACHE"
@@ -87,6 +90,18 @@ def model_fingerprint(path: Path) -> dict[str, Any]:
         files = {p.name: _file_identity(p) for p in sorted(path.iterdir()) if p.is_file()}
         return {"path": str(path), "files": files}
     return {"path": str(path), **_file_identity(path)}
+
+
+def read_entry(path: Path, what: str) -> bytes | None:
+    """An entry's bytes; None where there is none, or where it cannot be read (then a warning
+    naming `what` cache it is: the caller rebuilds the entry, as after any failed check)."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        log.warning("%s cache: cannot read %s (%s)", what, path, e)
+        return None
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:

@@ -33,7 +33,14 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import __version__ as tokenizers_version
 
-from kvserve.disk_cache import atomic_write, cache_root, digest, model_fingerprint, sources_digest
+from kvserve.disk_cache import (
+    atomic_write,
+    cache_root,
+    digest,
+    model_fingerprint,
+    read_entry,
+    sources_digest,
+)
 from kvserve.gguf_reader import open_gguf
 
 logger = logging.getLogger(__name__)
@@ -474,12 +481,8 @@ class _GGUFTokenizerCache:
         return cls(root / "tokenizers" / name, header)
 
     def load(self) -> tuple[HFTokenizer, dict[str, Any]] | None:
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            logger.warning("tokenizer cache: cannot read %s (%s)", self.path, exc)
+        data = read_entry(self.path, "tokenizer")
+        if data is None:
             return None
         try:
             line, _, body = data.partition(b"\n")

@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.disk_cache import atomic_write, cache_root, digest, model_fingerprint, sources_digest
+from kvserve.disk_cache import (
+    atomic_write,
+    cache_root,
+    digest,
+    model_fingerprint,
+    read_entry,
+    sources_digest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +74,8 @@ class CalibrationCache:
     def load(self) -> list[Sample] | None:
         """The kept steps, or None (none kept, or an entry in doubt: a warning, then a
         measured calibration writes it anew)."""
-        try:
-            data = self.path.read_text()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            log.warning("calibration cache: cannot read %s (%s)", self.path, e)
+        data = read_entry(self.path, "calibration")
+        if data is None:
             return None
         try:
             entry = json.loads(data)
