@@ -104,6 +104,21 @@ def read_entry(path: Path, what: str) -> bytes | None:
         return None
 
 
+def write_entry(path: Path, data: bytes, what: str) -> None:
+    """Write an entry named `<slot>-<digest>.json` (atomic_write) and remove its slot's other
+    entries: one per slot stays. A failed write is a warning naming `what` cache it is (the
+    next start rebuilds the entry)."""
+    try:
+        atomic_write(path, lambda f: f.write(data))
+    except OSError as e:
+        log.warning("%s cache: could not write %s (%s)", what, path, e)
+        return
+    slot = path.name.rsplit("-", 1)[0] + "-"
+    for old in path.parent.glob(f"{slot}*.json"):
+        if old != path:
+            old.unlink(missing_ok=True)
+
+
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     """Write `path` through `write(file)` so that readers see the old file, the new one whole,
     or none: a temporary file in the same directory, renamed over `path` once complete (two

@@ -34,12 +34,12 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import __version__ as tokenizers_version
 
 from kvserve.disk_cache import (
-    atomic_write,
     cache_root,
     digest,
     model_fingerprint,
     read_entry,
     sources_digest,
+    write_entry,
 )
 from kvserve.gguf_reader import open_gguf
 
@@ -501,16 +501,7 @@ class _GGUFTokenizerCache:
         body = backend.to_str().encode()
         line = json.dumps({"header": self.header, "kwargs": kwargs, "bytes": len(body),
                            "crc": zlib.crc32(body)}).encode()
-        try:
-            atomic_write(self.path, lambda f: f.write(line + b"\n" + body))
-        except OSError as exc:
-            logger.warning("tokenizer cache: could not write %s (%s)", self.path, exc)
-            return
-        slot = self.path.name.rsplit("-", 1)[0] + "-"
-        for old in self.path.parent.glob(f"{slot}*.json"):
-            if old != self.path:
-                old.unlink(missing_ok=True)
-
+        write_entry(self.path, line + b"\n" + body, "tokenizer")
 
 def _byte_level_bpe(
     tokens: list[str], types: list[int], merges: list[str], pre: str | None

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.disk_cache import (
-    atomic_write,
     cache_root,
     digest,
     model_fingerprint,
     read_entry,
     sources_digest,
+    write_entry,
 )
 
 log = logging.getLogger(__name__)
@@ -93,16 +93,7 @@ class CalibrationCache:
 
     def save(self, steps: list[Sample]) -> None:
         line = json.dumps({"header": self.header, "steps": [[list(x), y] for x, y in steps]})
-        try:
-            atomic_write(self.path, lambda f: f.write(line.encode() + b"\n"))
-        except OSError as e:
-            log.warning("calibration cache: could not write %s (%s)", self.path, e)
-            return
-        slot = self.path.name.rsplit("-", 1)[0] + "-"
-        for old in self.path.parent.glob(f"{slot}*.json"):
-            if old != self.path:
-                old.unlink(missing_ok=True)
-
+        write_entry(self.path, line.encode() + b"\n", "calibration")
 
 def agrees(measured: float, predicted: float | None) -> bool:
     """Whether a step measured now agrees with the kept steps' prediction (AGREEMENT)."""
