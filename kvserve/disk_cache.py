@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -92,6 +93,20 @@ def model_fingerprint(path: Path) -> dict[str, Any]:
     return {"path": str(path), **_file_identity(path)}
 
 
+def entry_name(model: Path, slot: Any, header: Any) -> str:
+    """`<model's stem>-<slot digest>-<header digest>`: an entry's name (before its suffix).
+    The slot is what was asked for (a model's path and settings), the header everything the
+    entry depends on: a changed input is another entry of the same slot, and writing one
+    removes the slot's others (write_entry, the weight cache's budget)."""
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", model.stem)[:80]
+    return f"{stem}-{digest(slot, 6)}-{digest(header, 10)}"
+
+
+def slot_prefix(name: str) -> str:
+    """The part of an entry_name its slot's entries share."""
+    return name.rsplit("-", 1)[0] + "-"
+
+
 def read_entry(path: Path, what: str) -> bytes | None:
     """An entry's bytes; None where there is none, or where it cannot be read (then a warning
     naming `what` cache it is: the caller rebuilds the entry, as after any failed check)."""
@@ -113,8 +128,7 @@ def write_entry(path: Path, data: bytes, what: str) -> None:
     except OSError as e:
         log.warning("%s cache: could not write %s (%s)", what, path, e)
         return
-    slot = path.name.rsplit("-", 1)[0] + "-"
-    for old in path.parent.glob(f"{slot}*.json"):
+    for old in path.parent.glob(f"{slot_prefix(path.name)}*.json"):
         if old != path:
             old.unlink(missing_ok=True)
 

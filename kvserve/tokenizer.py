@@ -35,7 +35,7 @@ from tokenizers import __version__ as tokenizers_version
 
 from kvserve.disk_cache import (
     cache_root,
-    digest,
+    entry_name,
     model_fingerprint,
     read_entry,
     sources_digest,
@@ -476,9 +476,8 @@ class _GGUFTokenizerCache:
                       "tokenizers": tokenizers_version, "code": sources_digest([Path(__file__)])}
         except OSError:  # a missing file: from_gguf says so
             return None
-        stem = re.sub(r"[^A-Za-z0-9._-]", "_", model.stem)[:80]
-        name = f"{stem}-{digest(header['model']['path'], 6)}-{digest(header, 10)}.json"
-        return cls(root / "tokenizers" / name, header)
+        name = entry_name(model, header["model"]["path"], header)
+        return cls(root / "tokenizers" / f"{name}.json", header)
 
     def load(self) -> tuple[HFTokenizer, dict[str, Any]] | None:
         data = read_entry(self.path, "tokenizer")
@@ -502,6 +501,7 @@ class _GGUFTokenizerCache:
         line = json.dumps({"header": self.header, "kwargs": kwargs, "bytes": len(body),
                            "crc": zlib.crc32(body)}).encode()
         write_entry(self.path, line + b"\n" + body, "tokenizer")
+
 
 def _byte_level_bpe(
     tokens: list[str], types: list[int], merges: list[str], pre: str | None

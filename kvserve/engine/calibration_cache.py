@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvserve.disk_cache import (
     cache_root,
-    digest,
+    entry_name,
     model_fingerprint,
     read_entry,
     sources_digest,
@@ -67,9 +66,8 @@ class CalibrationCache:
             return None
         header = {"format": FORMAT, "model": fingerprint, "setting": setting,
                   "machine": machine, "code": code}
-        stem = re.sub(r"[^A-Za-z0-9._-]", "_", model.stem)[:80]
-        slot = digest({"path": fingerprint["path"], "setting": setting}, 6)
-        return cls(root / "calibration" / f"{stem}-{slot}-{digest(header, 10)}.json", header)
+        name = entry_name(model, {"path": fingerprint["path"], "setting": setting}, header)
+        return cls(root / "calibration" / f"{name}.json", header)
 
     def load(self) -> list[Sample] | None:
         """The kept steps, or None (none kept, or an entry in doubt: a warning, then a

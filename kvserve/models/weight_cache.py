@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
 import time
 import zlib
 from collections.abc import Callable
@@ -54,7 +53,14 @@ from torch import nn
 from kvserve import kernels
 from kvserve.attention.backend import AttentionBackend
 from kvserve.config import ModelConfig, RopeScaling
-from kvserve.disk_cache import atomic_write, cache_root, digest, model_fingerprint, sources_digest
+from kvserve.disk_cache import (
+    atomic_write,
+    cache_root,
+    entry_name,
+    model_fingerprint,
+    slot_prefix,
+    sources_digest,
+)
 from kvserve.distributed.parallel import SINGLE, TensorParallel
 from kvserve.layers.linear import LinearBase
 from kvserve.layers.quant import DenseWeight, QuantGroups, QuantizedWeight
@@ -130,11 +136,9 @@ def find_entry(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     chosen = {"path": model["path"], "dtype": str(dtype), "device": device.type,
               "quantization": quantization, "tp": [tp.rank, tp.size]}
     header = {**chosen, "model": model, **code_versions(kernels.loaded_build_id())}
-    slot, key = digest(chosen, 6), digest(header, 10)
-    stem = re.sub(r"[^A-Za-z0-9._-]", "_", path.stem)[:80]
-    base = root / "weights" / f"{stem}-{slot}-{key}"
-    return CacheEntry(base.parent / f"{base.name}.bin", base.parent / f"{base.name}.json",
-                      header, f"{stem}-{slot}-")
+    name = entry_name(path, chosen, header)
+    base = root / "weights"
+    return CacheEntry(base / f"{name}.bin", base / f"{name}.json", header, slot_prefix(name))
 
 
 def load_packed(path: Path, dtype: torch.dtype, device: torch.device,
