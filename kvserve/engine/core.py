@@ -296,12 +296,13 @@ class EngineCore:
                 check = StepCostModel()
                 check.add_samples(kept)
                 check.fit_now()
-                if agrees(seconds, check.predict_features(probe)):
+                predicted = check.predict_features(probe)
+                if agrees(seconds, predicted):
                     cost.add_samples(kept)
                 else:
                     log.info("step cost: the steps kept in the start-up cache predict %.1f ms "
                              "for a step measured at %.1f ms now; calibrating anew",
-                             1e3 * (check.predict_features(probe) or 0.0), 1e3 * seconds)
+                             1e3 * (predicted or 0.0), 1e3 * seconds)
                     kept = None
             self.calibration_kept = kept is not None
             if kept is None:
