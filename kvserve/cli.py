@@ -8,6 +8,7 @@ import logging
 import os
 import platform
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -247,10 +248,11 @@ def engine_from(args: argparse.Namespace):
     return build_engine(engine_args)
 
 
-def stream(engine, request_id: str, out=sys.stdout) -> object:
+def stream(engine, request_id: str, out=None) -> object:
     """Run the engine until `request_id` (added with OutputKind.DELTA) finishes, printing
-    sample 0's text as it comes; returns the last output with every sample's text, token ids
-    and logprobs put back together."""
+    sample 0's text as it comes (to `out`, by default the sys.stdout of the call); returns
+    the last output with every sample's text, token ids and logprobs put back together."""
+    out = out or sys.stdout
     final = None
     texts: dict[int, list[str]] = {}
     ids: dict[int, list[int]] = {}
@@ -281,7 +283,8 @@ def stream(engine, request_id: str, out=sys.stdout) -> object:
     return final
 
 
-def report(final, file=sys.stderr) -> None:
+def report(final, file=None) -> None:
+    file = file or sys.stderr
     m = final.metrics
     n = m.num_generation_tokens
     parts = [f"{m.num_prompt_tokens} prompt + {n} generated tokens",
@@ -399,6 +402,13 @@ def server_args_from(args: argparse.Namespace):
         limits=by_name(RequestLimits), connections=by_name(ConnectionLimits))
 
 
+def absorb_sigterm_reraise() -> None:
+    """uvicorn re-raises the signal it handled once its graceful shutdown is done. By then
+    SIGTERM's work is complete, so that re-raise lands on a no-op: the caller's own clean-up
+    runs and the process exits 0 (the default action would kill it on the spot)."""
+    signal.signal(signal.SIGTERM, lambda *_: None)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     engine_args = engine_args_from(args)  # first: it starts the prefault before torch loads
     import uvicorn
@@ -425,9 +435,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = uvicorn.Server(config)
     log.info("listening on http://%s:%d (OpenAI API under /v1; /health is 503 until the "
              "model has loaded)", args.host, args.port)
-    # uvicorn re-raises the signal it handled once its graceful shutdown is done; by then
-    # SIGTERM's work is complete, so that re-raise lands on a no-op and we exit 0.
-    signal.signal(signal.SIGTERM, lambda *_: None)
+    absorb_sigterm_reraise()
     server.run()
     if failed:
         print(f"kvserve: error: model failed to load: {failed[0]}", file=sys.stderr)
@@ -502,11 +510,12 @@ def cmd_router(args: argparse.Namespace) -> int:
     for i in range(args.spawn):
         port = args.replica_base_port + i
         procs.append(subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--port",
-                                       str(port), *args.serve_args.split()]))
+                                       str(port), *shlex.split(args.serve_args)]))
         urls.append(f"http://127.0.0.1:{port}")
     try:
         config = RouterConfig(urls, args.policy, health_interval=args.health_interval,
                               balance_slack=args.balance_slack)
+        absorb_sigterm_reraise()  # so the replicas below are stopped, not orphaned
         uvicorn.run(build_router_app(config), host=args.host, port=args.port,
                     log_level="warning")
     finally:
@@ -971,6 +980,10 @@ def main(argv: list[str] | None = None) -> int:
         args.model = args.model_tag
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if not args.verbose:
+        # httpx logs every request at INFO: the router's health polls alone would be
+        # several lines a second
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     t0 = time.perf_counter()
     try:
         return args.func(args)

@@ -3,6 +3,11 @@ through, and a replica killed and restarted under load."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -187,3 +192,65 @@ def test_router_unit_choices():
         RouterConfig(["http://a"], "random")
     with pytest.raises(ValueError, match="http"):
         RouterConfig(["a:80"])
+
+
+def consecutive_free_ports(n: int) -> int:
+    """The first of n consecutive ports that are free now."""
+    while True:
+        base = free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for p in range(base, base + n):
+                    held.enter_context(socket.create_server(("127.0.0.1", p)))
+            except OSError:
+                continue
+        return base
+
+
+def test_router_spawns_its_replicas_and_stops_them(tiny_llama_dir, tmp_path):
+    """`kvserve router --spawn 2`: two `kvserve serve` replicas on consecutive ports from
+    --replica-base-port, with --serve-args (quoted, as a shell passes them), both sent
+    requests; SIGTERM to the router ends them too."""
+    base = consecutive_free_ports(2)
+    port = free_port()
+    serve_args = f"--model '{tiny_llama_dir}' --dtype float32 --served-model-name 'tiny one'"
+    log = tmp_path / "router.log"  # the router's and its replicas' output
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "router", "--spawn", "2",
+                             "--serve-args", serve_args, "--replica-base-port", str(base),
+                             "--port", str(port), "--policy", "round-robin",
+                             "--health-interval", "0.2"],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    replicas = [f"http://127.0.0.1:{base + i}" for i in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                up = [httpx.get(f"{r}/health", timeout=2).status_code == 200 for r in replicas]
+            except httpx.HTTPError:
+                up = [False]
+            if all(up):
+                break
+            assert time.monotonic() < deadline, "the spawned replicas never became healthy"
+            time.sleep(0.5)
+        time.sleep(0.5)  # the router's own health poll marks them in
+        for r in replicas:
+            assert httpx.get(f"{r}/v1/models").json()["data"][0]["id"] == "tiny one"
+        for i in range(4):
+            assert complete(url, f"hello {i}").status_code == 200
+        sent = {}
+        for line in httpx.get(f"{url}/metrics").text.splitlines():
+            if line.startswith("kvserve_router:requests_total{"):
+                rep = line.split('replica="')[1].split('"')[0]
+                sent[rep] = sent.get(rep, 0.0) + float(line.rsplit(" ", 1)[1])
+        assert sent == {replicas[0]: 2.0, replicas[1]: 2.0}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(90)
+    out = log.read_text()
+    assert proc.returncode == 0, out
+    assert "HTTP Request: GET" not in out  # httpx's line a health poll: quiet unless -v
+    for r in replicas:
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{r}/health", timeout=2)

@@ -1,0 +1,132 @@
+"""`generate`'s and `chat`'s options, in process on a tiny model: each option's effect is
+checked against the offline API given the same request (the engine is deterministic, so the
+CLI must print exactly what `LLM` returns)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kvserve import cli
+from kvserve.engine.llm import LLM
+from kvserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+# The CLI's engine flags that this file sets, as `LLM` keywords for the reference.
+ENGINE = {"dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), **ENGINE)
+    yield llm
+    llm.engine.close()
+
+
+def generate(tiny_llama_dir, capsys, *flags: str) -> tuple[str, str]:
+    rc = cli.main(["generate", *flags, "--model", str(tiny_llama_dir), "--dtype", "float32"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return out, err
+
+
+def test_generate_chat_wraps_the_prompt_in_the_chat_template(tiny_llama_dir, capsys,
+                                                             reference):
+    out, _ = generate(tiny_llama_dir, capsys, "hello", "--chat", "--temperature", "0",
+                      "--max-tokens", "6", "--ignore-eos")
+    want = reference.chat([{"role": "user", "content": "hello"}],
+                          SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    # the answer alone: a chat prompt is not echoed
+    assert out == want[0].outputs[0].text + "\n"
+    plain = reference.generate("hello", SamplingParams(temperature=0, max_tokens=6,
+                                                       ignore_eos=True))
+    assert want[0].outputs[0].token_ids != plain[0].outputs[0].token_ids
+
+
+def test_generate_n_prints_every_sample(tiny_llama_dir, capsys, reference):
+    out, err = generate(tiny_llama_dir, capsys, "hello", "--n", "3", "--temperature", "1",
+                        "--seed", "7", "--max-tokens", "5", "--ignore-eos")
+    want = reference.generate("hello", SamplingParams(n=3, temperature=1, seed=7,
+                                                      max_tokens=5, ignore_eos=True))[0]
+    texts = [c.text for c in want.outputs]
+    assert len(set(texts)) > 1, "three samples at temperature 1 should not all agree"
+    expected = "hello" + texts[0] + "\n" + "".join(
+        f"--- sample {i} ---\n{t}\n" for i, t in enumerate(texts[1:], start=1))
+    assert out == expected
+    assert "finish: length, length, length" in err
+
+
+def test_generate_logprobs_prints_each_tokens_top_n(tiny_llama_dir, capsys, reference):
+    _, err = generate(tiny_llama_dir, capsys, "hello", "--logprobs", "2", "--temperature",
+                      "0", "--max-tokens", "4", "--ignore-eos")
+    want = reference.generate("hello", SamplingParams(logprobs=2, temperature=0,
+                                                      max_tokens=4, ignore_eos=True))[0]
+    lines = [ln for ln in err.splitlines() if " rank " in ln]
+    assert len(lines) == 4
+    for line, lp in zip(lines, want.outputs[0].logprobs, strict=True):
+        m = re.fullmatch(r"  (.+) (-?\d+\.\d{3}) rank (\d+) \[(.*)\]", line)
+        assert m, line
+        assert float(m[2]) == pytest.approx(lp.logprob, abs=5e-4)
+        assert int(m[3]) == lp.rank == 1  # greedy: the chosen token is the top one
+        tops = re.findall(r"(-?\d+\.\d{3})(?:, |$)", m[4])
+        assert [float(t) for t in tops] == pytest.approx([p for _, p in lp.top], abs=5e-4)
+        assert len(tops) == 2
+
+
+class RecordingEngine:
+    """The engine `chat` talks to, recording the prompt of every request."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.prompts = engine, []
+
+    def add_request(self, rid, prompt, params, **kw):
+        self.prompts.append(list(prompt))
+        return self.engine.add_request(rid, prompt, params, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def run_chat(monkeypatch, capsys, reference, flags: list[str], lines: list[str]):
+    args = cli.build_parser().parse_args(["chat", *flags, "--temperature", "0",
+                                          "--max-tokens", "5", "--ignore-eos"])
+    feed = iter(lines)
+
+    def fake_input(prompt=""):
+        try:
+            return next(feed)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    engine = RecordingEngine(reference.engine)
+    assert cli.chat_loop(engine, args) == 0
+    return engine.prompts, capsys.readouterr().out
+
+
+def test_chat_keeps_the_conversation_and_reset_clears_it(monkeypatch, capsys, reference):
+    prompts, out = run_chat(monkeypatch, capsys, reference, ["--system", "be brief"],
+                            ["hi", "more", "/reset", "", "hi", "/exit", "never read"])
+    assert len(prompts) == 3  # the blank line and the commands make no request
+    first = reference.chat([{"role": "system", "content": "be brief"},
+                            {"role": "user", "content": "hi"}],
+                           SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert prompts[0] == prompts[2] == list(first.prompt_token_ids)
+    # the second turn carries the first: system, question, the model's answer, question
+    second = reference.render_chat([
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": first.outputs[0].text},
+        {"role": "user", "content": "more"}])
+    assert prompts[1] == second
+    reply = reference.generate(second, SamplingParams(temperature=0, max_tokens=5,
+                                                      ignore_eos=True))[0].outputs[0].text
+    a = first.outputs[0].text
+    assert out == f"{a}\n{reply}\n{a}\n"
+
+
+def test_chat_without_a_system_message_resets_to_nothing(monkeypatch, capsys, reference):
+    prompts, _ = run_chat(monkeypatch, capsys, reference, [], ["hi", "/reset", "hi"])
+    assert prompts[0] == prompts[1] == reference.render_chat([{"role": "user",
+                                                                "content": "hi"}])
