@@ -18,7 +18,8 @@ requests may be shed with a 429, which counts as expected.
 Checked at the end: no unexpected status (no 5xx but the injected ones), every successful
 stream ended with [DONE], the server back to 0 running and 0 waiting, and its integrity
 report clean with every KV block free. Per window (--window seconds): requests by outcome,
-TTFT and ITL p50/p99, the server's RSS (with --spawn), the worst /health latency.
+TTFT and ITL p50/p99, the server's RSS (with --spawn), the worst /health latency (and, in
+all, the idle server's median /health, measured before the load).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import logging
 import os
 import random
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -256,6 +258,16 @@ class Soak:
 
     # -- the run
 
+    async def idle_health(self, client: httpx.AsyncClient, probes: int = 20) -> float:
+        """The median /health latency of the idle server: the baseline the loaded one's is
+        read against, so a slow machine is not taken for a stalled server."""
+        took = []
+        for _ in range(probes):
+            t0 = time.perf_counter()
+            await client.get("/health")
+            took.append(time.perf_counter() - t0)
+        return statistics.median(took)
+
     async def health_watch(self, stop: asyncio.Event) -> None:
         async with httpx.AsyncClient(base_url=self.args.base_url, timeout=30) as c:
             while not stop.is_set():
@@ -281,6 +293,7 @@ class Soak:
         async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout,
                                      limits=limits, headers=self.headers) as client:
             self.model = (await client.get("/v1/models")).json()["data"][0]["id"]
+            self.health_idle = await self.idle_health(client)
             mix = {k: w for k, w in MIX.items() if k not in INJECTED or args.faults}
             kinds, weights = zip(*mix.items(), strict=True)
             good_weights = [mix[k] for k in GOOD]
@@ -366,6 +379,7 @@ class Soak:
             "not_ok": len(bad), "first_not_ok": [(o.kind, o.status, o.error) for o in bad[:5]],
             "by_kind": dict(sorted(by_kind.items())), "windows": self.windows,
             "health_worst_s": round(max((d for _, d in self.health), default=0.0), 3),
+            "health_idle_s": round(self.health_idle, 4),
             "longest_silence_s": round(max((o.longest_silence for o in good), default=0.0), 2),
             "idle_after": {"running": stats["running"], "waiting": stats["waiting"]},
             "integrity": integrity,
