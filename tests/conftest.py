@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -125,6 +126,34 @@ def build_tiny_model(root: Path, arch: str = "llama", tie: bool = False, seed: i
         "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
         "chat_template": TINY_CHAT_TEMPLATE}))
     return root
+
+
+@pytest.fixture
+def kernel_build(monkeypatch):
+    """`need(has, what)`: run the test on a C++ kernel build that has what it tests. That is
+    the served build when `has()` is true of it; else the next build this CPU runs
+    ($KVSERVE_CPU_VARIANT, as a user would pick it) for which `has()` is true, so an AVX-512
+    CPU tests the avx2 build's AVX2-only kernels too. Skips, naming `what`, only where no
+    build this CPU runs has it. The served build is back after the test."""
+    from kvserve import kernels
+    from kvserve.kernels import build_spec
+
+    def need(has, what: str) -> None:
+        if kernels.ops() is not None and has():
+            return
+        served = kernels.variant()
+        for v in build_spec.runnable():
+            if v == served:
+                continue
+            monkeypatch.setenv(build_spec.VARIANT_ENV, v.name)
+            kernels.ops.cache_clear()
+            if kernels.ops() is not None and has():
+                return
+        pytest.skip(f"no kernel build this CPU runs has {what} (it runs: "
+                    f"{', '.join(v.name for v in build_spec.runnable()) or 'none'})")
+
+    yield need
+    kernels.ops.cache_clear()  # monkeypatch then restores the variant, and ops() rereads it
 
 
 def make_llm(path, **kw):
@@ -301,7 +330,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr.section("what this run tested")
     tr.write_line(f"CPU: {_cpu_name()}; flags: {' '.join(isa) or 'none of x86 SIMD'}")
     v = kernels.variant() if kernels.ops() is not None else None
-    tr.write_line(f"C++ kernels: {'none' if v is None else f'the {v.name} build'}; "
+    # the other builds' prebuilt libraries that tests loaded (kernel_build, test_cpu_variants)
+    also = [u.name for u in build_spec.variants() if u != v and u.extension in sys.modules]
+    extra = f" (tests also ran the {', '.join(also)} build)" if also else ""
+    tr.write_line(f"C++ kernels: {'none' if v is None else f'the {v.name} build'}{extra}; "
                   f"CUDA: {torch.cuda.is_available()}")
     reasons = _skip_reasons(config)
     if not reasons:

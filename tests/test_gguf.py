@@ -202,15 +202,14 @@ def _packed_models(tmp_path_factory, name: str, packs: tuple[str, ...], model_kw
     return path, models
 
 
-def test_q6k_layers_serve_their_own_codes(tmp_path_factory):
+def test_q6k_layers_serve_their_own_codes(tmp_path_factory, kernel_build):
     """Q6_K projections (scales per 16 inputs) keep the file's codes: on the AVX2 int8 kernel
     under int8, read in place by gguf_linear under gguf (and auto); either model stays close
     to its float32 self on the same dequantized weights."""
-    from kvserve import kernels
 
-    ops = kernels.quant_kernels(torch.float32, "cpu", 16, 32)
-    if ops is None or not ops.has_quant_halves():
-        pytest.skip("no kernel for scales per 16 inputs on this CPU (AVX2 only)")
+    from tests.test_kernels import QUANT_HALVES, has_quant_halves
+
+    kernel_build(lambda: has_quant_halves(torch.float32), QUANT_HALVES)
     _, (model, in_place, ref) = _packed_models(tmp_path_factory, "q6k", ("int8", "gguf", "none"),
                                                {"intermediate_size": 256},
                                                {"random_q6k_down": True})

@@ -15,6 +15,7 @@ from kvserve import kernels
 from kvserve.attention.backend import AttentionBatch
 from kvserve.attention.kv_quant import quantize_int8
 from kvserve.attention.torch_paged import TorchPagedAttention
+from kvserve.kernels import build_spec
 from kvserve.layers.quant import DenseWeight, QuantizedWeight
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
@@ -36,10 +37,12 @@ def _torch_path(monkeypatch, compute):
         kernels.ops.cache_clear()
 
 
-def _attention_or_skip(dtype: torch.dtype, kv: str = "auto") -> None:
+def _attention_or_skip(kernel_build, dtype: torch.dtype, kv: str = "auto") -> None:
+    """Run on a kernel build with paged_attention for `dtype` activations and a `kv` cache
+    (conftest's kernel_build)."""
     backend = TorchPagedAttention(4, 2, 64, kv)
-    if backend.ops_for(dtype, torch.device("cpu")) is None:
-        pytest.skip(f"paged_attention has no {dtype} kernel for a {kv} cache on this CPU")
+    kernel_build(lambda: backend.ops_for(dtype, torch.device("cpu")) is not None,
+                 f"paged_attention for {dtype} activations and a {kv} cache")
 
 
 # (activations, KV storage) pairs the kernels serve somewhere: the compute dtype, int8, and
@@ -49,9 +52,15 @@ ATTENTION_CASES = [(torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.bfl
                    (torch.float32, "bfloat16")]
 
 
-def _attention_cases_here() -> list[tuple[torch.dtype, str]]:
-    return [(d, kv) for d, kv in ATTENTION_CASES
-            if TorchPagedAttention(4, 2, 64, kv).ops_for(d, torch.device("cpu")) is not None]
+def _attention_cases_here() -> list[tuple[str, torch.dtype, str]]:
+    """Every (kernel build, activations, K/V storage) of ATTENTION_CASES that a build this
+    CPU runs has a paged_attention kernel for: the served build's, and the AVX2-only ones
+    (16-bit K/V under float32) through the avx2 build on an AVX-512 CPU."""
+    if kernels.ops() is None:
+        return []
+    return [(v.name, d, kv) for v in build_spec.runnable() for d, kv in ATTENTION_CASES
+            if (m := kernels.build(v)) is not None and m.has_paged_attention(
+                d, TorchPagedAttention(4, 2, 64, kv).kv_cache_tensor_dtype(d))]
 
 
 def _paged_case(dtype, spans, block_size=16, heads=9, kv_heads=3, head_dim=64, kv="auto",
@@ -86,12 +95,12 @@ def _paged_case(dtype, spans, block_size=16, heads=9, kv_heads=3, head_dim=64, k
 @pytest.mark.parametrize("head_dim,heads,kv_heads,block_size", [
     (16, 4, 2, 4), (64, 9, 3, 16), (128, 8, 2, 16), (80, 4, 4, 16)])
 @pytest.mark.parametrize("window", [0, 23])
-def test_paged_attention_matches_torch_path(monkeypatch, dtype, kv, head_dim, heads, kv_heads,
-                                            block_size, window):
+def test_paged_attention_matches_torch_path(monkeypatch, kernel_build, dtype, kv, head_dim,
+                                            heads, kv_heads, block_size, window):
     """A step of prompt chunks (with and without cached context, lengths not multiples of
     16), decode rows and a verification, against the torch path (SDPA and the batched
     decode; a 16-bit cache widened on read), with and without a sliding window."""
-    _attention_or_skip(dtype, kv)
+    _attention_or_skip(kernel_build, dtype, kv)
     spans = [(37, 37), (21, 150), (1, 40), (1, 1), (70, 83), (3, 20)]
     backend, q, k, v, cache, meta, _ = _paged_case(dtype, spans, block_size, heads, kv_heads,
                                                    head_dim, kv)
@@ -116,7 +125,8 @@ def _rows_alone(ops, q, cache, tables, spans, block_size, scale, window=0):
     return torch.cat(out)
 
 
-@settings(max_examples=30, deadline=None)
+# 60 examples: 30 per build on an AVX-512 CPU, where both builds' cases are drawn
+@settings(max_examples=60, deadline=None)
 @given(data=st.data(), head_dim=st.sampled_from([16, 32, 64]),
        kv_heads=st.sampled_from([1, 2]), block_size=st.sampled_from([4, 16]),
        threads=st.sampled_from([1, 2]), window=st.sampled_from([0, 0, 5, 17, 40]))
@@ -130,14 +140,14 @@ def test_paged_attention_rows_are_batch_invariant(data, head_dim, kv_heads, bloc
     cases = _attention_cases_here()
     if not cases:
         pytest.skip("paged_attention has no kernel on this CPU")
-    dtype, kv = data.draw(st.sampled_from(cases))
+    build, dtype, kv = data.draw(st.sampled_from(cases))
     spans = data.draw(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 60)).map(
         lambda t: (t[0], t[0] + t[1])), min_size=1, max_size=5))
     shared = data.draw(st.integers(0, min(c for _, c in spans) // block_size))
     backend, q, _, _, cache, meta, tables = _paged_case(
         dtype, spans, block_size, 4, kv_heads, head_dim, kv,
         seed=data.draw(st.integers(0, 99)), shared=shared)
-    ops = kernels.ops()
+    ops = kernels.build(next(v for v in build_spec.runnable() if v.name == build))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -161,8 +171,8 @@ def test_paged_attention_rows_are_batch_invariant(data, head_dim, kv_heads, bloc
         torch.set_num_threads(before)
 
 
-def test_paged_attention_refuses_bad_tables():
-    _attention_or_skip(torch.float32)
+def test_paged_attention_refuses_bad_tables(kernel_build):
+    _attention_or_skip(kernel_build, torch.float32)
     ops = kernels.ops()
     cache = torch.zeros(2, 1, 64, 16)
     q = torch.zeros(2, 1, 16)
@@ -210,14 +220,14 @@ def test_every_weight_form_is_batch_invariant(monkeypatch, name, dtype, make, n,
 
 
 @pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16])
-def test_16_bit_weights_give_the_float32_kernels_results(narrow):
+def test_16_bit_weights_give_the_float32_kernels_results(kernel_build, narrow):
     """A float32 weight whose values are all bf16 (float16) values is stored in 16 bits where
     the kernel reads those with float32 activations, and every row equals the float32 tiles'
     result bit for bit, at every batch size; a weight that is not exact in 16 bits stays
     float32."""
     n, k = 96, 160
-    if kernels.dense_half_kernels("cpu", n, k) is None:
-        pytest.skip("no 16-bit weight kernel on this CPU (AVX2 only)")
+    kernel_build(lambda: kernels.dense_half_kernels("cpu", n, k) is not None,
+                 "the 16-bit weight kernel (AVX2)")
     g = torch.Generator().manual_seed(5)
     # Random float16 values have 10-bit mantissas: not bf16 ones, so float16 is chosen.
     w = (torch.randn(n, k, generator=g) * 0.05).to(narrow).float()
@@ -266,14 +276,21 @@ def test_quant_linear_sums_what_it_quantized(bits, dtype):
                                torch.float32 else 1e-2, atol=1e-5)
 
 
+QUANT_HALVES = "the int8 kernel with scales per 16 inputs (AVX2)"
+
+
+def has_quant_halves(dtype: torch.dtype) -> bool:
+    ops = kernels.quant_kernels(dtype, "cpu", 16, 32)
+    return ops is not None and ops.has_quant_halves()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quant_halves_sum_what_they_hold(dtype):
+def test_quant_halves_sum_what_they_hold(kernel_build, dtype):
     """8-bit codes with a scale per 16 inputs (Q6_K's form, AVX2): y = sum_g dx (d_lo sum_lo
     (q - 128) xq + d_hi sum_hi (q - 128) xq), over every code (0 and 255 included), negative
     scales and an all-zero group; quant_pack refuses them asymmetric."""
+    kernel_build(lambda: has_quant_halves(dtype), QUANT_HALVES)
     ops = kernels.quant_kernels(dtype, "cpu", 16, 32)
-    if ops is None or not ops.has_quant_halves():
-        pytest.skip("no kernel for scales per 16 inputs on this CPU (AVX2 only)")
     g = torch.Generator().manual_seed(16)
     n, k = 48, 128
     q = torch.randint(0, 256, (n, k), generator=g).to(torch.uint8)
@@ -368,13 +385,14 @@ def _assert_fused_equals_modules(model, caches: list[torch.Tensor], bs: int, ste
                                                    (torch.bfloat16, "int8", "auto"),
                                                    (torch.bfloat16, "int4", "auto")])
 @pytest.mark.parametrize("batch", [1, 3, 12])
-def test_fused_decode_layers_equal_the_modules(tmp_path, arch, dtype, quantization, kv, batch):
+def test_fused_decode_layers_equal_the_modules(tmp_path, kernel_build, arch, dtype, quantization,
+                                              kv, batch):
     """A decode-only step through the C++ run_layers gives exactly the hidden states (and
     K/V) of the Python modules: the same ATen calls in the same order."""
     from kvserve.worker.model_runner import ForwardItem, allocate_kv_caches, run_forward
     from tests.conftest import build_tiny_model
 
-    _attention_or_skip(dtype, kv)
+    _attention_or_skip(kernel_build, dtype, kv)
     path = build_tiny_model(tmp_path / arch, arch, tie=arch != "llama")
     model = _paged_model(path, dtype, quantization, kv)
     bs, g = 4, torch.Generator().manual_seed(1)
@@ -399,15 +417,15 @@ def test_fused_decode_layers_equal_the_modules(tmp_path, arch, dtype, quantizati
                                                    (torch.bfloat16, "int8", "auto"),
                                                    (torch.bfloat16, "int4", "auto")])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_fused_layers_with_prompt_work_equal_the_modules(tmp_path, dtype, quantization, kv,
-                                                         arch):
+def test_fused_layers_with_prompt_work_equal_the_modules(tmp_path, kernel_build, dtype,
+                                                         quantization, kv, arch):
     """A step with prompt work through the C++ run_layers gives exactly the hidden states and
     K/V of the Python modules. The step holds a decode row, a chunk after cached context, a
     fresh prompt and a verification of drafts."""
     from kvserve.worker.model_runner import ForwardItem, allocate_kv_caches, run_forward
     from tests.conftest import build_tiny_model
 
-    _attention_or_skip(dtype, kv)
+    _attention_or_skip(kernel_build, dtype, kv)
     path = build_tiny_model(tmp_path, arch, hidden_size=128, num_heads=4, num_kv_heads=2,
                             tie=arch == "gemma3")
     model = _paged_model(path, dtype, quantization, kv)

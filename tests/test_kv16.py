@@ -9,8 +9,6 @@ of their batch in test_determinism."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -29,11 +27,10 @@ CPU = torch.device("cpu")
 SPANS = [(37, 37), (21, 150), (1, 40), (1, 1), (70, 83), (3, 20)]  # chunks, decodes, drafts
 
 
-def _kernel_or_skip(kv: str) -> None:
-    if shutil.which("c++") is None or \
-            TorchPagedAttention(4, 2, 64, kv).ops_for(torch.float32, CPU) is None:
-        pytest.skip(f"no paged_attention kernel for a {kv} cache under float32 here "
-                    f"(kernels: {kernels.isa()})")
+def _kernel_or_skip(kernel_build, kv: str) -> None:
+    """Run on a kernel build that reads a `kv` cache under float32 activations (AVX2's)."""
+    kernel_build(lambda: TorchPagedAttention(4, 2, 64, kv).ops_for(torch.float32, CPU)
+                 is not None, f"paged_attention for a {kv} cache under float32 (AVX2)")
 
 
 def _special_values(narrow: torch.dtype) -> torch.Tensor:
@@ -49,11 +46,11 @@ def _special_values(narrow: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kv", KV16)
-def test_store_kv_rounds_as_torch_does(kv):
+def test_store_kv_rounds_as_torch_does(kernel_build, kv):
     """store_kv's rounding to a 16-bit cache is torch's .to() bit for bit (nearest even),
     over random values of every magnitude and the special cases, in the 8-wide vectors and
     the scalar tail alike; a NaN stays a NaN."""
-    _kernel_or_skip(kv)
+    _kernel_or_skip(kernel_build, kv)
     narrow = KV16[kv]
     g = torch.Generator().manual_seed(3)
     t, hkv, d = 64, 2, 40  # 40 = 5 vectors of 8 values; 20-value rows below leave a tail
@@ -80,12 +77,13 @@ def test_store_kv_rounds_as_torch_does(kv):
     (16, 4, 2, 4), (64, 9, 3, 16), (128, 8, 2, 16), (80, 4, 4, 16)])
 @pytest.mark.parametrize("window", [0, 23])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_is_the_float32_kernel_on_the_rounded_values(kv, head_dim, heads, kv_heads,
-                                                            block_size, window, threads):
+def test_kernel_is_the_float32_kernel_on_the_rounded_values(kernel_build, kv, head_dim, heads,
+                                                            kv_heads, block_size, window,
+                                                            threads):
     """Every row (packed chunks, decodes read straight from the cache) equals the float32
     kernel's on a float32 cache holding the same values: the widening is exact and the
     arithmetic after it is the same."""
-    _kernel_or_skip(kv)
+    _kernel_or_skip(kernel_build, kv)
     backend, q, _, _, cache, meta, _ = _paged_case(torch.float32, SPANS, block_size, heads,
                                                    kv_heads, head_dim, kv)
     assert cache.dtype == KV16[kv]
@@ -125,8 +123,8 @@ def _reference(q: torch.Tensor, cache: torch.Tensor, spans, tables, block_size: 
 
 @pytest.mark.parametrize("kv", KV16)
 @pytest.mark.parametrize("window", [0, 23])
-def test_kernel_matches_a_float64_reference_on_the_rounded_values(kv, window):
-    _kernel_or_skip(kv)
+def test_kernel_matches_a_float64_reference_on_the_rounded_values(kernel_build, kv, window):
+    _kernel_or_skip(kernel_build, kv)
     backend, q, _, _, cache, meta, tables = _paged_case(torch.float32, SPANS, 16, 9, 3, 64, kv)
     got = kernels.ops().paged_attention(q, cache, meta.seqs, meta.tables, 16, backend.scale,
                                         window)

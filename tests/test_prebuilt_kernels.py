@@ -17,9 +17,12 @@ from kvserve.kernels import build_spec
 
 @pytest.fixture
 def fresh_ops():
+    """ops() and the builds it loads, loaded afresh (and again after the test)."""
     kernels.ops.cache_clear()
+    kernels.build.cache_clear()
     yield
     kernels.ops.cache_clear()
+    kernels.build.cache_clear()
 
 
 def test_ops_serves_the_prebuilt_extension(fresh_ops, monkeypatch):

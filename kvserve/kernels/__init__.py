@@ -79,12 +79,18 @@ def ops() -> ModuleType | None:
         log.warning("no C++ CPU kernel build runs on this CPU (they need AVX2, FMA and F16C "
                     "on x86); using the torch implementation")
         return None
-    module = _load_prebuilt(v)
-    if module is None:
-        module = _load_runtime(v)
+    module = build(v)
     if module is not None:
         log.info("C++ CPU kernels: the %s build, for %s", v.name, v.about)
     return module
+
+
+@cache
+def build(v: Variant) -> ModuleType | None:
+    """Variant `v`'s kernels, served or not: the install's prebuilt library when it is this
+    checkout's, else the run-time compile; None when that fails. `v` must run on this CPU
+    (build_spec.runnable): the tests run an AVX-512 CPU's AVX2-only kernels this way."""
+    return _load_prebuilt(v) or _load_runtime(v)
 
 
 def _load_runtime(v: Variant) -> ModuleType | None:
