@@ -167,6 +167,16 @@ def make_llm(path, **kw):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _openapi_checked_responses():
+    """Every response the tests get from a kvserve server is checked against the OpenAPI
+    document that server publishes (tests.server_utils.openapi_checks)."""
+    from tests.server_utils import openapi_checks
+
+    with openapi_checks():
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _no_user_startup_cache(tmp_path_factory):
     """The suite stays out of ~/.cache/kvserve (kvserve.disk_cache), and every model is built
     from its checkpoint: the start-up cache is off, and pointed at a directory of the session's

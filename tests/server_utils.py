@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
+import json
 import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
+import jsonschema
 import openai
 import uvicorn
 
@@ -110,3 +115,171 @@ def metric(url: str, name: str) -> float:
     if m is None:
         raise KeyError(name)
     return float(m.group(1))
+
+
+# ----------------------------------------------------------------------------------------
+# Every response a test receives from a kvserve server, checked against the OpenAPI document
+# that server publishes (kvserve.server.schemas): JSON bodies whole, streams event by event.
+
+_DOCS: dict[str, dict | None] = {}  # origin -> its /openapi.json (None: not a kvserve API)
+_VALIDATORS: dict[tuple[str, str, str, str], jsonschema.protocols.Validator | None] = {}
+
+
+def _openapi(origin: str) -> dict | None:
+    if origin not in _DOCS:
+        try:
+            with urllib.request.urlopen(f"{origin}/openapi.json", timeout=10) as r:
+                doc = json.load(r)
+        except (urllib.error.URLError, OSError, ValueError):
+            doc = None
+        # the router's own document describes no bodies: only kvserve's is held to it
+        _DOCS[origin] = doc if doc and doc.get("info", {}).get("title") == "kvserve" else None
+    return _DOCS[origin]
+
+
+def response_validator(doc: dict, method: str, path: str, status: int, media: str
+                       ) -> jsonschema.protocols.Validator | None:
+    """The validator of what `doc` says `method path` answers with `status` as `media`; None
+    where the route describes no bodies (/health, the dashboard's). A described route that
+    answers a status or a media type its document does not name fails."""
+    op = doc["paths"].get(path, {}).get(method.lower())
+    if op is None or "4XX" not in op.get("responses", {}):
+        return None
+    responses = op["responses"]
+    described = responses.get(str(status)) or responses.get(f"{status // 100}XX")
+    assert described is not None, f"{method} {path} answered {status}, which its OpenAPI " \
+                                  f"document does not describe ({sorted(responses)})"
+    content = described.get("content", {})
+    assert media in content, f"{method} {path} answered {status} as {media!r}; its " \
+                             f"document describes {sorted(content)}"
+    schema = {**content[media]["schema"], "components": doc["components"]}
+    return jsonschema.Draft202012Validator(schema)
+
+
+def _validator_for(request: httpx.Request, response: httpx.Response
+                   ) -> jsonschema.protocols.Validator | None:
+    url = request.url
+    if url.host not in ("127.0.0.1", "localhost"):
+        return None
+    origin = f"{url.scheme}://{url.host}:{url.port}"
+    media = response.headers.get("content-type", "").split(";")[0].strip()
+    key = (origin, request.method, url.path, f"{response.status_code} {media}")
+    if key not in _VALIDATORS:
+        doc = _openapi(origin)
+        _VALIDATORS[key] = None if doc is None else response_validator(
+            doc, request.method, url.path, response.status_code, media)
+    return _VALIDATORS[key]
+
+
+def _check(validator: jsonschema.protocols.Validator, what: str, data: bytes) -> None:
+    body = json.loads(data)
+    error = jsonschema.exceptions.best_match(validator.iter_errors(body))
+    while error is not None and error.context:  # a oneOf (a chunk, or an error event):
+        error = max(error.context, key=lambda e: len(e.absolute_path))  # the deepest miss
+    assert error is None, f"{what} breaks the server's OpenAPI document at " \
+        f"{'/'.join(map(str, error.absolute_path)) or '(body)'}: {error.message[:300]}"
+
+
+class _SSEChecker:
+    """Feeds a text/event-stream through, checking each `data:` event as it completes."""
+
+    def __init__(self, validator: jsonschema.protocols.Validator, what: str) -> None:
+        self.validator, self.what, self.buffer = validator, what, b""
+
+    def feed(self, chunk: bytes) -> None:
+        self.buffer += chunk
+        while b"\n\n" in self.buffer:
+            event, self.buffer = self.buffer.split(b"\n\n", 1)
+            for line in event.splitlines():
+                if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                    _check(self.validator, f"a chunk of {self.what}", line[5:])
+
+
+def _is_stream(response: httpx.Response) -> bool:
+    return response.headers.get("content-type", "").startswith("text/event-stream")
+
+
+def _checked_streams(mod):
+    """A byte stream of httpx-like module `mod` whose events are checked as they are read."""
+
+    class CheckedStream(mod.SyncByteStream, mod.AsyncByteStream):
+        def __init__(self, stream, checker: _SSEChecker) -> None:
+            self.stream, self.checker = stream, checker
+
+        def __iter__(self) -> Iterator[bytes]:
+            for chunk in self.stream:
+                self.checker.feed(chunk)
+                yield chunk
+
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            async for chunk in self.stream:
+                self.checker.feed(chunk)
+                yield chunk
+
+        def close(self) -> None:
+            self.stream.close()
+
+        async def aclose(self) -> None:
+            await self.stream.aclose()
+
+    return CheckedStream
+
+
+@contextlib.contextmanager
+def _checks_on(mod) -> Iterator[None]:
+    """openapi_checks on the transports of `mod` (httpx, or the httpx2 that the openai SDK
+    sends with)."""
+    sync_send = mod.HTTPTransport.handle_request
+    async_send = mod.AsyncHTTPTransport.handle_async_request
+    checked = _checked_streams(mod)
+
+    def handle_request(self, request):
+        response = sync_send(self, request)
+        validator = _validator_for(request, response)
+        if validator is not None:
+            what = f"{request.method} {request.url.path} ({response.status_code})"
+            if _is_stream(response):
+                response.stream = checked(response.stream, _SSEChecker(validator, what))
+            else:
+                body = b"".join(response.stream)
+                response.stream.close()
+                _check(validator, what, body)
+                response.stream = mod.ByteStream(body)
+        return response
+
+    async def handle_async_request(self, request):
+        response = await async_send(self, request)
+        validator = _validator_for(request, response)
+        if validator is not None:
+            what = f"{request.method} {request.url.path} ({response.status_code})"
+            if _is_stream(response):
+                response.stream = checked(response.stream, _SSEChecker(validator, what))
+            else:
+                body = b"".join([c async for c in response.stream])
+                await response.stream.aclose()
+                _check(validator, what, body)
+                response.stream = mod.ByteStream(body)
+        return response
+
+    mod.HTTPTransport.handle_request = handle_request
+    mod.AsyncHTTPTransport.handle_async_request = handle_async_request
+    try:
+        yield
+    finally:
+        mod.HTTPTransport.handle_request = sync_send
+        mod.AsyncHTTPTransport.handle_async_request = async_send
+
+
+@contextlib.contextmanager
+def openapi_checks() -> Iterator[None]:
+    """While open, every response from a kvserve server on this machine, to any httpx client
+    (the openai and anthropic SDKs' included), is checked against that server's own OpenAPI
+    document: a body or chunk it does not describe fails the request with the field named."""
+    with contextlib.ExitStack() as stack:
+        for name in ("httpx", "httpx2"):
+            try:
+                mod = importlib.import_module(name)
+            except ImportError:
+                continue
+            stack.enter_context(_checks_on(mod))
+        yield

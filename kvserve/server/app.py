@@ -34,6 +34,7 @@ from kvserve.metrics import EngineMetrics
 from kvserve.models.paths import DEFAULT_MODEL, resolve_model
 from kvserve.outputs import LATE_REFUSAL, OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.server import schemas
 from kvserve.server.chat_tools import ChatPlan, ChoiceStream, finish_reason, plan_chat
 from kvserve.server.connections import ConnectionLimits
 from kvserve.server.errors import APIError, GuardMiddleware, error_body, install_error_handlers
@@ -283,6 +284,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan)
     app.state.kvserve = state
     install_error_handlers(app)
+    schemas.publish_streams(app)
     app.add_middleware(GuardMiddleware, api_key=args.api_key,
                        max_body_bytes=args.max_request_bytes,
                        metrics_api_key=args.metrics_api_key)
@@ -354,7 +356,8 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
 
         return await _engine_call(state, check)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None,
+             responses=schemas.responses(schemas.ModelList))
     async def models() -> dict:
         state.ready()
         return {"object": "list", "data": [{
@@ -362,7 +365,8 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
             "root": str(state.engine_args.model or DEFAULT_MODEL),
             "max_model_len": state.max_model_len}]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=None,
+              responses=schemas.responses(schemas.Tokenized))
     async def tokenize(body: TokenizeRequest) -> dict:
         state.check_model(body.model)
         tok = state.tokenizer
@@ -374,7 +378,8 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
             ids = tok.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=None,
+              responses=schemas.responses(schemas.Detokenized))
     async def detokenize(body: DetokenizeRequest) -> dict:
         state.check_model(body.model)
         vocab = state.llm_engine.model_config.vocab_size
@@ -385,7 +390,8 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
 
     # ------------------------------------------------------------------- completions
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None,
+              responses=schemas.responses(schemas.Completion))
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         state.check_model(body.model)
         engine = state.ready()
@@ -431,7 +437,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
 
     # -------------------------------------------------------------------- embeddings
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", responses=schemas.responses(schemas.EmbeddingList))
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
         state.check_model(body.model)
         engine = state.ready()
@@ -467,7 +473,8 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
 
     # -------------------------------------------------------------------------- chat
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=schemas.responses(schemas.ChatCompletion))
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
         state.check_model(body.model)
         engine = state.ready()

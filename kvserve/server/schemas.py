@@ -1,0 +1,290 @@
+"""The response bodies the server sends, as the OpenAPI document it publishes describes them
+(/openapi.json): each JSON body, each stream chunk (the `data:` of a text/event-stream, or
+the error event a stream may end with) and the error body of every 4xx/5xx.
+
+These models are the contract, not the code path: `responses.Formatter` builds the bodies as
+plain dicts (the hot path), and the test clients validate every body and chunk they receive
+against this document (tests/server_utils.py), so the two cannot drift apart unseen. Every
+object forbids fields it does not name, so a misspelt field fails as surely as a missing one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict
+from pydantic.json_schema import models_json_schema
+
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(_Body):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(_Body):
+    """Every error, as OpenAI sends it; also the event a stream ends with when it fails."""
+    error: ErrorDetail
+
+
+class PromptTokensDetails(_Body):
+    cached_tokens: int
+
+
+class Usage(_Body):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class Timings(_Body):
+    """kvserve's own: where one request's time went (seconds; None where it has not
+    happened, e.g. no token decoded)."""
+    queue_time: float | None
+    prefill_time: float | None
+    ttft: float | None
+    decode_time: float | None
+    tpot: float | None
+    e2e_time: float | None
+    num_preemptions: int
+    preempted_time: float
+    prompt_tokens_computed: int
+    prompt_tokens_cached: int
+    num_draft_tokens: int | None = None  # with speculative decoding
+    num_accepted_tokens: int | None = None
+
+
+class PromptLogprob(_Body):
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token (None for the first), token id -> its entry
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+# ------------------------------------------------------------------------- completions
+
+class CompletionLogprobs(_Body):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Body):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None  # None in a stream until the choice ends
+    stop_reason: str | int | None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class Completion(_Body):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    timings: Timings | list[Timings]
+
+
+class CompletionChunk(_Body):
+    """A stream's chunk: one choice's new text, or (stream_options.include_usage) the last,
+    with no choices and the usage."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    timings: Timings | list[Timings] | None = None
+
+
+# -------------------------------------------------------------------------------- chat
+
+class CalledFunction(_Body):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class AssistantMessage(_Body):
+    role: Literal["assistant"]
+    content: str | None
+    reasoning_content: str | None = None  # with --reasoning-parser
+    tool_calls: list[ToolCall] | None = None
+
+
+class TopLogprob(_Body):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Body):
+    content: list[TokenLogprob]
+
+
+class ChatChoice(_Body):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None
+
+
+class ChatCompletion(_Body):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    timings: Timings
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class FunctionCallDelta(_Body):
+    name: str | None = None  # on a call's first piece
+    arguments: str
+
+
+class ToolCallDelta(_Body):
+    index: int
+    id: str | None = None  # on a call's first piece, with type and the function's name
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
+class ChatDelta(_Body):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(_Body):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None
+
+
+class ChatCompletionChunk(_Body):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+# ------------------------------------------------------------------ the other endpoints
+
+class Embedding(_Body):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # str: encoding_format "base64" (little-endian float32)
+
+
+class EmbeddingUsage(_Body):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(_Body):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+class ModelCard(_Body):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(_Body):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Tokenized(_Body):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class Detokenized(_Body):
+    prompt: str
+
+
+# The models of the streams' `data:` events, by the route that streams them.
+STREAMS: dict[str, type[BaseModel]] = {"/v1/completions": CompletionChunk,
+                                       "/v1/chat/completions": ChatCompletionChunk}
+
+# Every error, by range (OpenAPI's "4XX"/"5XX"): 400 invalid request (a malformed body
+# included: never FastAPI's 422), 401 API key, 404 unknown model, 413 body too large, 429
+# queue full (Retry-After), 500 internal error, 503 not loaded yet or the engine stopped.
+ERRORS: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorResponse, "description": "the request is refused"},
+    "5XX": {"model": ErrorResponse, "description": "the server failed it"}}
+
+
+def responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """The `responses=` of a route answering `model` on 200 (and ERRORS otherwise)."""
+    return {200: {"model": model}, **ERRORS}
+
+
+def publish_streams(app: FastAPI) -> None:
+    """Put each streaming route's chunk schema in the OpenAPI document, as the
+    text/event-stream content of its 200 (any chunk: the chunk model, or the error event),
+    with the chunk models in components/schemas beside the rest."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = build()
+        _, defs = models_json_schema([(m, "serialization") for m in STREAMS.values()],
+                                     ref_template="#/components/schemas/{model}")
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for name, schema in defs.get("$defs", {}).items():
+            schemas.setdefault(name, schema)
+        for path, model in STREAMS.items():
+            ok = doc["paths"][path]["post"]["responses"]["200"]
+            ok.setdefault("content", {})["text/event-stream"] = {"schema": {"oneOf": [
+                {"$ref": f"#/components/schemas/{model.__name__}"},
+                {"$ref": "#/components/schemas/ErrorResponse"}]}}
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
