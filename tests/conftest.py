@@ -54,11 +54,13 @@ def byte_level_tokenizer_json() -> str:
 def build_tiny_model(root: Path, arch: str = "llama", tie: bool = False, seed: int = 0,
                      num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                      hidden_size: int = 64, intermediate_size: int = 128,
-                     dtype: torch.dtype = torch.float32) -> Path:
+                     dtype: torch.dtype = torch.float32, initializer_range: float = 0.2
+                     ) -> Path:
     """A random Hugging Face checkpoint (config.json + safetensors + tokenizer.json).
 
     Weights are scaled up from the usual 0.02 init so the next-token distribution is peaked:
-    greedy outputs then do not hinge on float rounding."""
+    greedy outputs then do not hinge on float rounding. `initializer_range=0.02` gives the
+    real models' init instead, with logits close together, for comparisons of logprobs."""
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
@@ -79,7 +81,7 @@ def build_tiny_model(root: Path, arch: str = "llama", tie: bool = False, seed: i
                   num_key_value_heads=num_kv_heads,
                   max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
                   tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1,
-                  initializer_range=0.2)
+                  initializer_range=initializer_range)
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
