@@ -130,3 +130,33 @@ def test_chat_without_a_system_message_resets_to_nothing(monkeypatch, capsys, re
     prompts, _ = run_chat(monkeypatch, capsys, reference, [], ["hi", "/reset", "hi"])
     assert prompts[0] == prompts[1] == reference.render_chat([{"role": "user",
                                                                 "content": "hi"}])
+
+
+def test_train_mtp_saves_a_drafter_that_serves(tiny_llama_dir, tmp_path, capsys, reference):
+    """`kvserve train-mtp` on a tiny model, briefly: the module it saves loads as an MTP
+    drafter, and greedy output with it is the output without it (drafts are only verified)."""
+    out_path = tmp_path / "mtp.safetensors"
+    rc = cli.main(["train-mtp", "--model", str(tiny_llama_dir), "--output", str(out_path),
+                   "--num-prompts", "16", "--max-tokens", "8", "--epochs", "1",
+                   "--batch-size", "32", "--draft-vocab", "0", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert f"saved {out_path}:" in out and '"method": "mtp"' in out
+    spec = LLM(str(tiny_llama_dir), **ENGINE,
+               speculative_config={"method": "mtp", "model": str(out_path),
+                                   "num_speculative_tokens": 2})
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["hello", "abc abc abc"]
+    try:
+        want = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
+        outs = spec.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert sum(o.metrics.num_draft_tokens for o in outs) > 0  # the drafter did draft
+    finally:
+        spec.engine.close()
+
+
+@pytest.mark.parametrize("flag", ["--num-prompts", "--epochs"])
+def test_train_mtp_refuses_a_count_below_one(flag, capsys):
+    assert cli.main(["train-mtp", flag, "0", "--no-download"]) == 2
+    assert f"{flag} must be >= 1" in capsys.readouterr().err

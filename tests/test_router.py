@@ -251,6 +251,7 @@ def test_router_spawns_its_replicas_and_stops_them(tiny_llama_dir, tmp_path):
     out = log.read_text()
     assert proc.returncode == 0, out
     assert "HTTP Request: GET" not in out  # httpx's line a health poll: quiet unless -v
+    assert "POST /v1/completions" not in out  # the replicas' access log is off by default
     for r in replicas:
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{r}/health", timeout=2)

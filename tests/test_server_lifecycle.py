@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,14 +40,18 @@ def test_sigterm_lets_in_flight_requests_finish(real_model_path, tmp_path):
     with open(tmp_path / "server.log", "w+") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--model",
                                  str(real_model_path), "--port", str(port),
-                                 "--shutdown-timeout", "60"], stdout=log, stderr=log, text=True)
+                                 "--shutdown-timeout", "60", "--access-log"],
+                                stdout=log, stderr=log, text=True)
         try:
             _sigterm_scenario(url, proc)
         finally:
             if proc.poll() is None:
                 proc.kill()
             log.seek(0)
-            print(log.read())
+            out = log.read()
+            print(out)
+    # --access-log: uvicorn's line for each request (off by default: test_router's replicas)
+    assert re.search(r'"POST /v1/completions HTTP/1\.1" 200', out), out
 
 
 def _sigterm_scenario(url: str, proc: subprocess.Popen) -> None:
