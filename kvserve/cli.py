@@ -7,7 +7,6 @@ import argparse
 import logging
 import os
 import platform
-import re
 import shlex
 import signal
 import subprocess
@@ -32,126 +31,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvserve")
 
 
-def device_arg(text: str) -> str:
-    """--device as torch names it: cpu, cuda or cuda:N (read without importing torch, so
-    the arguments are parsed before it loads: see prefault_weights)."""
-    if re.fullmatch(r"cpu(:0)?|cuda(:\d+)?", text) is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not cpu, cuda or cuda:N")
-    return text
+def add_engine_args(p: argparse.ArgumentParser, only: list[str] | None = None,
+                    defaults: dict | None = None, no_download: bool = True) -> None:
+    """The engine's flags, from EngineArgs' fields (all, or those in `only`: a command that
+    uses a few), plus --no-download, the CLI's own."""
+    from kvserve.engine.args import EngineArgs
 
-
-def fraction(text: str) -> float:
-    """A number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number in (0, 1]")
-    return value
-
-
-def itl_target(text: str) -> float:
-    """--target-itl-ms: milliseconds > 0, or 0 / off for no step-time budget."""
-    if text.strip().lower() == "off":
-        return 0.0
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not milliseconds >= 0 or 'off'")
-    return value
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    from kvserve.bench.serve import positive_float  # imported for the parser anyway
-
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help=f"short name, .gguf file or Hugging Face directory "
-                        f"(default: {DEFAULT_MODEL})")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="cpu", type=device_arg,
-                   help="cpu, cuda or cuda:N (tensor-parallel rank r on cuda:N+r)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt + max_tokens limit (default: the model's context length)")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="token budget of one step (prompt chunks + decodes)")
-    g.add_argument("--short-prompt-steps", action=argparse.BooleanOptionalAction, default=True,
-                   help="prompt work of at most a quarter of the budget (a question after a "
-                        "cached prefix, a prompt's last chunk) runs in steps of its own, "
-                        "between normal steps: earlier first tokens at a small cost in time "
-                        "per output token")
-    g.add_argument("--target-ttft-ms", type=positive_float, default=None, metavar="MS",
-                   help="time-to-first-token target: goodput counts requests within it (and "
-                        "--target-itl-ms); with --shed-late-requests the server refuses (429) "
-                        "requests predicted to miss it")
-    g.add_argument("--target-itl-ms", type=itl_target, default=None, metavar="MS|off",
-                   help="inter-token latency target (checked as time per output token): each "
-                        "step's prompt work and the admission of new requests are sized by a "
-                        "step cost model, calibrated at start-up and fitted online, so that "
-                        "decode steps stay within it (default: a 500 ms step budget, or four "
-                        "one-row decode steps where longer, not counted as a goodput target; "
-                        "0 or off: steps sized by the token budget alone)")
-    g.add_argument("--shed-late-requests", action="store_true",
-                   help="serve: answer 429 (with Retry-After) at once to a request predicted "
-                        "to miss --target-ttft-ms, instead of queueing it")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--kv-cache-memory", default=None,
-                   help="KV cache budget, e.g. 2GiB (default: 1GiB on a CPU; on a GPU what "
-                        "--gpu-memory-utilization leaves after loading)")
-    g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
-                   help="on a GPU without --kv-cache-memory: the share of the device this "
-                        "process may use in all (weights, KV cache, activations)")
-    g.add_argument("--quantization", default="auto",
-                   choices=["auto", "none", "int8", "int4", "gguf"],
-                   help="weight-only int8/int4 quantization (CPU); auto keeps a GGUF's "
-                        "precision class (Q4_1 -> int4) where kvserve's int4/int8 kernel runs "
-                        "(AVX512-VNNI or AVX2), unless --dtype float32 is given; else none; "
-                        "gguf reads a GGUF's matrices in place in the file's own blocks (its "
-                        "bytes and memory, slower kernels for now)")
-    g.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "float32", "bfloat16", "float16", "int8"],
-                   help="how K/V are stored: auto = float16 where the CPU kernel reads it "
-                        "under float32 activations (AVX2), unless --dtype float32 is given; "
-                        "else the compute dtype. float16/bfloat16 under float32 activations "
-                        "halve a token's bytes; int8 = per-token, per-head quantized K/V "
-                        "(~1.9x the tokens of a 16-bit cache)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True, help="reuse K/V of shared prompt prefixes")
-    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
-                   help="keep the blocks of sliding-window layers that fall before their "
-                        "window (by default they are handed back while a request runs)")
-    g.add_argument("--host-kv-cache-memory", default="0",
-                   help="host-memory tier of the prefix cache, e.g. 4GiB (default: none)")
-    g.add_argument("--kv-cache-dir", default=None,
-                   help="disk tier of the prefix cache; survives restarts (default: none)")
-    g.add_argument("--kv-cache-disk-size", default="8GiB", help="disk tier budget")
-    g.add_argument("--kv-cache-write-policy", default="write-back",
-                   choices=["write-back", "write-through"],
-                   help="copy blocks to lower tiers when evicted, or as soon as computed")
-    g.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 3}\'; methods ngram, draft_model, mtp')
-    g.add_argument("--timeline-buffer-size", type=int, default=1000,
-                   help="finished requests whose timelines stay available (0: none)")
-    g.add_argument("--step-buffer-size", type=int, default=1000,
-                   help="recent engine steps kept by the step profiler (0: none)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model over N ranks (processes on CPU, GPUs on CUDA) with "
-                        "torch.distributed; --kv-cache-memory is then per rank")
-    g.add_argument("--tp-timeout", type=float, default=60.0,
-                   help="seconds a tensor-parallel collective waits for a rank before the "
-                        "engine fails (a dead or hung rank)")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="on a GPU, run decode steps eagerly instead of as CUDA graphs")
-    g.add_argument("--engine-process", action="store_true",
-                   help="run the engine core (scheduler, model, KV cache) in a process of its "
-                        "own, behind a pipe, instead of on the engine thread")
-    g.add_argument("--no-download", action="store_true",
-                   help="fail instead of installing the default model when it is missing")
+    g = EngineArgs.add_cli_args(p, only, defaults)
+    if no_download:
+        g.add_argument("--no-download", action="store_true",
+                       help="fail instead of installing the default model when it is missing")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -218,27 +107,9 @@ def prefault_weights(args: argparse.Namespace) -> None:
 def engine_args_from(args: argparse.Namespace):
     ensure_default_model(args)
     prefault_weights(args)
-    from kvserve.engine.llm_engine import EngineArgs
+    from kvserve.engine.args import EngineArgs
 
-    return EngineArgs(
-        model=args.model, dtype=args.dtype, device=args.device,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        short_prompt_steps=args.short_prompt_steps, target_ttft_ms=args.target_ttft_ms,
-        target_itl_ms=args.target_itl_ms, shed_late_requests=args.shed_late_requests,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching,
-        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
-        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-        host_kv_cache_memory=args.host_kv_cache_memory, kv_cache_dir=args.kv_cache_dir,
-        kv_cache_disk_size=args.kv_cache_disk_size,
-        kv_cache_write_policy=args.kv_cache_write_policy,
-        speculative_config=args.speculative_config,
-        timeline_buffer_size=args.timeline_buffer_size, step_buffer_size=args.step_buffer_size,
-        tensor_parallel_size=args.tensor_parallel_size, tp_timeout=args.tp_timeout,
-        engine_process=args.engine_process, enforce_eager=args.enforce_eager)
+    return EngineArgs.from_cli_args(args)
 
 
 def engine_from(args: argparse.Namespace):
@@ -379,27 +250,10 @@ def chat_loop(engine, args: argparse.Namespace) -> int:
 
 
 def server_args_from(args: argparse.Namespace):
-    """`serve`'s server settings from its flags: every flag by its field's name (the limits'
-    flags are named after their fields), so no two can be crossed by position."""
-    import dataclasses
+    """`serve`'s server settings from its flags, by field name (ServerArgs.from_cli_args)."""
+    from kvserve.server.args import ServerArgs
 
-    from kvserve.config import parse_size
-    from kvserve.server.app import ServerArgs
-    from kvserve.server.connections import ConnectionLimits
-    from kvserve.server.limits import RequestLimits
-
-    def by_name(cls):
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-
-    return ServerArgs(
-        host=args.host, port=args.port, served_model_name=args.served_model_name,
-        api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-        max_request_bytes=parse_size(args.max_request_size),
-        shutdown_timeout=args.shutdown_timeout,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-        pooling=args.pooling, metrics_api_key=args.metrics_api_key,
-        limits=by_name(RequestLimits), connections=by_name(ConnectionLimits))
+    return ServerArgs.from_cli_args(args)
 
 
 def absorb_sigterm_reraise() -> None:
@@ -413,9 +267,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_args = engine_args_from(args)  # first: it starts the prefault before torch loads
     import uvicorn
 
-    from kvserve.config import parse_size
     from kvserve.server.app import build_app
     from kvserve.server.connections import server_config
+    from kvserve.settings import parse_size
 
     if engine_args.kv_cache_memory is not None:
         parse_size(engine_args.kv_cache_memory)  # fail before listening, not after
@@ -429,12 +283,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     app = build_app(engine_args, server_args, on_fatal)
-    config = server_config(app, args.host, args.port, server_args.connections,
-                           log_level="info", timeout_graceful_shutdown=int(args.shutdown_timeout),
-                           access_log=args.access_log)
+    config = server_config(app, server_args.host, server_args.port, server_args.connections,
+                           log_level="info", access_log=server_args.access_log,
+                           timeout_graceful_shutdown=int(server_args.shutdown_timeout))
     server = uvicorn.Server(config)
     log.info("listening on http://%s:%d (OpenAI API under /v1; /health is 503 until the "
-             "model has loaded)", args.host, args.port)
+             "model has loaded)", server_args.host, server_args.port)
     absorb_sigterm_reraise()
     server.run()
     if failed:
@@ -590,7 +444,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     from kvserve import kernels
-    from kvserve.config import parse_size, resolve_dtype, resolve_kv_cache_dtype
+    from kvserve.config import resolve_dtype, resolve_kv_cache_dtype
     from kvserve.kv_cache.layout import KVLayout
     from kvserve.kv_cache.planner import (
         capacity_gain,
@@ -600,6 +454,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         weight_bytes,
     )
     from kvserve.models.loader import gguf_weight_bytes, read_model_config
+    from kvserve.settings import parse_size
 
     budget = parse_size(args.kv_cache_memory)
     for name in ("prompt_len", "output_len"):
@@ -822,74 +677,19 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("model_tag", nargs="?", default=None,
                    help="model, as an alternative to --model")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", default=None,
-                   help="model name clients use (default: the model's name)")
-    s.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $KVSERVE_API_KEY)")
-    s.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="answer 429 when this many requests wait (default: unbounded)")
-    s.add_argument("--max-request-size", default="4MiB", help="largest request body (413)")
-    conn = s.add_argument_group("connections (slow and greedy clients)")
-    for flag, kind, default, what in (
-            ("--header-timeout", float, 10.0, "seconds a client has to send a whole request "
-                                              "head (else 408)"),
-            ("--read-timeout", float, 30.0, "seconds a request body may go without a byte "
-                                            "(else 408)"),
-            ("--write-timeout", float, 60.0, "seconds a client may stop reading its response "
-                                             "before it is disconnected (its requests "
-                                             "aborted)"),
-            ("--keep-alive-timeout", float, 5.0, "seconds an idle keep-alive connection is "
-                                                 "kept open"),
-            ("--max-connections", int, 1024, "open connections; a new one beyond this gets "
-                                             "a 429")):
-        conn.add_argument(flag, type=kind, default=default, help=what)
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM")
-    s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
-    s.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='let the model decide to call tools (tool_choice "auto"); needs '
-                   "--tool-call-parser")
-    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
-                   help="the model's tool-call format: hermes (Qwen 2.5/3, Hermes), "
-                   "llama3_json (Llama 3.1/3.2)")
-    s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
-                   help="split <think>...</think> into reasoning_content")
-    lim = s.add_argument_group("request limits (each a 400 naming the field)")
-    for flag, default, what in (
-            ("--max-n", 64, "samples per prompt"),
-            ("--max-logprobs", 20, "logprobs, top_logprobs and prompt_logprobs"),
-            ("--max-stop-strings", 16, "stop strings"),
-            ("--max-stop-length", 256, "characters in one stop string"),
-            ("--max-logit-bias", 1024, "logit_bias entries"),
-            ("--max-prompts", 256, "prompts (or embedding inputs) in one request"),
-            ("--max-prompt-tokens", None, "tokens in one prompt (default: max_model_len)")):
-        lim.add_argument(flag, type=int, default=default, help=what)
-    s.add_argument("--metrics-api-key", default=None,
-                   help="require this key for /metrics (default: public, aggregates only)")
-    s.add_argument("--pooling", default="mean", choices=["mean", "last"],
-                   help="/v1/embeddings: the mean of the final hidden states over the "
-                   "input's tokens, or the last token's; L2-normalised")
+    from kvserve.server.args import ServerArgs
+
+    ServerArgs.add_cli_args(s)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
     pl = sub.add_parser("plan", help="KV cache memory plan from the model's config alone")
-    pl.add_argument("--model", default=None,
-                    help=f"short name, .gguf file or Hugging Face directory "
-                         f"(default: {DEFAULT_MODEL})")
-    pl.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
-    pl.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    pl.add_argument("--device", default="cpu", help="device 'auto' picks the dtype for")
-    pl.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    add_engine_args(pl, ["model", "kv_cache_memory", "dtype", "device", "block_size",
+                         "max_model_len", "max_num_batched_tokens",
+                         "disable_hybrid_kv_cache_manager"], {"kv_cache_memory": "1GiB"},
+                    no_download=False)
     pl.add_argument("--prompt-len", type=int, default=1024)
     pl.add_argument("--output-len", type=int, default=128)
-    pl.add_argument("--max-model-len", type=int, default=None,
-                    help="longest sequence (default: the model's context length)")
-    pl.add_argument("--max-num-batched-tokens", type=int, default=512,
-                    help="tokens per step (a sliding-window layer keeps its window and a step)")
-    pl.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
-                    help="plan keeping every block of sliding-window layers")
     pl.add_argument("--bandwidth", type=float, default=None, metavar="GB/S",
                     help="memory read bandwidth for the decode floor (default: measured "
                          "here, a streaming sum of 512 MiB)")
@@ -922,23 +722,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("roofline", help="this machine's ceilings and where the model's "
                                         "decode and prefill steps sit against them")
-    r.add_argument("--model", default=None, help="model (default: the default model)")
-    r.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    r.add_argument("--quantization", default="auto",
-                   choices=["auto", "none", "int8", "int4", "gguf"])
+    add_engine_args(r, ["model", "dtype", "quantization", "kv_cache_memory"],
+                    {"kv_cache_memory": "1GiB"})
     r.add_argument("--batches", default="1,8,32,128", help="decode batch sizes")
     r.add_argument("--prefill", type=int, default=512, help="prefill chunk (0: none)")
     r.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
     r.add_argument("--repeats", type=int, default=5)
-    r.add_argument("--kv-cache-memory", default="1GiB")
     r.add_argument("--plot", default=None, metavar="PNG", help="also draw the roofline there")
-    r.add_argument("--no-download", action="store_true",
-                   help="fail instead of installing a missing default model")
     r.set_defaults(func=cmd_roofline)
 
     t = sub.add_parser("train-mtp", help="train a multi-token-prediction drafter on the "
                                          "model's own generations")
-    t.add_argument("--model", default=None, help="target model (default: the default model)")
+    add_engine_args(t, ["model"], no_download=False)
     t.add_argument("--output", default="mtp.safetensors", help="where to save the module")
     t.add_argument("--num-prompts", type=int, default=1024)
     t.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -248,22 +247,6 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     seed: int = 0
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str | int) -> int:
-    """Parse a byte size such as '2GiB', '512MB', '1.5g' or a plain integer."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ValueError(f"cannot parse size {text!r}; use e.g. 512MiB, 2GiB or a byte count")
-    value, unit, binary = float(m.group(1)), m.group(2).lower(), m.group(3)
-    base = 1024 if binary or unit == "" else 1000
-    power = " kmgt".index(unit) if unit else 0
-    return int(value * base**power)
 
 
 def supports_fast_bf16() -> bool:

@@ -19,8 +19,9 @@ import openai
 import uvicorn
 
 from kvserve.engine.llm_engine import EngineArgs
-from kvserve.server.app import ServerArgs, build_app
-from kvserve.server.connections import ConnectionLimits, server_config
+from kvserve.server.app import build_app
+from kvserve.server.args import ConnectionLimits, ServerArgs
+from kvserve.server.connections import server_config
 
 
 def openai_client(url: str, strict: bool = True, **kw) -> openai.OpenAI:

@@ -1,6 +1,11 @@
-"""Every `kvserve serve` server flag reaches its field: each set to a value of its own (no two
-alike, none the default), read back from what `serve` builds from them. A flag handed to the
-wrong field, or one never handed on, fails here."""
+"""Each setting is declared once (kvserve.settings) and reaches its field.
+
+- Every flag of `serve` is a field of EngineArgs, ServerArgs or one of the server's limit
+  groups (or one of the few flags the CLI keeps for itself), with the field's help and
+  default; every command that takes engine flags takes them from EngineArgs the same way.
+- Every flag set to a value of its own (no two alike, none the default) is read back from
+  what `serve` builds from them. A flag handed to the wrong field, or never handed on, fails.
+"""
 
 from __future__ import annotations
 
@@ -8,62 +13,130 @@ import argparse
 import dataclasses
 import itertools
 
-from kvserve.cli import build_parser, server_args_from
-from kvserve.server.app import ServerArgs
-from kvserve.server.connections import ConnectionLimits
+import pytest
+
+from kvserve.cli import build_parser, engine_args_from, server_args_from
+from kvserve.engine.args import EngineArgs
+from kvserve.server.args import ConnectionLimits, ServerArgs
 from kvserve.server.limits import RequestLimits
 
-# fields whose flag has another name, and how the flag's text becomes the field's value
-RENAMED = {"max_request_bytes": ("max_request_size", lambda n: f"{n}KiB", lambda n: n << 10)}
+SETTINGS = (EngineArgs, ServerArgs, RequestLimits, ConnectionLimits)
+# the command line's own flags, which configure no part: the positional model name and the
+# default model's install
+CLI_ONLY = {"help", "model_tag", "no_download"}
+# commands that take a few engine flags with a default of their own: a plan or a roofline
+# of a 1 GiB cache where the engine's default depends on the device
+OWN_DEFAULTS = {("plan", "kv_cache_memory"): "1GiB", ("roofline", "kv_cache_memory"): "1GiB"}
+ENGINE_COMMANDS = ("serve", "generate", "chat", "plan", "roofline", "train-mtp")
+# fields whose flag is not `--` + their name: a byte count given as a size ("4MiB")
+RENAMED = {"max_request_bytes": "--max-request-size"}
 
 
-def _serve_parser() -> argparse.ArgumentParser:
+def _commands() -> dict[str, argparse.ArgumentParser]:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices["serve"]
+    return sub.choices
 
 
-def _fields() -> list[str]:
-    nested = {"limits", "connections"}
-    return [f.name for cls in (ServerArgs, RequestLimits, ConnectionLimits)
-            for f in dataclasses.fields(cls) if f.name not in nested]
+def _declared() -> dict[str, dataclasses.Field]:
+    """Every field with a flag, by name (no name is two settings)."""
+    out: dict[str, dataclasses.Field] = {}
+    for cls in SETTINGS:
+        for f in dataclasses.fields(cls):
+            if f.name in ("limits", "connections"):
+                continue
+            assert "help" in f.metadata, f"{cls.__name__}.{f.name} is not made with setting()"
+            if f.metadata["cli"]:
+                assert f.name not in out, f"two settings are named {f.name}"
+                out[f.name] = f
+    return out
 
 
-def _read_back(server: ServerArgs, name: str):
-    for obj in (server, server.limits, server.connections):
-        if name in {f.name for f in dataclasses.fields(obj)}:
-            return getattr(obj, name)
-    raise AssertionError(name)
+def test_every_flag_is_a_field_with_its_help_and_default():
+    """A flag named as a setting is that setting's, with its help and default; every flag of
+    `serve` is a setting's (or the CLI's own)."""
+    declared = _declared()
+    for command in ENGINE_COMMANDS:
+        for action in _commands()[command]._actions:
+            field = declared.get(action.dest)
+            if field is None:
+                assert command != "serve" or action.dest in CLI_ONLY, \
+                    f"serve's {action.option_strings} is no setting's flag"
+                continue
+            assert action.help == field.metadata["help"], (command, action.dest)
+            flag = RENAMED.get(action.dest, "--" + action.dest.replace("_", "-"))
+            assert action.option_strings[0] == flag, (action.option_strings, action.dest)
+            if action.dest != "api_key":  # $KVSERVE_API_KEY, read as the parser is built
+                default = OWN_DEFAULTS.get((command, action.dest), field.default)
+                assert action.default == default, (command, action.dest)
 
 
-def test_every_server_flag_reaches_its_field():
-    actions = {a.dest: a for a in _serve_parser()._actions}
+def test_every_engine_setting_is_a_flag_of_each_engine_command():
+    engine = {f.name for f in dataclasses.fields(EngineArgs) if f.metadata["cli"]}
+    for command in ("serve", "generate", "chat"):
+        dests = {a.dest for a in _commands()[command]._actions}
+        assert engine <= dests, (command, sorted(engine - dests))
+
+
+def _distinct_argv(parser: argparse.ArgumentParser, names: list[str]):
+    """argv setting each named field's flag to a value of its own, and the values wanted."""
+    actions = {a.dest: a for a in parser._actions}
     numbers = itertools.count(2)  # small: some limits have a ceiling (max_logprobs <= 20)
-    argv, want = ["serve"], {}
-    for name in _fields():
-        dest, to_text, to_value = RENAMED.get(name, (name, str, None))
-        action = actions.get(dest)
-        assert action is not None, f"ServerArgs field {name} has no `serve` flag"
+    argv, want = [], {}
+    for name in names:
+        action = actions[name]
         flag = action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
-            argv.append(flag)
-            want[name] = True
+        if isinstance(action, argparse._StoreTrueAction | argparse.BooleanOptionalAction):
+            # a switch: the side that is not the default
+            argv.append(flag if not action.default else f"--no-{flag[2:]}")
+            want[name] = not action.default
             continue
         if action.choices:
             value = [c for c in action.choices if c != action.default][-1]
             argv += [flag, value]
-        elif action.type is float:
-            value = next(numbers) + 0.5
-            argv += [flag, str(value)]
-        elif action.type is int:
-            value = next(numbers)
+        elif name == "max_request_bytes":  # a size, given as text
+            n = next(numbers)
+            argv += [flag, f"{n}KiB"]
+            value = n << 10
+        elif name == "device":
+            argv += [flag, f"cuda:{next(numbers)}"]
+            value = argv[-1]
+        elif action.type in (int, float) or name.endswith(("_ms", "utilization")):
+            n = next(numbers)
+            value = n + 0.5 if action.type is not int else n
+            if name == "gpu_memory_utilization":
+                value = n / 1000
             argv += [flag, str(value)]
         else:
-            n = next(numbers)
-            argv += [flag, to_text(n) if to_value else f"v{n}"]
-            value = to_value(n) if to_value else f"v{n}"
+            value = f"v{next(numbers)}"
+            argv += [flag, value]
         want[name] = value
-    assert len({repr(v) for v in want.values() if v is not True}) == \
-        sum(v is not True for v in want.values()), "two flags share a value: a swap would hide"
-    server = server_args_from(_serve_parser().parse_args(argv[1:]))
-    got = {name: _read_back(server, name) for name in want}
+    plain = [repr(v) for v in want.values() if not isinstance(v, bool)]
+    assert len(set(plain)) == len(plain), "two flags share a value: a swap would hide"
+    return argv, want
+
+
+def test_every_serve_flag_reaches_its_field(monkeypatch):
+    serve = _commands()["serve"]
+    names = [a.dest for a in serve._actions if a.dest in _declared()]
+    argv, want = _distinct_argv(serve, names)
+    args = serve.parse_args(argv)
+    server = server_args_from(args)
+    monkeypatch.setattr("kvserve.cli.ensure_default_model", lambda args: None)
+    monkeypatch.setattr("kvserve.cli.prefault_weights", lambda args: None)
+    engine = engine_args_from(args)
+    got = {}
+    for name in want:
+        for obj in (engine, server, server.limits, server.connections):
+            if name in {f.name for f in dataclasses.fields(obj)}:
+                got[name] = getattr(obj, name)
     assert got == want
+
+
+@pytest.mark.parametrize("command", ["plan", "roofline"])
+def test_a_command_of_a_few_engine_flags_reads_them_into_engine_args(command):
+    parser = _commands()[command]
+    names = [a.dest for a in parser._actions
+             if a.dest in {f.name for f in dataclasses.fields(EngineArgs)}]
+    argv, want = _distinct_argv(parser, names)
+    engine = EngineArgs.from_cli_args(parser.parse_args(argv))
+    assert {n: getattr(engine, n) for n in want} == want

@@ -18,7 +18,8 @@ import uvicorn
 
 from kvserve.engine.llm_engine import EngineArgs
 from kvserve.router import Router, RouterConfig, build_router_app
-from kvserve.server.app import ServerArgs, build_app
+from kvserve.server.app import build_app
+from kvserve.server.args import ServerArgs
 from tests.server_utils import assert_completion_envelope, free_port, openai_client, start_in_thread
 
 pytestmark = pytest.mark.slow

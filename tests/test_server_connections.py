@@ -15,7 +15,7 @@ import pytest
 from kvserve import faults
 from kvserve.engine.llm_engine import EngineArgs
 from kvserve.faults import Faults
-from kvserve.server.connections import ConnectionLimits
+from kvserve.server.args import ConnectionLimits
 from tests.server_utils import run_server
 
 LIMITS = ConnectionLimits(header_timeout=0.5, read_timeout=0.5, write_timeout=1.0,

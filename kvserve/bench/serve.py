@@ -49,6 +49,7 @@ from kvserve.bench.datasets import (
     load_requests,
     load_tokenizer,
 )
+from kvserve.settings import positive_float
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 
@@ -708,17 +709,6 @@ def save_result(result: BenchResult, path: str | os.PathLike[str]) -> Path:
 
 
 # ------------------------------------------------------------------------------------- CLI
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a number > 0 (NaN refused too); kvserve's engine flags use it as well."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (got {text})")
-    return value
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import httpx
 
-from kvserve.bench.serve import positive_float
 from kvserve.faults import Faults
+from kvserve.settings import positive_float
 
 GOOD = ["stream_completion", "completion", "stream_chat", "chat", "cut_stream", "slow_reader",
         "n2_logprobs", "shared_prefix", "salted", "json_schema"]

@@ -30,7 +30,6 @@ from kvserve.config import (
     EngineConfig,
     SchedulerConfig,
     SpecConfig,
-    parse_size,
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
@@ -56,6 +55,7 @@ from kvserve.models.weight_cache import code_versions
 from kvserve.outputs import LATE_REFUSAL, CoreOutput, RequestTimes
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler import MIN_PROMPT_TOKENS, TARGET_MARGIN, Scheduler, calibration_requests
+from kvserve.settings import parse_size
 from kvserve.slo import StepCostModel, StepShape, default_itl_budget
 from kvserve.spec_decode import build_drafter
 from kvserve.spec_decode.coordinator import SpecCoordinator

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.config import parse_size
 from kvserve.disk_cache import model_fingerprint
+from kvserve.settings import parse_size
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,6 @@ import struct
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -35,11 +34,10 @@ from kvserve.models.paths import DEFAULT_MODEL, resolve_model
 from kvserve.outputs import LATE_REFUSAL, OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server import schemas
+from kvserve.server.args import ServerArgs
 from kvserve.server.chat_tools import ChatPlan, ChoiceStream, finish_reason, plan_chat
-from kvserve.server.connections import ConnectionLimits
 from kvserve.server.errors import APIError, GuardMiddleware, error_body, install_error_handlers
 from kvserve.server.history import Sampler
-from kvserve.server.limits import RequestLimits
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,24 +51,6 @@ from kvserve.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.server")
 _WEB_UI = Path(__file__).parent / "static" / "index.html"  # chat playground + dashboard
-
-
-@dataclass
-class ServerArgs:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-    api_key: str | None = None
-    max_waiting_requests: int | None = None
-    max_request_bytes: int = 4 << 20
-    shutdown_timeout: float = 30.0
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None  # the model's tool-call format, for tool_choice auto
-    reasoning_parser: str | None = None
-    pooling: str = "mean"  # /v1/embeddings: mean over the prompt's tokens, or the last one's
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    metrics_api_key: str | None = None  # /metrics is public unless this is set
-    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
 
 def default_served_name(model: str | None) -> str:

@@ -23,36 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from kvserve.server.args import ConnectionLimits
 from kvserve.server.errors import error_body
-
-
-@dataclass(frozen=True)
-class ConnectionLimits:
-    header_timeout: float = 10.0  # seconds for a whole request head
-    read_timeout: float = 30.0  # seconds without a byte while a body is received
-    write_timeout: float = 60.0  # seconds a client may stop reading what it is sent
-    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection is kept
-    max_connections: int = 1024  # open connections; beyond, 429
-
-    def __post_init__(self) -> None:
-        for name in ("header_timeout", "read_timeout", "write_timeout", "keep_alive_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-        if self.max_connections < 1:
-            raise ValueError("--max-connections must be >= 1")
-
-    @property
-    def tick(self) -> float:
-        """How often a connection's clock is looked at (a fifth of the shortest timeout)."""
-        return min(1.0, max(0.02, min(self.header_timeout, self.read_timeout,
-                                      self.write_timeout) / 5))
 
 
 def _raw_error(status: int, reason: str, message: str, param: str) -> bytes:

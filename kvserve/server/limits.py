@@ -12,18 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.sampling_params import MAX_LOGPROBS
-from kvserve.server.errors import APIError
+from kvserve.settings import setting
 
 
 @dataclass(frozen=True)
 class RequestLimits:
-    max_n: int = 64  # samples per prompt
-    max_logprobs: int = MAX_LOGPROBS  # logprobs, top_logprobs, prompt_logprobs
-    max_stop_strings: int = 16
-    max_stop_length: int = 256  # characters in one stop string
-    max_logit_bias: int = 1024  # entries
-    max_prompts: int = 256  # prompts in one completions or embeddings call
-    max_prompt_tokens: int | None = None  # None: only the model's max_model_len
+    max_n: int = setting(64, "samples per prompt")
+    max_logprobs: int = setting(MAX_LOGPROBS, "logprobs, top_logprobs and prompt_logprobs")
+    max_stop_strings: int = setting(16, "stop strings")
+    max_stop_length: int = setting(256, "characters in one stop string")
+    max_logit_bias: int = setting(1024, "logit_bias entries")
+    max_prompts: int = setting(256, "prompts (or embedding inputs) in one request")
+    max_prompt_tokens: int | None = setting(
+        None, "tokens in one prompt (default: max_model_len)")
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_stop_strings", "max_stop_length", "max_logit_bias",
@@ -63,6 +64,10 @@ class RequestLimits:
     @staticmethod
     def _at_most(name: str, value: int, limit: int, flag: str, what: str = "") -> None:
         if value > limit:
+            # imported here: the parser reads these settings before the server (FastAPI)
+            # is imported
+            from kvserve.server.errors import APIError
+
             unit = f" {what}" if what else ""
             raise APIError(400, f"{name}: {value}{unit} is over this server's limit of "
                            f"{limit} ({flag})", name)
