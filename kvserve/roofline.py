@@ -29,7 +29,7 @@ time; a one-arithmetic step gets that arithmetic's ceiling. Achieved = roof time
 time, which cannot pass 100%: a row above it means a ceiling was under-measured or the
 step's cost over-counted (or its bytes stayed in a cache), and is flagged as such.
 
-What a step is counted to need (`StepCost`):
+What a step is counted to need (`StepWork`):
 - weights: every projection in the form its kernel reads (`PackedWeight.nbytes`: the
   quantized tiles with their scales, the repacked dense weight, else the weight itself),
   the LM head likewise, the norms;
@@ -90,16 +90,16 @@ class Machine:
     def read_gbs(self) -> float:
         return max(self.bandwidth.values())
 
-    def compute_seconds(self, cost: StepCost) -> float:
+    def compute_seconds(self, cost: StepWork) -> float:
         """The least time the step's FLOPs take, each arithmetic at its own ceiling."""
         return sum(f / (self.ceiling(a) * 1e9) for a, f in cost.flops_by.items() if f)
 
-    def memory_seconds(self, cost: StepCost) -> float:
+    def memory_seconds(self, cost: StepWork) -> float:
         return cost.bytes / (self.read_gbs * 1e9)
 
 
 @dataclass
-class StepCost:
+class StepWork:
     flops_by: dict[str, float]  # arithmetic -> FLOPs
     weight_bytes: float
     kv_bytes: float
@@ -287,7 +287,7 @@ def machine_lines(machine: Machine) -> list[str]:
     return lines
 
 
-class CostModel:
+class WorkModel:
     """FLOPs and bytes of the steps of one loaded model (see the module docstring)."""
 
     def __init__(self, model, kv_bytes_per_token: int) -> None:
@@ -318,7 +318,7 @@ class CostModel:
         return sum(self.params_by.values())
 
     def step(self, tokens: int, sampled: int, attended: int, kv_rows: int | None = None
-             ) -> StepCost:
+             ) -> StepWork:
         """A step computing `tokens` new tokens, sampling `sampled` rows, whose queries
         attend to `attended` (query, key) pairs in all, reading `kv_rows` cached K/V rows
         (default `attended`: every query reads its own context, as decode does)."""
@@ -334,12 +334,12 @@ class CostModel:
         kv = self.kv_per_token * ((attended if kv_rows is None else kv_rows) + tokens)
         act = 2 * tokens * cfg.num_layers * (2 * cfg.hidden_size + cfg.intermediate_size) \
             * self.act_size
-        return StepCost(flops, weights, kv, act)
+        return StepWork(flops, weights, kv, act)
 
-    def decode(self, batch: int, context: int) -> StepCost:
+    def decode(self, batch: int, context: int) -> StepWork:
         return self.step(batch, batch, batch * context)
 
-    def prefill(self, chunk: int, context_before: int = 0) -> StepCost:
+    def prefill(self, chunk: int, context_before: int = 0) -> StepWork:
         """A chunk read its context once (one attention call over the request)."""
         attended = sum(context_before + i + 1 for i in range(chunk))
         return self.step(chunk, 1, attended, kv_rows=context_before)
@@ -367,7 +367,7 @@ class Point:
 
     name: str
     seconds: float
-    cost: StepCost
+    cost: StepWork
     machine: Machine = field(repr=False)
 
     @property
@@ -490,11 +490,11 @@ def time_prefill(engine, chunk: int, repeats: int, seed: int) -> float:
     return statistics.median(times[1:])  # the first warms up
 
 
-def cost_model(engine) -> CostModel:
+def cost_model(engine) -> WorkModel:
     """The cost model of `engine`'s loaded model and KV cache."""
     from kvserve.kv_cache.planner import kv_bytes_per_token
 
-    return CostModel(engine.runner.model, kv_bytes_per_token(
+    return WorkModel(engine.runner.model, kv_bytes_per_token(
         engine.model_config, engine.config.cache.kv_cache_dtype, engine.config.dtype))
 
 

@@ -46,7 +46,7 @@ from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager, KVTransfers
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
-from kvserve.slo import StepCostModel, StepShape, prompt_attended
+from kvserve.slo import StepShape, StepTimeModel, prompt_attended
 
 # How steps are sized under an ITL target (see the module docstring); "off": no target.
 Sizing = Literal["off", "unsure", "infeasible", "fit"]
@@ -153,7 +153,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.short_run = ShortStepRun()
         self.num_suspects = 0  # requests with `suspect` set; at 0 a step skips their search
-        self.cost = StepCostModel()  # fed by the engine core after every step
+        self.cost = StepTimeModel()  # fed by the engine core after every step
         self.prompt_allowance: int | None = None  # last targeted step's prompt tokens
         self._left: deque[float] = deque(maxlen=512)  # times requests left the batch
         self._predicted: dict[str, float] = {}  # request id -> uncalibrated TTFT on arrival
@@ -598,7 +598,7 @@ class Scheduler:
     def _recover(self, step: _Step) -> None:
         """Steps with decodes ran over the ITL target OVERRUN_STEPS times in a row: the cost
         model was wrong, or the machine slowed. The model's drift is judged by those steps
-        and folded into its fit (StepCostModel.rebase), so admission and step sizing follow
+        and folded into its fit (StepTimeModel.rebase), so admission and step sizing follow
         at once; and what the batch cannot carry is given back (said in `step.out`):
         - requests still in their prompt go back to the queue, first, in arrival order (their
           full blocks stay in the prefix cache), but for the oldest running request;

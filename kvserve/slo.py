@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 _ATTN_UNIT = 1024.0  # attended pairs per unit of c3, so the four coefficients are comparable
-# Steps whose measured / fitted time ratios scale predictions (StepCostModel.drift), and its
+# Steps whose measured / fitted time ratios scale predictions (StepTimeModel.drift), and its
 # bounds: a few steps are enough to see a slowdown, and a median of 8 ignores one odd step.
 DRIFT_WINDOW = 8
 DRIFT_MIN_SAMPLES = 3
@@ -66,7 +66,7 @@ def prompt_attended(context: int, tokens: int) -> int:
     return tokens * context + tokens * (tokens + 1) // 2
 
 
-class StepCostModel:
+class StepTimeModel:
     """Step time as a non-negative linear function of `StepShape`, refitted every `refit`
     observations over the last `window` of them. `predict` is None until `min_samples` steps
     were seen, and the scheduler then behaves as it does with no target."""
@@ -188,7 +188,7 @@ class StepCostModel:
         return lo
 
 
-def default_itl_budget(cost: StepCostModel) -> float:
+def default_itl_budget(cost: StepTimeModel) -> float:
     """The step-time budget (seconds) with no --target-itl-ms: DEFAULT_ITL_BUDGET_S, or
     DEFAULT_ITL_DECODE_STEPS predicted steps of one decode row where that is longer."""
     one_row = cost.predict(StepShape(0, 1, 1))

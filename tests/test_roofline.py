@@ -13,7 +13,7 @@ from kvserve.cli import main
 from kvserve.engine.llm import LLM
 from kvserve.layers.linear import LinearBase
 from kvserve.layers.quant import QuantizedWeight
-from kvserve.roofline import CostModel, Machine, Point, StepCost, cost_model
+from kvserve.roofline import Machine, Point, StepWork, WorkModel, cost_model
 
 # Round synthetic figures: no timing is measured by these tests (apart from the command's).
 MACHINE = Machine(torch.float32, threads=2, bandwidth={"sum": 8.0, "int8 GEMV": 10.0},
@@ -24,7 +24,7 @@ needs_kernels = pytest.mark.skipif(kernels.quant_kernels(torch.float32, "cpu", 6
                                    reason="kvserve's int8 kernel is not built here")
 
 
-def loaded(path, quantization: str, dtype: str = "float32") -> tuple[CostModel, LLM]:
+def loaded(path, quantization: str, dtype: str = "float32") -> tuple[WorkModel, LLM]:
     llm = LLM(str(path), dtype=dtype, quantization=quantization, num_kv_blocks=64)
     return cost_model(llm.engine), llm
 
@@ -94,9 +94,9 @@ def test_mixed_model_gets_the_flop_weighted_ceiling(tiny_llama_dir):
 
 def test_points_against_their_roofs():
     machine = Machine(torch.float32, 1, {"fp32": {"matmul": 100.0}}, {"sum": 10.0})
-    mem = Point("decode", 0.004, StepCost({"fp32": 1e6}, 2e7, 0, 0), machine)  # floor 2 ms
+    mem = Point("decode", 0.004, StepWork({"fp32": 1e6}, 2e7, 0, 0), machine)  # floor 2 ms
     assert mem.bound == "memory" and "50.0% of its bandwidth floor" in mem.row()
-    comp = Point("prefill", 0.004, StepCost({"fp32": 2e8}, 1e6, 0, 0), machine)  # 2 ms
+    comp = Point("prefill", 0.004, StepWork({"fp32": 2e8}, 1e6, 0, 0), machine)  # 2 ms
     assert comp.bound == "compute" and "50.0% of its compute ceiling" in comp.row()
     assert mem.warning() is None and comp.warning() is None
 
@@ -121,7 +121,7 @@ def test_synthetic_timings_sit_at_or_below_their_roofs(tiny_llama_dir):
 
 
 def test_a_point_above_its_roof_is_flagged():
-    cost = StepCost({"fp32": 1e6}, 2e7, 0, 0)  # floor 2 ms at 10 GB/s
+    cost = StepWork({"fp32": 1e6}, 2e7, 0, 0)  # floor 2 ms at 10 GB/s
     fast = Point("decode b=1", 0.0015, cost, MACHINE)
     assert fast.achieved > 1
     lines = roofline.table([Point("decode b=2", 0.004, cost, MACHINE), fast])

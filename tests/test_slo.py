@@ -20,8 +20,8 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.scheduler import MIN_PROMPT_TOKENS, UNSURE_PROMPT_TOKENS, Scheduler
 from kvserve.slo import (
     LatencyTargets,
-    StepCostModel,
     StepShape,
+    StepTimeModel,
     nonnegative_lstsq,
     prompt_attended,
 )
@@ -51,7 +51,7 @@ COEF = (0.020, 0.001, 0.002, 0.00001)
 
 def test_fit_recovers_the_coefficients_of_noisy_steps():
     rng = random.Random(0)
-    model = StepCostModel()
+    model = StepTimeModel()
     for _ in range(300):
         shape = StepShape(rng.choice([0, 0, 16, 64, 200]), rng.randint(0, 32),
                           rng.randint(0, 200_000))
@@ -64,7 +64,7 @@ def test_fit_recovers_the_coefficients_of_noisy_steps():
 
 
 def test_fit_is_unknown_until_enough_steps_and_never_negative():
-    model = StepCostModel(min_samples=16)
+    model = StepTimeModel(min_samples=16)
     for i in range(15):
         model.observe(StepShape(0, i + 1, 0), 0.01)
         assert model.predict(StepShape(0, 1, 0)) is None
@@ -96,7 +96,7 @@ def test_nonnegative_lstsq_is_feasible_and_no_worse_than_any_single_column(x, y)
 @given(decodes=st.integers(0, 64), context=st.integers(0, 3000),
        target_ms=st.floats(1, 400), limit=st.integers(0, 600))
 def test_max_prefill_is_the_largest_prompt_that_fits(decodes, context, target_ms, limit):
-    model = StepCostModel()
+    model = StepTimeModel()
     model.set(*COEF)
     base = StepShape(0, decodes, decodes * 500)
     got = model.max_prefill(base, target_ms / 1e3, limit, context)
@@ -358,7 +358,7 @@ def test_before_any_fit_a_target_admits_one_prompt_at_a_time():
 def test_drift_scales_predictions_and_is_taken_into_the_fit():
     """A machine twice as slow: after a few steps predictions double (drift), and a refit
     takes it in with the fit's shape intact instead of blaming what the later steps held."""
-    model = StepCostModel(min_samples=16, refit=8)
+    model = StepTimeModel(min_samples=16, refit=8)
     rng = random.Random(1)
 
     def run(n: int, slow: float) -> None:

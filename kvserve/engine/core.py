@@ -56,7 +56,7 @@ from kvserve.outputs import LATE_REFUSAL, CoreOutput, RequestTimes
 from kvserve.request import Request, RequestStatus
 from kvserve.scheduler import MIN_PROMPT_TOKENS, TARGET_MARGIN, Scheduler, calibration_requests
 from kvserve.settings import parse_size
-from kvserve.slo import StepCostModel, StepShape, default_itl_budget
+from kvserve.slo import StepShape, StepTimeModel, default_itl_budget
 from kvserve.spec_decode import build_drafter
 from kvserve.spec_decode.coordinator import SpecCoordinator
 from kvserve.stats import EngineStats, SpecState, StepRecord, TierState
@@ -290,10 +290,10 @@ class EngineCore:
             self.add_request(warmup)
             self._run_to_end()
             (probe, seconds), = self.scheduler.cost.samples[-1:]  # the warm-up's last step
-            self.scheduler.cost = cost = StepCostModel()
+            self.scheduler.cost = cost = StepTimeModel()
             kept = cache.load() if cache is not None else None
             if kept is not None:
-                check = StepCostModel()
+                check = StepTimeModel()
                 check.add_samples(kept)
                 check.fit_now()
                 predicted = check.predict_features(probe)

@@ -37,7 +37,7 @@ from kvserve.server import schemas
 from kvserve.server.args import ServerArgs
 from kvserve.server.chat_tools import ChatPlan, ChoiceStream, finish_reason, plan_chat
 from kvserve.server.errors import APIError, GuardMiddleware, error_body, install_error_handlers
-from kvserve.server.history import Sampler
+from kvserve.server.history import HistoryRecorder
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -235,7 +235,7 @@ def _prompt_lists(prompt, name: str = "prompt") -> list[str | list[int]]:
 def build_app(engine_args: EngineArgs, args: ServerArgs,
               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
     state = ServerState(engine_args, args)
-    sampler = Sampler(state.metrics, lambda: state.engine)  # the dashboard's time series
+    recorder = HistoryRecorder(state.metrics, lambda: state.engine)  # the dashboard's series
 
     async def load() -> None:
         engine = AsyncEngine(lambda: build_engine(engine_args), state.metrics,
@@ -254,9 +254,9 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         loader = asyncio.create_task(load())
-        sampler.start()
+        recorder.start()
         yield
-        await sampler.stop()
+        await recorder.stop()
         loader.cancel()
         if state.engine is not None:
             state.engine.stop()
@@ -306,7 +306,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
     @app.get("/v1/engine/history")
     async def engine_history(seconds: float | None = None) -> dict:
         """The dashboard's samples of the last `seconds` (up to 10 minutes), oldest first."""
-        return sampler.history.as_json(seconds)
+        return recorder.history.as_json(seconds)
 
     @app.get("/", include_in_schema=False)
     async def web_ui() -> Response:

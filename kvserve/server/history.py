@@ -1,4 +1,4 @@
-"""The dashboard's time series: a sampler that, once a second, records what the dashboard
+"""The dashboard's time series: a recorder that, once a second, records what the dashboard
 shows into a ring covering the last ten minutes (`GET /v1/engine/history`).
 
 A sample is JSON-ready:
@@ -108,7 +108,7 @@ class _Tail:
         return [self.values[i] for i in range(-new, 0)]
 
 
-class Sampler:
+class HistoryRecorder:
     """Fills a History once per `history.interval_s` while the engine serves; start() on the
     event loop, stop() before the engine stops."""
 
