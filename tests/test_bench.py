@@ -322,11 +322,14 @@ def test_requests_are_sent_at_their_poisson_arrival_times(fake):
     assert len(fake.bodies) == n and result.summary.completed == n
     expected = arrival_offsets(n, rate, 1.0, seed=7)
     starts = np.array(sorted(r.start for r in result.records))
+    # Never early, to the millisecond: a client that ignored the schedule (all at once, or
+    # at a steady rate) sends some request before its time. Late only by what a loaded
+    # machine may stall (LOOSE): a wall-clock bound any tighter flakes on 2 shared cores.
     assert np.all(starts >= expected - 1e-3)
-    assert np.all(starts < expected + SLACK / 3)
+    assert np.all(starts < expected + LOOSE)
     assert result.summary.duration_s >= expected[-1]
     seen = np.array(fake.arrivals) - fake.arrivals[0]
-    np.testing.assert_allclose(seen, expected - expected[0], atol=SLACK / 2)
+    np.testing.assert_allclose(seen, expected - expected[0], atol=LOOSE)
 
 
 # ----------------------------------------------------------------------------------- the CLI
