@@ -220,10 +220,10 @@ def test_a_machine_that_slows_down_halfway_shrinks_the_batch_back(tiny_llama_dir
 def test_a_late_refusal_is_a_429():
     """A queued request refused as predicted to miss its TTFT target is a 429 to the client,
     like one refused on arrival; any other engine error stays a 500."""
-    from kvserve.server.app import _failure
+    from kvserve.server.serving import failure
 
-    assert _failure(LATE_REFUSAL)[0] == 429
-    assert _failure("RuntimeError: boom") == (500, "request failed: RuntimeError: boom")
+    assert failure(LATE_REFUSAL)[0] == 429
+    assert failure("RuntimeError: boom") == (500, "request failed: RuntimeError: boom")
 
 
 def test_an_infeasible_target_says_so_and_serves_within_the_ttft_target(
