@@ -178,7 +178,7 @@ def test_kv_budget_default_by_device(monkeypatch):
     """No --kv-cache-memory: 1 GiB on a CPU; on a GPU (faked: its free and total bytes) what
     --gpu-memory-utilization leaves; an explicit size wins on either."""
     from kvserve.engine.args import EngineArgs
-    from kvserve.engine.core import kv_cache_budget
+    from kvserve.engine.startup import kv_cache_budget
 
     gib = 2**30
     assert kv_cache_budget(EngineArgs(), torch.device("cpu")) == gib

@@ -23,9 +23,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvserve.distributed.parallel import TensorParallel, check_split, head_shard, split
-from kvserve.engine.core import _check_tensor_parallel
 from kvserve.engine.llm import LLM
 from kvserve.engine.llm_engine import EngineArgs
+from kvserve.engine.startup import _check_tensor_parallel
 from kvserve.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.tp_workers import (
