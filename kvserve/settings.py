@@ -21,12 +21,17 @@ def device_arg(text: str) -> str:
     return text
 
 
+def _number(text: str) -> float:
+    """`text` as a float; NaN where it is none, which every range check below refuses."""
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")
+
+
 def fraction(text: str) -> float:
     """A number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
+    value = _number(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number in (0, 1]")
     return value
@@ -47,10 +52,7 @@ def itl_target(text: str) -> float:
     """--target-itl-ms: milliseconds > 0, or 0 / off for no step-time budget."""
     if text.strip().lower() == "off":
         return 0.0
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
+    value = _number(text)
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not milliseconds >= 0 or 'off'")
     return value

@@ -234,32 +234,37 @@ def _checks_on(mod) -> Iterator[None]:
     async_send = mod.AsyncHTTPTransport.handle_async_request
     checked = _checked_streams(mod)
 
+    def whole_body(request, response) -> _SSEChecker | None:
+        """The checker of a JSON body that must be read whole first; None when the response
+        is not checked or is a stream (wrapped here, checked as it is read)."""
+        validator = _validator_for(request, response)
+        if validator is None:
+            return None
+        checker = _SSEChecker(validator, f"{request.method} {request.url.path} "
+                                         f"({response.status_code})")
+        if _is_stream(response):
+            response.stream = checked(response.stream, checker)
+            return None
+        return checker
+
     def handle_request(self, request):
         response = sync_send(self, request)
-        validator = _validator_for(request, response)
-        if validator is not None:
-            what = f"{request.method} {request.url.path} ({response.status_code})"
-            if _is_stream(response):
-                response.stream = checked(response.stream, _SSEChecker(validator, what))
-            else:
-                body = b"".join(response.stream)
-                response.stream.close()
-                _check(validator, what, body)
-                response.stream = mod.ByteStream(body)
+        checker = whole_body(request, response)
+        if checker is not None:
+            body = b"".join(response.stream)
+            response.stream.close()
+            _check(checker.validator, checker.what, body)
+            response.stream = mod.ByteStream(body)
         return response
 
     async def handle_async_request(self, request):
         response = await async_send(self, request)
-        validator = _validator_for(request, response)
-        if validator is not None:
-            what = f"{request.method} {request.url.path} ({response.status_code})"
-            if _is_stream(response):
-                response.stream = checked(response.stream, _SSEChecker(validator, what))
-            else:
-                body = b"".join([c async for c in response.stream])
-                await response.stream.aclose()
-                _check(validator, what, body)
-                response.stream = mod.ByteStream(body)
+        checker = whole_body(request, response)
+        if checker is not None:
+            body = b"".join([c async for c in response.stream])
+            await response.stream.aclose()
+            _check(checker.validator, checker.what, body)
+            response.stream = mod.ByteStream(body)
         return response
 
     mod.HTTPTransport.handle_request = handle_request
