@@ -167,19 +167,7 @@ def _check(args: EngineArgs, requests, alone: Alone) -> None:
         assert out == alone(args, prompt, params), (prompt, params)
 
 
-@pytest.mark.parametrize("dtype,arch", [("float32", "llama"), ("bfloat16", "qwen2"),
-                                        ("bfloat16", "qwen3"), ("bfloat16", "mistral"),
-                                        ("float32", "gemma3"), ("bfloat16", "phi3"),
-                                        ("float32", "llama_bf16")])
-def test_tiny_model_requests_are_independent_of_their_batch(request, tmp_path_factory, alone,
-                                                            dtype, arch):
-    """mistral and gemma3: sliding windows of 8 tokens, far shorter than the prompts;
-    llama_bf16: a bf16 checkpoint in float32 (16-bit weights on AVX2's dense kernel). K/V
-    stored in the compute dtype, int8, and, under float32 activations, float16 or bf16 (the
-    16-bit cache --kv-cache-dtype auto picks on AVX2 unless float32 is asked for by name)."""
-    model = str(request.getfixturevalue(f"tiny_{arch}_dir"))
-    kvs = ["auto", "auto", "int8"] + (["float16", "bfloat16"] if dtype == "float32" else [])
-
+def _property(model: str, dtype: str, kvs: list[str], tmp_path_factory, alone) -> None:
     @settings(max_examples=20, deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(cfg=engine_strategy(model, model),
@@ -190,6 +178,35 @@ def test_tiny_model_requests_are_independent_of_their_batch(request, tmp_path_fa
                requests, alone)
 
     check()
+
+
+@pytest.mark.parametrize("dtype,arch", [("float32", "llama"), ("bfloat16", "qwen2"),
+                                        ("bfloat16", "qwen3"), ("bfloat16", "mistral"),
+                                        ("float32", "gemma3"), ("bfloat16", "phi3"),
+                                        ("float32", "llama_bf16")])
+def test_tiny_model_requests_are_independent_of_their_batch(request, tmp_path_factory, alone,
+                                                            dtype, arch):
+    """mistral and gemma3: sliding windows of 8 tokens, far shorter than the prompts;
+    llama_bf16: a bf16 checkpoint in float32 (16-bit weights on AVX2's dense kernel). K/V
+    stored as --kv-cache-dtype auto picks (the compute dtype, or float16 under float32 on
+    AVX2) and int8."""
+    model = str(request.getfixturevalue(f"tiny_{arch}_dir"))
+    _property(model, dtype, ["auto", "int8"], tmp_path_factory, alone)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "llama_bf16"])
+def test_a_16_bit_cache_under_float32_keeps_requests_independent(request, tmp_path_factory,
+                                                                 alone, kernel_build, arch):
+    """K/V stored as float16 or bf16 under float32 activations, which AVX2's kernel reads:
+    run on the avx2 build where the served one lacks it (an AVX-512 CPU), so the draws never
+    hit a path this build does not have."""
+    from kvserve.attention.torch_paged import TorchPagedAttention
+
+    kernel_build(lambda: all(TorchPagedAttention(4, 2, 64, kv).ops_for(
+        torch.float32, torch.device("cpu")) is not None for kv in ("float16", "bfloat16")),
+        "paged_attention for a 16-bit cache under float32 (AVX2)")
+    model = str(request.getfixturevalue(f"tiny_{arch}_dir"))
+    _property(model, "float32", ["float16", "bfloat16"], tmp_path_factory, alone)
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
