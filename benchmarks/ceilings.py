@@ -35,8 +35,8 @@ def main() -> None:
                                   max_num_seqs=max(batches),
                                   max_num_batched_tokens=max(512, max(batches))))
     machine, points, ridge = run(engine, batches, 0, args.steps, args.repeats)
-    print(f"quantized copies: {engine.quantization} ({engine.runner.model.weight_kernel()}); "
-          f"{args.repeats} runs a figure")
+    kernel = engine.local_core.runner.model.weight_kernel()
+    print(f"quantized copies: {engine.quantization} ({kernel}); {args.repeats} runs a figure")
     print("\n".join(machine_lines(machine)))
     ctx = decode_context(args.steps)
     print(f"\ndecode at ~{ctx} tokens of context")

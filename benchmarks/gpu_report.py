@@ -172,8 +172,8 @@ def batch1_decode(path: Path, device: str, prompt_len: int, out_len: int) -> dic
               kv_cache_memory="4GiB")  # one request's; the server after it takes the GPU
     try:
         params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-        vocab = llm.engine.runner.vocab_size
-        runner = llm.engine.runner
+        vocab = llm.engine.local_core.runner.vocab_size
+        runner = llm.engine.local_core.runner
 
         def tpots() -> list[float]:
             llm.generate(random_prompts(1, prompt_len, vocab, seed=99), params)  # warm-up

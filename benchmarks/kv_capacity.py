@@ -28,12 +28,13 @@ def peak_running(kv_cache_dtype: str, budget: str, n: int, prompt_len: int) -> d
     peak = 0
     while engine.has_unfinished_requests():
         engine.step()
-        peak = max(peak, len(engine.scheduler.running))
+        peak = max(peak, len(engine.local_core.scheduler.running))
     engine.check_integrity()
     tokens = prompt_len + 16
-    blocks_per_seq = -(-tokens // engine.kv.block_size)
-    return {"blocks": engine.kv.num_blocks, "planned": engine.kv.num_blocks // blocks_per_seq,
-            "peak": peak, "preemptions": engine.scheduler.num_preemptions}
+    kv = engine.local_core.kv
+    blocks_per_seq = -(-tokens // kv.block_size)
+    return {"blocks": kv.num_blocks, "planned": kv.num_blocks // blocks_per_seq,
+            "peak": peak, "preemptions": engine.local_core.scheduler.num_preemptions}
 
 
 def main() -> None:

@@ -35,13 +35,13 @@ def main() -> None:
     print("| kind | output phase, first | output phase, last | last / first |")
     print("|---|---|---|---|")
     for kind in OutputKind:
-        before = engine.steps[-1].step if engine.steps else 0
+        before = engine.local_core.steps[-1].step if engine.local_core.steps else 0
         engine.add_request(kind.value, prompt, params, output_kind=kind)
         t0 = time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
         wall = time.perf_counter() - t0
-        steps = [s for s in engine.steps if s.step > before and s.decode_tokens]
+        steps = [s for s in engine.local_core.steps if s.step > before and s.decode_tokens]
         first = statistics.median(s.output for s in steps[:window]) * 1e3
         last = statistics.median(s.output for s in steps[-window:]) * 1e3
         print(f"| {kind.value} | {first:.3f} | {last:.3f} | {last / first:.2f}x |"

@@ -21,8 +21,9 @@ from kvserve.sampling_params import SamplingParams
 
 def run(path: str, prompt: list[int], out_len: int, disable: bool) -> dict:
     engine = LLM(path, kv_cache_memory="2GiB", disable_hybrid_kv_cache_manager=disable).engine
-    block = engine.kv.block_size * slot_bytes(engine.model_config, "auto", engine.config.dtype,
-                                              engine.kv_layout)
+    kv = engine.local_core.kv
+    block = kv.block_size * slot_bytes(engine.model_config, "auto", engine.config.dtype,
+                                       engine.local_core.kv_layout)
     engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=out_len,
                                                    ignore_eos=True, logprobs=1))
     peak, final = 0, None
@@ -30,7 +31,7 @@ def run(path: str, prompt: list[int], out_len: int, disable: bool) -> dict:
     while engine.has_unfinished_requests():
         for o in engine.step():
             final = o
-        peak = max(peak, engine.kv.num_blocks - engine.kv.num_free_blocks)
+        peak = max(peak, kv.num_blocks - kv.num_free_blocks)
     seconds = time.perf_counter() - t0
     engine.close()
     c = final.outputs[0]

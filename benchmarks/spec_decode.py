@@ -79,13 +79,14 @@ def _same(tokens: list[list[int]], base: list[list[int]]) -> str:
 
 def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams, together: bool
           ) -> tuple[list[list[int]], float, str]:
-    before = copy.deepcopy(llm.engine.speculation.stats)
+    before = copy.deepcopy(llm.engine.local_core.speculation.stats)
     t0 = time.perf_counter()
     outs = (llm.generate(prompts, params) if together
             else [llm.generate([p], params)[0] for p in prompts])
     dt = time.perf_counter() - t0
     tokens = [o.outputs[0].token_ids for o in outs]
-    return tokens, sum(map(len, tokens)) / dt, spec_line(before, llm.engine.speculation.stats)
+    after = llm.engine.local_core.speculation.stats
+    return tokens, sum(map(len, tokens)) / dt, spec_line(before, after)
 
 
 def main() -> None:

@@ -38,10 +38,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 def phase_steps(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list:
     """Run prompts to completion and return the StepRecords of that run."""
     engine = llm.engine
-    before = engine.steps[-1].step if engine.steps else 0
+    before = engine.local_core.steps[-1].step if engine.local_core.steps else 0
     llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                          ignore_eos=True))
-    return [s for s in engine.steps if s.step > before]
+    return [s for s in engine.local_core.steps if s.step > before]
 
 
 def describe(name: str, steps: list, tp: int) -> str:

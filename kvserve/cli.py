@@ -404,7 +404,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     machine, points, ridge = roofline.run(engine, batches, args.prefill, args.steps,
                                           args.repeats)
     print(f"activations {dtype_name(machine.dtype)}; quantization: {engine.quantization} "
-          f"({engine.runner.model.weight_kernel()}); {args.repeats} runs a figure")
+          f"({engine.local_core.runner.model.weight_kernel()}); {args.repeats} runs a figure")
     for line in [*roofline.machine_lines(machine), *roofline.table(points)]:
         print(line)
     ctx = roofline.decode_context(args.steps)

@@ -455,7 +455,7 @@ def time_decode(engine, batch: int, steps: int, seed: int) -> float:
     for i in range(batch):
         prompt = torch.randint(3, vocab, (PROMPT_LEN,), generator=gen).tolist()
         engine.add_request(f"roofline-d{batch}-{seed}-{i}", prompt, params)
-    sched = engine.scheduler
+    sched = engine.local_core.scheduler
     while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                for r in sched.running):
         engine.step()
@@ -494,7 +494,7 @@ def cost_model(engine) -> WorkModel:
     """The cost model of `engine`'s loaded model and KV cache."""
     from kvserve.kv_cache.planner import kv_bytes_per_token
 
-    return WorkModel(engine.runner.model, kv_bytes_per_token(
+    return WorkModel(engine.local_core.runner.model, kv_bytes_per_token(
         engine.model_config, engine.config.cache.kv_cache_dtype, engine.config.dtype))
 
 

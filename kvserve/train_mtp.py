@@ -110,7 +110,7 @@ def train_mtp(model: str | None, output: Path, num_prompts: int = 1024,
     torch.manual_seed(seed)
     llm = LLM(model, seed=seed, max_num_seqs=128)
     engine = llm.engine
-    target = engine.runner.model
+    target = engine.local_core.runner.model
     device = engine.config.device
     cfg = target.config
 

@@ -53,14 +53,15 @@ def test_leaving_a_stream_early_aborts_and_frees_blocks(tiny_llama_dir):
         async for _ in engine.generate("x", [5, 6, 7], params):
             break  # the caller goes away after the first output
         for _ in range(100):
-            if llm.kv.num_free_blocks == llm.kv.num_blocks and not engine.num_unfinished:
+            if llm.local_core.kv.num_free_blocks == llm.local_core.kv.num_blocks and \
+                    not engine.num_unfinished:
                 break
             await asyncio.sleep(0.01)
         engine.stop()
         return llm
 
     llm = asyncio.run(run())
-    assert llm.kv.num_free_blocks == llm.kv.num_blocks
+    assert llm.local_core.kv.num_free_blocks == llm.local_core.kv.num_blocks
     assert not llm.has_unfinished_requests()
     llm.check_integrity()
 

@@ -131,7 +131,7 @@ def test_prefix_hits_from_the_pinned_host_tier_keep_tokens(tiny_llama_dir, gpu):
         for _ in range(2):
             outs = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts()]
             assert [list(o) for o in outs] == reference
-        assert llm.engine.kv.stats.hits["host"] > 0
+        assert llm.engine.local_core.kv.stats.hits["host"] > 0
         llm.engine.check_integrity()
     finally:
         llm.close()
@@ -164,7 +164,7 @@ def test_decode_steps_replay_cuda_graphs(tiny_llama_dir, gpu):
     llm = LLM(str(tiny_llama_dir), dtype="float32", device=gpu, block_size=4, max_num_seqs=8,
               kv_cache_memory="1GiB")
     try:
-        graphs = llm.engine.runner.graphs
+        graphs = llm.engine.local_core.runner.graphs
         assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
         outs = llm.generate(prompts(), GREEDY)
         assert graphs.replays >= GREEDY.max_tokens - 1

@@ -30,7 +30,7 @@ def triton_on_cpu(monkeypatch):
 def test_padding_rows_write_nothing_and_rows_match_eager(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, max_num_seqs=8)
     try:
-        runner = llm.engine.runner
+        runner = llm.engine.local_core.runner
         assert runner.can_capture_graphs()
         runner.capture_decode_graphs(8, 64, capture=eager_capture)
         graphs = runner.graphs
@@ -79,7 +79,7 @@ def test_engine_tokens_with_decode_graphs(tiny_gemma3_dir, monkeypatch):
     def run(graphs: bool) -> tuple[list[list[int]], int]:
         llm = LLM(str(tiny_gemma3_dir), dtype="float32", block_size=4, max_num_seqs=4)
         try:
-            runner = llm.engine.runner
+            runner = llm.engine.local_core.runner
             if graphs:
                 runner.capture_decode_graphs(4, 128, capture=eager_capture)
             outs = llm.generate(prompts, params)

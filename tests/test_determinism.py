@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 
 def _invariant_or_skip(engine: LLMEngine) -> None:
-    variant = engine.runner.model.batch_variant_parts()
+    variant = engine.local_core.runner.model.batch_variant_parts()
     if variant:
         pytest.skip(f"no batch-invariant kernels here: {'; '.join(variant)}")
 
@@ -313,8 +313,8 @@ def test_a_configuration_that_is_not_invariant_says_so(tiny_llama_dir, monkeypat
     lines = [r.getMessage() for r in caplog.records if "not batch-invariant" in r.getMessage()]
     assert len(lines) == 1
     assert "attention on torch's ops" in lines[0] and "F.linear" in lines[0]
-    assert engine.runner.model.batch_variant_parts()
+    assert engine.local_core.runner.model.batch_variant_parts()
     invariant = build_engine(EngineArgs(model=str(tiny_llama_dir), dtype="float32",
                                      num_kv_blocks=16, block_size=4))
     if kernels.attention_kernels(torch.float32, "cpu", 16) is not None:
-        assert invariant.runner.model.batch_variant_parts() == []
+        assert invariant.local_core.runner.model.batch_variant_parts() == []

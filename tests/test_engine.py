@@ -28,11 +28,12 @@ def test_batching_invariance_with_chunking_and_preemption(tiny_llama_dir):
     # to 93 tokens, so requests get preempted and recomputed.
     llm = make_llm(tiny_llama_dir, num_kv_blocks=60, max_num_batched_tokens=32)
     outs = llm.generate(prompts, GREEDY)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.local_core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == alone
-    assert sum(o.metrics.num_preemptions for o in outs) == llm.engine.scheduler.num_preemptions
+    preempted = llm.engine.local_core.scheduler.num_preemptions
+    assert sum(o.metrics.num_preemptions for o in outs) == preempted
     llm.engine.check_integrity()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.engine.local_core.kv.num_free_blocks == llm.engine.local_core.kv.num_blocks
 
 
 def test_seeded_sampling_is_independent_of_the_batch(tiny_llama_dir):
@@ -53,14 +54,14 @@ def test_n_samples_share_prompt_blocks(tiny_llama_dir):
     prompt = random_prompts(1, seed=9)[0] + list(range(2, 42))  # >= 10 full blocks
     params = SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=7, ignore_eos=True)
     engine.add_request("x", prompt, params)
-    while len(engine.scheduler.running) < 4:  # the prompt spans two steps' budgets
+    while len(engine.local_core.scheduler.running) < 4:  # the prompt spans two steps' budgets
         engine.step()
     full = (len(prompt) - 1) // 4
-    tables = [r.block_ids for r in engine.scheduler.running]
+    tables = [r.block_ids for r in engine.local_core.scheduler.running]
     assert len(tables) == 4
     for t in tables[1:]:
         assert t[:full] == tables[0][:full]  # the prompt's full blocks are shared
-    assert engine.kv.num_blocks - engine.kv.num_free_blocks < 4 * (full + 1)
+    assert engine.local_core.kv.num_blocks - engine.local_core.kv.num_free_blocks < 4 * (full + 1)
     while engine.has_unfinished_requests():
         outs = engine.step()
     (out,) = outs
@@ -156,7 +157,7 @@ def test_abort_frees_blocks_and_reports(tiny_llama_dir):
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_integrity()
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.local_core.kv.num_free_blocks == engine.local_core.kv.num_blocks
 
 
 def test_streaming_deltas_add_up(tiny_llama_dir):

@@ -46,6 +46,11 @@ def test_same_outputs_as_on_the_engine_thread(tiny_llama_dir):
         assert _generate(there) == want
         engine = there.engine
         engine.check_integrity()  # a call across the pipe
+        # the facts are here; the parts are in the child, and asking for them says so
+        assert engine.model_config == here.engine.model_config
+        assert engine.max_model_len == here.engine.max_model_len and engine.workers is None
+        with pytest.raises(RuntimeError, match="--engine-process"):
+            engine.local_core.kv  # noqa: B018
         assert engine.stats().kv_free_blocks == engine.stats().kv_blocks
         # Errors cross the pipe as the engine thread raises them.
         with pytest.raises(ValueError, match="max_model_len"):

@@ -67,7 +67,7 @@ def _pairs() -> list[tuple[int, int]]:
 
 
 def assert_idle(engine: LLM) -> None:
-    eng = engine.engine
+    eng = engine.engine.local_core
     eng.check_integrity()
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
     assert eng.scheduler.num_suspects == 0
@@ -95,7 +95,7 @@ def test_disk_write_failures_keep_outputs(tiny_llama_dir, tmp_path, alone, injec
     for _ in range(2):
         for (i, j), want in alone.items():
             assert engine.generate([prompts()[i]], PARAMS[j])[0].outputs[0].token_ids == want
-    disk = engine.engine.kv.store.tiers[-1]
+    disk = engine.engine.local_core.kv.store.tiers[-1]
     assert disk.stats.write_errors > 0 and len(disk) > 0  # half failed, half landed
     assert not list(tmp_path.rglob("*.tmp*"))  # no half-written file left behind
     assert_idle(engine)
@@ -109,10 +109,10 @@ def test_bad_disk_reads_are_recomputed(tiny_llama_dir, tmp_path, alone, inject, 
     first.close()
     inject(disk_read=how)
     engine = llm(tiny_llama_dir, num_kv_blocks=400, kv_cache_dir=str(tmp_path))
-    assert len(engine.engine.kv.store.tiers[-1]) > 0  # the index found the blocks
+    assert len(engine.engine.local_core.kv.store.tiers[-1]) > 0  # the index found the blocks
     for (i, j), want in alone.items():
         assert engine.generate([prompts()[i]], PARAMS[j])[0].outputs[0].token_ids == want
-    store = engine.engine.kv.store
+    store = engine.engine.local_core.kv.store
     assert store.stats.loads.get("disk", 0) == 0
     if how == "corrupt":
         assert store.tiers[-1].stats.corrupt_dropped > 0

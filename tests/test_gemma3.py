@@ -114,13 +114,13 @@ def _run_long_request(path, prompt: str, **kw) -> tuple[list[int], list[float], 
     engine = LLM(str(path), max_num_batched_tokens=128, kv_cache_memory="512MiB", **kw).engine
     engine.add_request("long", prompt, SamplingParams(temperature=0, max_tokens=8,
                                                       ignore_eos=True, logprobs=1))
-    block = engine.kv.block_size * slot_bytes(engine.model_config, "auto",
-                                              engine.config.dtype, engine.kv_layout)
+    block = engine.local_core.kv.block_size * slot_bytes(engine.model_config, "auto",
+                                              engine.config.dtype, engine.local_core.kv_layout)
     peak, out = 0, None
     while engine.has_unfinished_requests():
         for o in engine.step():
             out = o
-        peak = max(peak, engine.kv.num_blocks - engine.kv.num_free_blocks)
+        peak = max(peak, engine.local_core.kv.num_blocks - engine.local_core.kv.num_free_blocks)
     engine.check_integrity()
     engine.close()
     completion = out.outputs[0]

@@ -184,13 +184,14 @@ def test_engine_default_cache(tiny_llama_dir):
     engine = LLM(str(tiny_llama_dir), kv_cache_memory="1MiB").engine
     assert engine.config.cache.kv_cache_dtype == picked
     want = kv_storage_dtype(picked, compute)
-    assert all(c.dtype == want for c in engine.runner.kv_caches)
-    assert engine.runner.num_blocks == plan_kv(cfg, 1 << 20, 16, picked, compute, 64).num_blocks
+    assert all(c.dtype == want for c in engine.local_core.runner.kv_caches)
+    planned = plan_kv(cfg, 1 << 20, 16, picked, compute, 64).num_blocks
+    assert engine.local_core.runner.num_blocks == planned
     exact = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory="1MiB").engine
     assert exact.config.cache.kv_cache_dtype == "float32"
-    assert all(c.dtype == torch.float32 for c in exact.runner.kv_caches)
+    assert all(c.dtype == torch.float32 for c in exact.local_core.runner.kv_caches)
     if picked == "float16":
-        assert engine.runner.num_blocks == 2 * exact.runner.num_blocks
+        assert engine.local_core.runner.num_blocks == 2 * exact.runner.num_blocks
 
 
 def test_a_16_bit_cache_serves_requests_like_float32(tiny_llama_dir):

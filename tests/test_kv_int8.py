@@ -93,7 +93,7 @@ def test_paged_logits_close_to_the_unquantized_cache(tiny_llama_dir, device, dty
 def test_cache_layout_is_one_int8_tensor_per_layer(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, num_kv_blocks=32,
               kv_cache_dtype="int8")
-    runner = llm.engine.runner
+    runner = llm.engine.local_core.runner
     assert len(runner.kv_caches) == 2
     for kv in runner.kv_caches:
         assert kv.dtype == torch.int8 and kv.shape == (2, 2, 32 * 4, 16 + 2)
@@ -127,7 +127,7 @@ def test_int8_holds_at_least_1_9x_the_blocks_of_bfloat16():
 def test_engine_blocks_follow_the_kv_dtype(tiny_llama_dir):
     # the tiny model's head_dim of 16 gains 32 / 18 = 1.78x; head_dim 64 gains 1.94x
     blocks = {kv: LLM(str(tiny_llama_dir), dtype="bfloat16", block_size=16,
-                      kv_cache_memory="1MiB", kv_cache_dtype=kv).engine.runner.num_blocks
+                      kv_cache_memory="1MiB", kv_cache_dtype=kv).engine.local_core.runner.num_blocks
               for kv in ("auto", "int8")}
     assert blocks == {"auto": (1 << 20) // (16 * 2 * 2 * 2 * 16 * 2),
                       "int8": (1 << 20) // (16 * 2 * 2 * 2 * 18)}
@@ -141,7 +141,7 @@ def test_engine_batching_and_preemption_with_int8(tiny_llama_dir):
     alone = [alone_llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=50, max_num_batched_tokens=32, **common)
     outs = llm.generate(prompts, GREEDY)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.local_core.scheduler.num_preemptions > 0
     # quantization is per row, so a token's K/V do not depend on the batch it ran in
     assert [o.outputs[0].token_ids for o in outs] == alone
     llm.engine.check_integrity()
@@ -169,7 +169,7 @@ def test_bad_kv_cache_dtype_is_refused_clearly(tiny_llama_dir):
 def test_default_model_with_int8_kv(real_model_path):
     llm = LLM(str(real_model_path), dtype="bfloat16", kv_cache_memory="64MiB",
               kv_cache_dtype="int8")
-    assert llm.engine.runner.num_blocks == plan_kv(
+    assert llm.engine.local_core.runner.num_blocks == plan_kv(
         SMOLLM2, 64 << 20, 16, "int8", torch.bfloat16, 1).num_blocks == 353
     out = llm.generate(["The capital of France is"],
                        SamplingParams(temperature=0, max_tokens=4))[0].outputs[0]

@@ -57,11 +57,11 @@ def test_engine_block_count_equals_the_plan(tiny_llama_dir, kv, dtype):
     compute = getattr(torch, dtype)
     cfg = hf_model_config(tiny_llama_dir)
     plan = plan_kv(cfg, 1 << 20, 16, kv, compute, 64)
-    assert engine.runner.num_blocks == engine.kv.num_blocks == plan.num_blocks
+    assert engine.local_core.runner.num_blocks == engine.local_core.kv.num_blocks == plan.num_blocks
     assert plan.num_blocks == plan_num_blocks(cfg, CacheConfig(16, 1 << 20, kv_cache_dtype=kv),
                                               compute)
     # what is allocated is exactly what was planned, within the budget
-    allocated = sum(t.numel() * t.element_size() for t in engine.runner.kv_caches)
+    allocated = sum(t.numel() * t.element_size() for t in engine.local_core.runner.kv_caches)
     assert allocated == plan.kv_bytes <= 1 << 20
 
 

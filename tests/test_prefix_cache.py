@@ -40,7 +40,7 @@ def test_device_prefix_hits_keep_outputs(tiny_llama_dir, reference):
     tokens, cached = run_one_by_one(engine)
     assert tokens == reference
     assert cached[0] == 0 and all(c >= 28 for c in cached[1:])
-    assert engine.engine.kv.stats.hits["device"] > 0
+    assert engine.engine.local_core.kv.stats.hits["device"] > 0
     # all at once too (hits on blocks registered earlier in the same step)
     assert [o.outputs[0].token_ids for o in engine.generate(prompts(), GREEDY)] == reference
 
@@ -54,7 +54,7 @@ def test_host_and_disk_tiers_keep_outputs_across_restart(tiny_llama_dir, referen
     for _ in range(2):
         tokens, _ = run_one_by_one(engine)
         assert tokens == reference
-    hits = engine.engine.kv.stats.hits
+    hits = engine.engine.local_core.kv.stats.hits
     assert hits["host"] > 0 and hits["disk"] > 0, hits
     engine.engine.check_integrity()
     engine.close()  # flushes to disk
@@ -62,7 +62,7 @@ def test_host_and_disk_tiers_keep_outputs_across_restart(tiny_llama_dir, referen
     restarted = llm(tiny_llama_dir, num_kv_blocks=20, kv_cache_dir=str(tmp_path))
     tokens, cached = run_one_by_one(restarted)
     assert tokens == reference
-    assert cached[0] >= 28 and restarted.engine.kv.stats.hits["disk"] > 0
+    assert cached[0] >= 28 and restarted.engine.local_core.kv.stats.hits["disk"] > 0
 
 
 def test_bad_copies_on_disk_are_recomputed(tiny_llama_dir, reference, tmp_path):
@@ -85,9 +85,9 @@ def test_bad_copies_on_disk_are_recomputed(tiny_llama_dir, reference, tmp_path):
     events = [e["event"] for o in outs
               for e in engine.engine.request_timeline(o.request_id)["samples"][0]["events"]]
     assert "kv_load_failed" in events
-    assert engine.engine.kv.store.stats.loads.get("disk", 0) == 0
+    assert engine.engine.local_core.kv.store.stats.loads.get("disk", 0) == 0
     engine.engine.check_integrity()
-    assert engine.engine.kv.num_free_blocks == engine.engine.kv.num_blocks
+    assert engine.engine.local_core.kv.num_free_blocks == engine.engine.local_core.kv.num_blocks
 
 
 def test_cache_from_another_model_is_not_used(tiny_llama_dir, tiny_qwen2_dir, tmp_path):
@@ -96,7 +96,7 @@ def test_cache_from_another_model_is_not_used(tiny_llama_dir, tiny_qwen2_dir, tm
     first.generate(prompts(), GREEDY)
     other = llm(tiny_qwen2_dir, num_kv_blocks=400, kv_cache_dir=str(tmp_path))
     out = other.generate([prompts()[0]], GREEDY)[0]
-    assert out.num_cached_tokens == 0 and not other.engine.kv.stats.hits
+    assert out.num_cached_tokens == 0 and not other.engine.local_core.kv.stats.hits
     assert len(list(tmp_path.iterdir())) == 2  # one directory per model fingerprint
 
 

@@ -54,7 +54,7 @@ def test_dense_bytes_are_what_the_kernel_reads(tiny_llama_bf16_dir):
     """A bf16 checkpoint served in float32 is read as 16-bit tiles where the dense kernel
     takes them: half the bytes of its float32 weights."""
     model, llm = loaded(tiny_llama_bf16_dir, "none")
-    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
+    layers = [m for m in llm.engine.local_core.runner.model.modules() if isinstance(m, LinearBase)]
     assert model.weight_bytes + model.head_bytes == sum(roofline.layer_bytes(m) for m in layers)
     if kernels.dense_half_kernels("cpu", 64, 64) is not None:
         assert model.weight_bytes == 2 * model.params
@@ -79,7 +79,7 @@ def test_mixed_model_gets_the_flop_weighted_ceiling(tiny_llama_dir):
     """Quantized projections with a bf16 LM head (and bf16 attention): the compute time is
     each part's FLOPs over its own ceiling."""
     llm = LLM(str(tiny_llama_dir), dtype="bfloat16", quantization="int8", num_kv_blocks=64)
-    net = llm.engine.runner.model
+    net = llm.engine.local_core.runner.model
     net.lm_head.packed = None  # torch's F.linear on the bf16 weight
     assert roofline.arithmetic_of(net.lm_head, torch.bfloat16) == "bf16"
     assert isinstance(net.layers[0].mlp.down_proj.packed, QuantizedWeight)

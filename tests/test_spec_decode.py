@@ -79,12 +79,12 @@ def test_greedy_outputs_identical_with_speculation(tiny_llama_dir, other_tiny_di
                    speculative_config=cfg)
     outs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == alone
-    stats = llm.engine.speculation.stats
+    stats = llm.engine.local_core.speculation.stats
     assert stats.num_drafts > 0
     if name == "draft-same":
         assert stats.num_accepted == stats.num_drafts  # the target drafting for itself
     llm.engine.check_integrity()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.engine.local_core.kv.num_free_blocks == llm.engine.local_core.kv.num_blocks
     # alone, one request at a time, too
     single = make_llm(tiny_llama_dir, speculative_config=cfg)
     assert single.generate([prompts[0]], GREEDY)[0].outputs[0].token_ids == alone[0]
@@ -112,7 +112,7 @@ def test_stop_rules_and_logprobs_with_speculation(tiny_llama_dir):
             for a, b in zip(got.logprobs, want.logprobs, strict=True):
                 assert a.token_id == b.token_id
                 assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
-    assert spec.engine.speculation.stats.num_accepted > 0
+    assert spec.engine.local_core.speculation.stats.num_accepted > 0
     spec.engine.check_integrity()
 
 
@@ -125,9 +125,9 @@ def test_sampled_requests_with_speculation_stay_consistent(tiny_llama_dir):
     for o, p in zip(outs, params, strict=True):
         assert len(o.outputs) == p.n
         assert all(len(c.token_ids) == 20 for c in o.outputs)
-    assert llm.engine.speculation.stats.num_drafts > 0
+    assert llm.engine.local_core.speculation.stats.num_drafts > 0
     llm.engine.check_integrity()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.engine.local_core.kv.num_free_blocks == llm.engine.local_core.kv.num_blocks
     # Seeded: the tokens are those of decoding without speculation (verification matches
     # drafts against the token the target samples with the request's own uniform numbers).
     plain = make_llm(tiny_llama_dir, num_kv_blocks=80)
@@ -283,11 +283,11 @@ def test_rollback_integrity_under_random_acceptance(tiny_llama_dir, oracle_setup
     prompts, params, truth = oracle_setup
     llm = make_llm(tiny_llama_dir, num_kv_blocks=num_blocks, max_num_batched_tokens=budget,
                    speculative_config={"method": "ngram", "num_speculative_tokens": k})
-    llm.engine.speculation.drafter = _NoisyOracle(truth, random.Random(seed))
+    llm.engine.local_core.speculation.drafter = _NoisyOracle(truth, random.Random(seed))
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == [truth[tuple(p)] for p in prompts]
     llm.engine.check_integrity()
-    kv = llm.engine.kv
+    kv = llm.engine.local_core.kv
     assert kv.num_free_blocks == kv.num_blocks
     valid = set()
     for p in prompts:
@@ -298,7 +298,7 @@ def test_rollback_integrity_under_random_acceptance(tiny_llama_dir, oracle_setup
             valid.add(BlockKey(h, parent, tokens))
             parent = h
     assert all(b.key in valid for b in kv.pool.cached.values())
-    assert llm.engine.speculation.stats.num_drafts > 0
+    assert llm.engine.local_core.speculation.stats.num_drafts > 0
 
 
 def test_ngram_lookup():
@@ -332,14 +332,14 @@ def test_adaptive_policy(tiny_llama_dir):
            "max_draft_tokens": 6, "min_acceptance": 0.5, "acceptance_window": 8,
            "probe_interval": 4}
     llm = make_llm(tiny_llama_dir, speculative_config=cfg)
-    drafter = llm.engine.speculation.drafter = _WrongDrafter()
+    drafter = llm.engine.local_core.speculation.drafter = _WrongDrafter()
     base = make_llm(tiny_llama_dir)
     prompts = repetitive_prompts(4, seed=8)
     want = [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY)]
     # Four requests > max_batch_size: no drafts until one finishes.
     outs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == want
-    assert llm.engine.speculation.stats.num_steps_off > 0
+    assert llm.engine.local_core.speculation.stats.num_steps_off > 0
     # With three running, at most max_draft_tokens drafts per step in all.
     assert all(sum(ks) <= 6 for ks in drafter.calls)
     # Alone: drafts, all rejected, so the request stops drafting but for a one-token probe
@@ -413,8 +413,8 @@ def test_mtp_on_the_vnni_kernels_keeps_greedy_output(tiny_llama_dir, tmp_path, d
     llm = make_llm(tiny_llama_dir, speculative_config={
         "method": "mtp", "model": str(random_mtp), "num_speculative_tokens": 2,
         "min_acceptance": 0.0}, **kw)
-    drafter = llm.engine.speculation.drafter
+    drafter = llm.engine.local_core.speculation.drafter
     assert drafter.module.gate_up.packed is not None  # the module runs int8 on VNNI
     assert (drafter.head_q is not None) == draft_vocab
     assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == plain
-    assert llm.engine.speculation.stats.num_drafts > 0
+    assert llm.engine.local_core.speculation.stats.num_drafts > 0

@@ -184,9 +184,9 @@ def test_grammar_time_is_its_own_step_phase(tiny_llama_dir):
     llm = make_llm(tiny_llama_dir)
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8,
                                              structured_outputs=schema_spec()))
-    assert any(r.grammar > 0 for r in llm.engine.steps)
+    assert any(r.grammar > 0 for r in llm.engine.local_core.steps)
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8))
-    assert llm.engine.steps[-1].grammar == 0
+    assert llm.engine.local_core.steps[-1].grammar == 0
 
 
 @pytest.mark.parametrize("spec", [

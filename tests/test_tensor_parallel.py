@@ -238,7 +238,7 @@ def test_tp2_requests_are_independent_of_their_batch(uneven_gqa_dir, dtype):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
     with LLM(str(uneven_gqa_dir), dtype=dtype, kv_cache_memory="8MiB",
              tensor_parallel_size=2, max_num_batched_tokens=16) as llm:
-        if llm.engine.runner.model.batch_variant_parts():
+        if llm.engine.local_core.runner.model.batch_variant_parts():
             pytest.skip("no batch-invariant kernels here")
         alone = [llm.generate([p], params)[0].outputs[0] for p in TINY_PROMPTS]
         together = [o.outputs[0] for o in llm.generate(TINY_PROMPTS, params)]
@@ -266,7 +266,7 @@ def test_tp2_with_speculation_matches_plain_decoding(uneven_gqa_dir, mqa_dir, me
     with LLM(str(uneven_gqa_dir), dtype="float32", kv_cache_memory="8MiB",
              tensor_parallel_size=2, speculative_config=json.dumps(spec)) as llm:
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-        assert llm.engine.speculation.stats.num_drafts > 0
+        assert llm.engine.local_core.speculation.stats.num_drafts > 0
     assert plain == out
 
 

@@ -68,7 +68,7 @@ def test_preemption_and_cache_hits_appear(tiny_llama_dir):
     llm = make_llm(tiny_llama_dir, num_kv_blocks=40)
     ps = prompts(8, seed=1)
     outs = llm.generate(ps, PARAMS)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.local_core.scheduler.num_preemptions > 0
     preempted = 0
     for o in outs:
         t = llm.engine.request_timeline(o.request_id)
@@ -127,7 +127,7 @@ def test_step_profiler(tiny_llama_dir):
     llm = make_llm(tiny_llama_dir, step_buffer_size=5)
     ps = prompts(3, seed=5)
     llm.generate(ps, PARAMS)
-    steps = list(llm.engine.steps)
+    steps = list(llm.engine.local_core.steps)
     assert len(steps) == 5  # the newest five
     assert [s.step for s in steps] == list(range(steps[0].step, steps[0].step + 5))
     for s in steps:
@@ -138,16 +138,16 @@ def test_step_profiler(tiny_llama_dir):
     assert steps[-1].prefill_tokens == 0 and steps[-1].decode_tokens == steps[-1].num_requests
     first = make_llm(tiny_llama_dir)
     first.generate(ps, PARAMS)
-    assert sum(s.prefill_tokens for s in first.engine.steps) == sum(map(len, ps))
+    assert sum(s.prefill_tokens for s in first.engine.local_core.steps) == sum(map(len, ps))
 
 
 def test_timelines_off(tiny_llama_dir):
     llm = make_llm(tiny_llama_dir, timeline_buffer_size=0, step_buffer_size=0,
                    num_kv_blocks=40)
     outs = llm.generate(prompts(8, seed=1), PARAMS)
-    assert llm.engine.scheduler.num_preemptions > 0  # resuming works without events
+    assert llm.engine.local_core.scheduler.num_preemptions > 0  # resuming works without events
     assert llm.engine.request_timeline(outs[0].request_id) is None
-    assert not llm.engine.steps
+    assert not llm.engine.local_core.steps
     assert all(o.metrics.ttft is not None and o.metrics.e2e_time for o in outs)
 
 

@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.core import EngineCore, EngineDeadError
+from kvserve.engine.core_api import core_calls
 from kvserve.outputs import CoreOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.stats import EngineStats
@@ -56,9 +57,10 @@ class _Facts:
 
 
 # What the parent may ask for; anything else is a bug on its side.
-_CALLS = frozenset({"check_request", "add_request", "finish_request", "has_unfinished_requests",
-                    "request_status", "predicted_ttft", "stats", "check_health", "check_integrity",
-                    "num_unfinished"})
+# Core's calls the child answers by calling its core: all but step (it runs record_step too
+# and sends the stats with its outputs), record_step (done with the step) and close (the pipe
+# closing ends the child), which the proxy handles itself.
+_CALLS = core_calls() - {"step", "record_step", "close"}
 
 
 def _portable(e: BaseException) -> BaseException:

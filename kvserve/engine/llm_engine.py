@@ -9,8 +9,11 @@ async engine, the server and the CLI all get their engine from it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.core import EngineCore, EngineDeadError
+from kvserve.engine.core_api import Core
 from kvserve.engine.core_process import CoreProcess
 from kvserve.engine.processor import OutputProcessor
 from kvserve.models.paths import resolve_model
@@ -18,6 +21,10 @@ from kvserve.outputs import OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.stats import EngineStats
 from kvserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kvserve.config import EngineConfig, ModelConfig
+    from kvserve.worker.tp_workers import TensorParallelWorkers
 
 __all__ = ["EngineArgs", "EngineDeadError", "LLMEngine", "build_engine"]
 
@@ -42,11 +49,11 @@ def build_engine(args: EngineArgs) -> LLMEngine:
 
 
 class LLMEngine:
-    """One engine, stepped by one thread. The core's parts (`kv`, `scheduler`, `runner`,
-    ...) are exposed for tools and tests on that thread; readers elsewhere use the
-    snapshots of `stats()` (published by AsyncEngine)."""
+    """One engine, stepped by one thread. Its core is any `Core` (engine.core_api): in this
+    process, its parts are `local_core`'s, for tools and tests on that thread; readers
+    elsewhere use the snapshots of `stats()` (published by AsyncEngine)."""
 
-    def __init__(self, core: EngineCore, processor: OutputProcessor) -> None:
+    def __init__(self, core: Core, processor: OutputProcessor) -> None:
         self.core = core
         self.processor = processor
         self.tokenizer = processor.tokenizer
@@ -107,7 +114,7 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.core.check_integrity()
 
-    # The core's parts and facts, for tools and tests on the stepping thread.
+    # The core's facts, whichever core it is.
 
     @property
     def dead(self) -> str | None:
@@ -118,11 +125,11 @@ class LLMEngine:
         return self.core.max_model_len
 
     @property
-    def model_config(self):
+    def model_config(self) -> ModelConfig:
         return self.core.model_config
 
     @property
-    def config(self):
+    def config(self) -> EngineConfig:
         return self.core.config
 
     @property
@@ -130,29 +137,15 @@ class LLMEngine:
         return self.core.quantization
 
     @property
-    def kv(self):
-        return self.core.kv
-
-    @property
-    def kv_layout(self):
-        return self.core.kv_layout
-
-    @property
-    def scheduler(self):
-        return self.core.scheduler
-
-    @property
-    def runner(self):
-        return self.core.runner
-
-    @property
-    def speculation(self):
-        return self.core.speculation
-
-    @property
-    def workers(self):
+    def workers(self) -> TensorParallelWorkers | None:
         return self.core.workers
 
     @property
-    def steps(self):
-        return self.core.steps
+    def local_core(self) -> EngineCore:
+        """The core in this process, whose parts (`kv`, `kv_layout`, `scheduler`, `runner`,
+        `speculation`, `steps`) tools and tests read on the stepping thread. Under
+        --engine-process they live in the child, and this says so."""
+        if not isinstance(self.core, EngineCore):
+            raise RuntimeError("the engine core runs in a process of its own "
+                               "(--engine-process): its parts are not in this process")
+        return self.core
