@@ -38,8 +38,8 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.structured import apply_bitmask
 
 # Top-p first looks for the nucleus among this many most likely tokens (a partial topk),
-# falling back to a full sort only for rows where that cannot decide it exactly. Measured
-# on 64 x 49152 logits: topk(1024) 12 ms against 107 ms for the stable sort.
+# falling back to a full sort only for rows where that cannot decide it exactly: on 64 x
+# 49152 logits the partial topk took about a ninth of the stable sort's time.
 TOP_P_CANDIDATES = 1024
 
 

@@ -63,8 +63,8 @@ MIN_PROMPT_TOKENS = 4
 # also holds the server's own work between steps and the cost model's error.
 TARGET_MARGIN = 0.9
 # Under an ITL target with no fitted cost model: the prompt work a step with decodes gets
-# (a short prompt step's worth: well under a 500 ms budget at the ~12 ms a prompt token of a
-# 1.5B model on 2 cores).
+# (a short prompt step's worth: well under the default 500 ms budget even for a 1.5B model
+# on 2 cores; benchmarks/RESULTS.md has its cost per prompt token).
 UNSURE_PROMPT_TOKENS = SHORT_STEP_TOKENS
 # Steps with decodes measured over the ITL target this many times in a row make the scheduler
 # give back what the batch cannot carry (Scheduler._recover): one slow step is noise, four
@@ -710,8 +710,8 @@ class Scheduler:
 # little prompt work (the step that costs most on a slow machine).
 CALIBRATION_ROWS = 4
 # Prompt tokens of each measured request; the warm-up's prompt is CALIBRATION_WARMUP_PROMPT
-# (any step touches every weight). The prompt step is the calibration's dearest: on a 1B Q4_K_M
-# on 2 AVX2 cores a prompt token costs ~16 ms, so 4 x 8 tokens took 1.29 s in all, 4 x 4 less.
+# (any step touches every weight). The prompt step is the calibration's dearest on a slow
+# machine (a 1B model on 2 AVX2 cores), so its prompts are as short as a fit allows.
 CALIBRATION_PROMPT = 4
 CALIBRATION_WARMUP_PROMPT = 1
 

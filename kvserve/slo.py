@@ -39,9 +39,9 @@ DRIFT_MIN_SAMPLES = 3
 DRIFT_BOUNDS = (0.5, 8.0)
 DRIFT_REBASE = 0.1
 # The default step-time budget of steps that carry decodes (`--target-itl-ms` unset): 500 ms,
-# a pause a reader of a stream barely notices (a 7.4k-token prompt beside four streams on a
-# 2-core AVX2 CPU: gaps of 548 ms at most instead of 19.5 s, for 14% more TTFT, most of it
-# the streams' own decoding: benchmarks/RESULTS.md); or, on a machine where one decode
+# a pause a reader of a stream barely notices (a long prompt beside four streams on a 2-core
+# CPU: gaps near the budget instead of the whole prompt's time, for a little more TTFT,
+# most of it the streams' own decoding: benchmarks/RESULTS.md); or, on a machine where one decode
 # step of one request is slower than a quarter of that, four such steps, so the budget always
 # leaves room for prompt work and more rows.
 DEFAULT_ITL_BUDGET_S = 0.5

@@ -227,8 +227,8 @@ def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 
 # Byte b of a bitmask -> an additive bias for its 8 tokens (0 allowed, -inf forbidden).
-# Expanding a mask by lookup and adding it took 0.7 ms for 32 x 49152 logits here, against
-# 6.5 ms for shifting every 32-bit word 32 times and a boolean masked_fill.
+# Expanding a mask by lookup and adding it is about ten times faster than shifting every
+# 32-bit word 32 times and a boolean masked_fill.
 _BIAS = torch.zeros(256, 8).masked_fill_(
     ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1) == 0, float("-inf"))
 

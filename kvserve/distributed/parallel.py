@@ -110,11 +110,10 @@ class TensorParallel:
         """Sum x over the ranks; every rank gets the same bits. Partial sums travel in float32,
         so a reduced-precision model rounds once after the sum, as a single matmul would.
 
-        On gloo the sum is built from cheaper collectives than its all_reduce, which measured
-        1.2-1.4 ms between two processes here for any size up to 512 x 576 floats: two ranks
-        swap their parts with one send/recv pair each (0.11 ms at 1 row, 0.18 ms at 64, 0.59
-        ms at 512), more ranks all-gather (0.36-0.69 ms up to 64 rows) and sum in rank
-        order. NCCL's all_reduce is used as it is."""
+        On gloo the sum is built from cheaper collectives than its all_reduce, which costs
+        the same large fixed time between two processes for any step size: two ranks swap
+        their parts with one send/recv pair each (a fraction of it at decode sizes), more
+        ranks all-gather and sum in rank order. NCCL's all_reduce is used as it is."""
         if self.size == 1:
             return x
         t0 = self._begin()

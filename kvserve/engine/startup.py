@@ -160,7 +160,7 @@ def _build(args: EngineArgs, path, dtype: torch.dtype, kv_cache_dtype: str,
         loaded.gguf_reader = None
     else:
         tokenizer = Tokenizer.from_dir(path)
-    # the tokenizer's JSON only when a grammar first needs it (0.07 s for a 151k vocab)
+    # the tokenizer's JSON only when a grammar first needs it (slow for a large vocabulary)
     grammars = GrammarCompiler(tokenizer.backend.to_str, cfg.vocab_size,
                                     sorted(tokenizer.eos_token_ids))
     max_len = args.max_model_len or cfg.max_position

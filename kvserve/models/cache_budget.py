@@ -13,8 +13,8 @@ bound it, both read by `Budget.from_env`:
   the model it saves a start of. `--quantization auto` packs a Q4_K_M GGUF into about 3x its
   file in float32 (the real Qwen2.5-Coder-1.5B: a 3.2 GiB entry for a 1.07 GB file, most of
   it the float32 embedding); under `1x` such a model was never cached and every start
-  dequantized and packed it again (21 s against ~2 s). The floor is for small quantized
-  models: the default model's 98 MB Q4_1 GGUF packs to a 202 MiB entry in float32 (148 MiB
+  dequantized and packed it again (about ten times a cached start). The floor is for small
+  quantized models: the default model's 98 MB Q4_1 GGUF packs to a 202 MiB entry in float32 (148 MiB
   in bf16; int8 252 MiB, unquantized 383-621 MiB). A GGUF served in place
   (`--quantization gguf`) writes no entry at all.
 

@@ -146,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
                 fused = [by_meta[id(m)] for m in metas]
         if fused is not None:
             # All layers in one C++ call making the same ATen and kernel calls as the modules
-            # below, without ~50 us of Python per layer between them.
+            # below, without the modules' Python between each layer's calls.
             slots, seqs, tables, block_size, scale = zip(*fused, strict=True)
             return self.norm(ops().run_layers(
                 x, *rope, *local, self.fused_weights(), kv_caches, list(slots), seqs[0],

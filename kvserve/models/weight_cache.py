@@ -8,8 +8,9 @@ off with `KVSERVE_NO_WEIGHT_CACHE=1`):
   aligned to 64 bytes (as torch's allocator aligns its blocks). It is mapped back privately
   (`UntypedStorage.from_file(shared=False)`, what `torch.load(mmap=True)` does) and every
   tensor is a view of that mapping: the parameters and packed weights are the page cache's
-  pages, with no copy and no unpickling (torch.load's weights-only unpickler took 0.10 s over
-  the default model's 424 tensors), and processes serving the same entry share them;
+  pages, with no copy and no unpickling (torch.load's weights-only unpickler is a visible
+  part of a start even for the default model's 424 tensors), and processes serving the same
+  entry share them;
 - `<model>-<slot>-<key>.json`: the manifest, written after the tensors (its presence commits
   the entry): the fingerprint, the data file's size, each tensor's dtype, shape, strides,
   offset and CRC-32, and the model state that is not tensors (its config, the resolved

@@ -354,9 +354,10 @@ def release_freed_memory() -> None:
     freed after loading does not stay resident under the KV cache about to be allocated.
 
     Only the young generations are collected: a full collection walks every object torch's
-    import leaves (~185k, 0.10-0.13 s of each start here) and, measured after a load from the
-    GGUF, found 10 small objects and no tensor (what loading frees goes by reference counts),
-    while the trim handed back 650 MB. The collector's own passes still reclaim the rest."""
+    import leaves (~185k, a noticeable part of each start) and, after a load from the GGUF,
+    found a handful of small objects and no tensor (what loading frees goes by reference
+    counts), while the trim handed back hundreds of MB. The collector's own passes still
+    reclaim the rest."""
     gc.collect(1)
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -378,9 +379,10 @@ def zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype,
           device: torch.device) -> torch.Tensor:
     """torch.zeros, but on the CPU in fresh anonymous memory, which the kernel hands out as
     zero pages on first touch: a GiB of KV cache then costs nothing at start-up (torch.zeros
-    writes every byte, 0.3-0.7 s for the default 1 GiB here), its pages are paid for as blocks
-    are first written, and every slot still reads 0 until then, whatever the memory held
-    before (no dependence on uninitialised memory). Resident memory grows with use instead."""
+    writes every byte, a visible part of a start for the default 1 GiB), its pages are paid
+    for as blocks are first written, and every slot still reads 0 until then, whatever the
+    memory held before (no dependence on uninitialised memory). Resident memory grows with
+    use instead."""
     numel = math.prod(shape)
     if device.type != "cpu" or numel == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):
         return torch.zeros(shape, dtype=dtype, device=device)
