@@ -22,7 +22,8 @@ from kvserve.engine.llm import LLM
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.mtp import MTPModule, save_mtp
-from kvserve.worker.model_runner import ForwardItem, allocate_kv_caches, run_forward
+from kvserve.worker.forward import ForwardItem
+from kvserve.worker.model_runner import allocate_kv_caches, run_forward
 
 log = logging.getLogger(__name__)
 

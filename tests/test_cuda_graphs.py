@@ -14,7 +14,8 @@ from kvserve.engine.llm import LLM
 from kvserve.kernels import triton_paged
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.cuda_graphs import eager_capture
-from kvserve.worker.model_runner import ForwardItem, run_forward
+from kvserve.worker.forward import ForwardItem
+from kvserve.worker.model_runner import run_forward
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not triton_paged.available() or os.environ.get("TRITON_INTERPRET") != "1",

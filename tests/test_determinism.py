@@ -275,7 +275,8 @@ def test_forward_rows_do_not_depend_on_the_batch(tiny_llama_dir):
     when its request runs alone and when eleven others share the step."""
     from kvserve.attention.torch_paged import TorchPagedAttention
     from kvserve.models.loader import load_model
-    from kvserve.worker.model_runner import ForwardItem, allocate_kv_caches, run_forward
+    from kvserve.worker.forward import ForwardItem
+    from kvserve.worker.model_runner import allocate_kv_caches, run_forward
 
     for dtype in (torch.float32, torch.bfloat16):
         model = load_model(tiny_llama_dir, dtype, torch.device("cpu"),

@@ -389,7 +389,8 @@ def test_fused_decode_layers_equal_the_modules(tmp_path, kernel_build, arch, dty
                                               kv, batch):
     """A decode-only step through the C++ run_layers gives exactly the hidden states (and
     K/V) of the Python modules: the same ATen calls in the same order."""
-    from kvserve.worker.model_runner import ForwardItem, allocate_kv_caches, run_forward
+    from kvserve.worker.forward import ForwardItem
+    from kvserve.worker.model_runner import allocate_kv_caches, run_forward
     from tests.conftest import build_tiny_model
 
     _attention_or_skip(kernel_build, dtype, kv)
@@ -422,7 +423,8 @@ def test_fused_layers_with_prompt_work_equal_the_modules(tmp_path, kernel_build,
     """A step with prompt work through the C++ run_layers gives exactly the hidden states and
     K/V of the Python modules. The step holds a decode row, a chunk after cached context, a
     fresh prompt and a verification of drafts."""
-    from kvserve.worker.model_runner import ForwardItem, allocate_kv_caches, run_forward
+    from kvserve.worker.forward import ForwardItem
+    from kvserve.worker.model_runner import allocate_kv_caches, run_forward
     from tests.conftest import build_tiny_model
 
     _attention_or_skip(kernel_build, dtype, kv)

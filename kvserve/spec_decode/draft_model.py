@@ -21,7 +21,8 @@ from kvserve.models.llama import LlamaForCausalLM
 from kvserve.request import Request
 from kvserve.spec_decode.base import Drafter
 from kvserve.spec_decode.sampling import sample_drafts
-from kvserve.worker.model_runner import ForwardItem, allocate_kv_caches, run_forward
+from kvserve.worker.forward import ForwardItem
+from kvserve.worker.model_runner import allocate_kv_caches, run_forward
 
 
 @dataclass

@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.kv_cache.layout import KVLayout
+from kvserve.worker.forward import ForwardItem
 
 if TYPE_CHECKING:
     from kvserve.models.llama import LlamaForCausalLM
-    from kvserve.worker.model_runner import ForwardItem
 
 log = logging.getLogger(__name__)
 

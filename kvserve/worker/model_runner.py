@@ -39,6 +39,7 @@ from kvserve.sampler import Sampler, SamplingMetadata, TokenLogprobs, token_logp
 from kvserve.scheduler import SchedulerOutput
 from kvserve.structured import fill_bitmasks
 from kvserve.worker.cuda_graphs import Captured, DecodeGraphs, cuda_capture
+from kvserve.worker.forward import ForwardItem
 
 log = logging.getLogger(__name__)
 
@@ -93,20 +94,6 @@ def resolve_quantization(quantization: str, dtype: str | torch.dtype) -> str:
                                    isinstance(dtype, str) and dtype in ("float32", "fp32")):
         return "none"
     return quantization
-
-
-@dataclass
-class ForwardItem:
-    """One request's share of a forward pass: `token_ids` at positions start, start+1, ...,
-    their K/V written into the slots of `block_ids` (and, per KV group after the first, of
-    `group_tables`: see kv_cache.layout); hidden states are returned for the last
-    `num_outputs` of them."""
-
-    token_ids: list[int]
-    start: int
-    block_ids: list[int]
-    num_outputs: int
-    group_tables: list[list[int]] = field(default_factory=list)
 
 
 def run_forward(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
