@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 
 
 class Core(Protocol):
-    # facts, fixed once the model is loaded
+    """An engine core as its callers see it. Every call is made from the one thread that
+    steps the engine; the facts are fixed once the model has loaded."""
+
     model_config: ModelConfig
     config: EngineConfig
     quantization: str
