@@ -204,12 +204,16 @@ def _check(validator: jsonschema.protocols.Validator, what: str, data: bytes,
         f"{'/'.join(map(str, error.absolute_path)) or '(body)'}: {error.message[:300]}"
 
 
-class _SSEChecker:
-    """Feeds a text/event-stream through, checking each `data:` event as it completes."""
+class _ResponseChecker:
+    """One response's check: `body` for a JSON body read whole, `feed` for a
+    text/event-stream, each `data:` event checked as it completes."""
 
     def __init__(self, validator: jsonschema.protocols.Validator, what: str,
                  again=None) -> None:
         self.validator, self.what, self.again, self.buffer = validator, what, again, b""
+
+    def body(self, data: bytes) -> None:
+        _check(self.validator, self.what, data, self.again)
 
     def feed(self, chunk: bytes) -> None:
         self.buffer += chunk
@@ -228,7 +232,7 @@ def _checked_streams(mod):
     """A byte stream of httpx-like module `mod` whose events are checked as they are read."""
 
     class CheckedStream(mod.SyncByteStream, mod.AsyncByteStream):
-        def __init__(self, stream, checker: _SSEChecker) -> None:
+        def __init__(self, stream, checker: _ResponseChecker) -> None:
             self.stream, self.checker = stream, checker
 
         def __iter__(self) -> Iterator[bytes]:
@@ -258,15 +262,15 @@ def _checks_on(mod) -> Iterator[None]:
     async_send = mod.AsyncHTTPTransport.handle_async_request
     checked = _checked_streams(mod)
 
-    def whole_body(request, response) -> _SSEChecker | None:
+    def whole_body(request, response) -> _ResponseChecker | None:
         """The checker of a JSON body that must be read whole first; None when the response
         is not checked or is a stream (wrapped here, checked as it is read)."""
         validator = _validator_for(request, response)
         if validator is None:
             return None
-        checker = _SSEChecker(validator, f"{request.method} {request.url.path} "
-                                         f"({response.status_code})",
-                              lambda: _refetched(request, response))
+        checker = _ResponseChecker(validator, f"{request.method} {request.url.path} "
+                                              f"({response.status_code})",
+                                   lambda: _refetched(request, response))
         if _is_stream(response):
             response.stream = checked(response.stream, checker)
             return None
@@ -278,7 +282,7 @@ def _checks_on(mod) -> Iterator[None]:
         if checker is not None:
             body = b"".join(response.stream)
             response.stream.close()
-            _check(checker.validator, checker.what, body, checker.again)
+            checker.body(body)
             response.stream = mod.ByteStream(body)
         return response
 
@@ -288,7 +292,7 @@ def _checks_on(mod) -> Iterator[None]:
         if checker is not None:
             body = b"".join([c async for c in response.stream])
             await response.stream.aclose()
-            _check(checker.validator, checker.what, body, checker.again)
+            checker.body(body)
             response.stream = mod.ByteStream(body)
         return response
 

@@ -24,11 +24,9 @@ def test_generated_docs_are_current():
 
 
 def test_usage_names_every_flag_of_serve():
-    from kvserve.cli import build_parser
+    from tests.test_cli_wiring import _commands
 
     usage = (ROOT / "docs" / "usage.md").read_text()
-    serve = next(a for a in build_parser()._actions if hasattr(a, "choices") and
-                 isinstance(a.choices, dict) and "serve" in a.choices).choices["serve"]
-    for action in serve._actions:
+    for action in _commands()["serve"]._actions:
         for flag in action.option_strings:
             assert flag in usage, flag
