@@ -444,7 +444,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     from kvserve import kernels
-    from kvserve.config import resolve_dtype, resolve_kv_cache_dtype
+    from kvserve.config import resolve_dtype, resolve_kv_cache_dtype, resolve_max_model_len
     from kvserve.kv_cache.layout import KVLayout
     from kvserve.kv_cache.planner import (
         capacity_gain,
@@ -463,10 +463,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     path = resolve_model(args.model)
     cfg = read_model_config(path)
     dtype = resolve_dtype(args.dtype, torch.device(args.device))
-    max_len = args.max_model_len or cfg.max_position
-    if max_len > cfg.max_position:
-        raise ValueError(f"--max-model-len {max_len} exceeds the model's context length "
-                         f"{cfg.max_position}")
+    max_len = resolve_max_model_len(args.max_model_len, cfg)
     seq_len = args.prompt_len + args.output_len
     if seq_len > max_len:
         raise ValueError(f"--prompt-len + --output-len = {seq_len} exceeds max_model_len "

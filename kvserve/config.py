@@ -160,6 +160,15 @@ class SchedulerConfig:
             raise ValueError("shedding late requests needs a TTFT target (--target-ttft-ms)")
 
 
+def resolve_max_model_len(requested: int | None, model: ModelConfig) -> int:
+    """--max-model-len against the model's context length: the latter when not given."""
+    max_len = requested or model.max_position
+    if max_len > model.max_position:
+        raise ValueError(f"--max-model-len {max_len} exceeds the model's context length "
+                         f"{model.max_position}")
+    return max_len
+
+
 SPEC_METHODS = ("ngram", "draft_model", "mtp")
 
 

@@ -177,13 +177,12 @@ def test_gpu_budget_is_the_share_left_after_loading():
 def test_kv_budget_default_by_device(monkeypatch):
     """No --kv-cache-memory: 1 GiB on a CPU; on a GPU (faked: its free and total bytes) what
     --gpu-memory-utilization leaves; an explicit size wins on either."""
-    from kvserve.engine.args import EngineArgs
     from kvserve.engine.startup import kv_cache_budget
 
     gib = 2**30
-    assert kv_cache_budget(EngineArgs(), torch.device("cpu")) == gib
+    assert kv_cache_budget(None, torch.device("cpu"), 0.9) == gib
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * gib, 80 * gib))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     cuda = torch.device("cuda")
-    assert kv_cache_budget(EngineArgs(gpu_memory_utilization=0.5), cuda) == 40 * gib - 21 * gib
-    assert kv_cache_budget(EngineArgs(kv_cache_memory="2GiB"), cuda) == 2 * gib
+    assert kv_cache_budget(None, cuda, 0.5) == 40 * gib - 21 * gib
+    assert kv_cache_budget(2 * gib, cuda, 0.5) == 2 * gib

@@ -15,6 +15,7 @@ import pytest
 
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.core import EngineCore
+from kvserve.engine.startup import create_config
 from kvserve.outputs import LATE_REFUSAL
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
@@ -75,8 +76,8 @@ class Served:
 
 
 def engine(path, **kw) -> EngineCore:
-    return EngineCore(EngineArgs(model=str(path), dtype="float32", block_size=4,
-                                 num_kv_blocks=2048, **kw))
+    return EngineCore(create_config(EngineArgs(model=str(path), dtype="float32", block_size=4,
+                                               num_kv_blocks=2048, **kw)))
 
 
 def serve(core: EngineCore, m: Machine, arrivals: list[tuple[float, int, int]],

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from kvserve.distributed.parallel import TensorParallel, check_split, head_shard, split
 from kvserve.engine.llm import LLM
 from kvserve.engine.llm_engine import EngineArgs
-from kvserve.engine.startup import _check_tensor_parallel
+from kvserve.engine.startup import create_config
 from kvserve.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.tp_workers import (
@@ -99,12 +99,17 @@ def test_vocab_shards_are_equal_and_zero_padded():
     assert not shards[1][3].any()  # the padding row of the last rank
 
 
-def test_features_that_keep_rank0_state_are_refused():
+def test_features_that_keep_rank0_state_are_refused(tiny_llama_dir):
+    """Refused by create_config, before a rank is spawned or the model read."""
+    def config(**kw):
+        return create_config(EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=2, **kw))
+
     with pytest.raises(ValueError, match="not supported with --tensor-parallel-size"):
-        _check_tensor_parallel(EngineArgs(tensor_parallel_size=2, host_kv_cache_memory="1GiB"))
+        config(host_kv_cache_memory="1GiB")
     with pytest.raises(ValueError, match="mtp drafter"):
-        _check_tensor_parallel(EngineArgs(tensor_parallel_size=2, speculative_config=json.dumps(
-            {"method": "mtp", "model": "x.safetensors"})))
+        config(speculative_config=json.dumps({"method": "mtp", "model": "x.safetensors"}))
+    with pytest.raises(ValueError, match="--engine-process does not support"):
+        config(engine_process=True)
 
 
 # ------------------------------------------------------- the NCCL path, with fakes (no GPU)

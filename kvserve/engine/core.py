@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 
 from kvserve import faults, kernels
-from kvserve.engine.args import EngineArgs
 from kvserve.engine.calibration_cache import CalibrationCache, agrees
-from kvserve.engine.startup import CoreParts, build_parts
+from kvserve.engine.startup import CoreParts, StartupConfig, build_parts
 from kvserve.kernels import build_spec
 from kvserve.models.weight_cache import code_versions
 from kvserve.outputs import LATE_REFUSAL, CoreOutput, RequestTimes
@@ -43,11 +42,12 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, parts: CoreParts | None = None) -> None:
-        """Run `parts` (by default built from `args` by engine.startup.build_parts): the loaded
+    def __init__(self, config: StartupConfig, parts: CoreParts | None = None) -> None:
+        """Run `parts` (by default built from `config` by engine.startup.build_parts): the loaded
         tokenizer is `tokenizer`, for the front. With a latency target (or the default step
         budget), the step cost model is calibrated before the first request."""
-        parts = parts if parts is not None else build_parts(args)
+        parts = parts if parts is not None else build_parts(config)
+        args = config.args
         self.dead: str | None = None  # why the engine can no longer step, once it cannot
         self.config, self.model_config = parts.config, parts.model_config
         self.tokenizer, self.grammars = parts.tokenizer, parts.grammars
@@ -55,7 +55,7 @@ class EngineCore:
         self.runner, self.kv, self.scheduler = parts.runner, parts.kv, parts.scheduler
         self.speculation, self.workers = parts.speculation, parts.workers
         self._speculative_config = args.speculative_config  # the calibration cache's key
-        targets = args.latency_targets()
+        targets = config.targets
         self.steps: deque[StepRecord] = deque(maxlen=max(args.step_buffer_size, 1))
         self._keep_steps = args.step_buffer_size > 0
         self._record_timelines = args.timeline_buffer_size > 0

@@ -22,9 +22,9 @@ import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from kvserve.engine.args import EngineArgs
 from kvserve.engine.core import EngineCore, EngineDeadError
 from kvserve.engine.core_api import core_calls
+from kvserve.engine.startup import StartupConfig
 from kvserve.outputs import CoreOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.stats import EngineStats
@@ -72,13 +72,13 @@ def _portable(e: BaseException) -> BaseException:
         return RuntimeError(f"{type(e).__name__}: {e}")
 
 
-def _serve(conn: Connection, args: EngineArgs) -> None:
+def _serve(conn: Connection, config: StartupConfig) -> None:
     """The child: build the core, then answer calls until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:
-        core = EngineCore(args)
+        core = EngineCore(config)
     except BaseException as e:
         conn.send(_Reply(error=_portable(e)))
         return
@@ -121,12 +121,10 @@ class CoreProcess:
     workers = None  # tensor parallelism is not supported here (refused at start)
     tokenizer = None  # the parent loads its own
 
-    def __init__(self, args: EngineArgs) -> None:
-        if args.tensor_parallel_size > 1:
-            raise ValueError("--engine-process does not support --tensor-parallel-size > 1")
+    def __init__(self, config: StartupConfig) -> None:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, args), name="kvserve-core")
+        self._proc = ctx.Process(target=_serve, args=(child, config), name="kvserve-core")
         self._proc.start()
         child.close()
         self.dead: str | None = None

@@ -16,7 +16,7 @@ from kvserve.engine.core import EngineCore, EngineDeadError
 from kvserve.engine.core_api import Core
 from kvserve.engine.core_process import CoreProcess
 from kvserve.engine.processor import OutputProcessor
-from kvserve.models.paths import resolve_model
+from kvserve.engine.startup import create_config
 from kvserve.outputs import OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.stats import EngineStats
@@ -33,14 +33,13 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     """Load the model and set up both sides of an engine: the core on this thread, or with
     `engine_process` in a child process (which loads the model while this one loads the
     tokenizer)."""
-    if args.timeline_buffer_size < 0 or args.step_buffer_size < 0:
-        raise ValueError("timeline and step buffer sizes must be >= 0")
+    config = create_config(args)  # every setting checked before anything is loaded
     if not args.engine_process:
-        core = EngineCore(args)
+        core = EngineCore(config)
         return LLMEngine(core, OutputProcessor(core, core.tokenizer, args.timeline_buffer_size))
-    proc = CoreProcess(args)
+    proc = CoreProcess(config)
     try:
-        tokenizer = Tokenizer.load(resolve_model(args.model))
+        tokenizer = Tokenizer.load(config.model_path)
         proc.wait_ready()
     except BaseException:
         proc.close()
