@@ -231,7 +231,7 @@ def test_pre_tokenizer_splits_match_transformers(ref: Any, pre: str) -> None:
     from tokenizers import Regex, pre_tokenizers
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 
-    from kvserve.tokenizer import _byte_level_pre_tokenizer
+    from kvserve.tokenizer.vocab import byte_level_pre_tokenizer
 
     split = GGUF_PRE_TOKENIZER_SPLITS.get(pre)
     if split is None:  # transformers keeps GPT2Tokenizer's default for this name
@@ -243,7 +243,7 @@ def test_pre_tokenizer_splits_match_transformers(ref: Any, pre: str) -> None:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-    ours = _byte_level_pre_tokenizer(pre)
+    ours = byte_level_pre_tokenizer(pre)
     for text in CORPUS:
         assert ours.pre_tokenize_str(text) == expected.pre_tokenize_str(text), text
 
