@@ -2,7 +2,7 @@
 
     python benchmarks/ceilings.py [--batches 1,8,16,32,64,128] [--steps 24] [--quantization auto]
 
-The measurements and the cost model are `kvserve roofline`'s (kvserve/roofline.py), in one
+The measurements and the cost model are `kvserve roofline`'s (kvserve/tools/roofline.py), in one
 process with the engine's thread settings:
 
 1. The machine: each arithmetic's ceiling (bf16, fp32: torch's matmul and kvserve's
@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 
 from kvserve.engine.llm_engine import EngineArgs, build_engine
-from kvserve.roofline import cost_model, decode_context, machine_lines, run, table
+from kvserve.tools.roofline import cost_model, decode_context, machine_lines, run, table
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def bench(port: int, workload: str, out: Path, seed: int) -> dict:
-    cmd = [str(PYTHON), "-m", "kvserve.cli", "bench", "serve", "--base-url",
+    cmd = [str(PYTHON), "-m", "kvserve", "bench", "serve", "--base-url",
            f"http://127.0.0.1:{port}", *WORKLOADS[workload], "--seed", str(seed),
            "--temperature", "0", "--no-progress", "--save-result", str(out)]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)

@@ -133,8 +133,8 @@ def roofline_steps(path: Path, device: str, bandwidth: float, flops: float) -> l
     """`kvserve roofline`'s table on the device: decode steps at batch 1, 8 and 64 and a
     512-token prefill, each placed against this GPU's roof (the bf16 matmul ceiling and the
     copy bandwidth measured here)."""
-    from kvserve import roofline
     from kvserve.engine.llm_engine import EngineArgs, build_engine
+    from kvserve.tools import roofline
 
     machine = roofline.Machine(torch.bfloat16, 0, {"bf16": {"torch matmul": flops / 1e9}},
                                {"device copy": bandwidth / 1e9})
@@ -166,7 +166,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 def batch1_decode(path: Path, device: str, prompt_len: int, out_len: int) -> dict:
     """kvserve's time per output token for a lone request (median over 3 requests)."""
     from kvserve.engine.llm import LLM
-    from kvserve.sampling_params import SamplingParams
+    from kvserve.sample.sampling_params import SamplingParams
 
     llm = LLM(str(path), dtype="bfloat16", device=device, max_model_len=prompt_len + out_len,
               kv_cache_memory="4GiB")  # one request's; the server after it takes the GPU
@@ -204,7 +204,7 @@ def serve_bench(path: Path, device: str, args: argparse.Namespace, out_dir: Path
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log_path = out_dir / f"serve-{path.name}.log"
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(path), "--device",
+    cmd = [sys.executable, "-m", "kvserve", "serve", "--model", str(path), "--device",
            device, "--dtype", "bfloat16", "--port", str(port),
            "--max-num-seqs", str(args.concurrency),
            "--max-model-len", str(args.input_len + args.output_len + 16)]
@@ -227,7 +227,7 @@ def serve_bench(path: Path, device: str, args: argparse.Namespace, out_dir: Path
                 raise RuntimeError(f"kvserve serve not healthy in {args.start_timeout}s")
             time.sleep(0.5)
         result = out_dir / f"bench-{path.name}.json"
-        bench = [sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url",
+        bench = [sys.executable, "-m", "kvserve", "bench", "serve", "--base-url",
                  f"http://127.0.0.1:{port}", "--dataset", "random", "--tokenizer", str(path),
                  "--random-input-len", str(args.input_len), "--random-output-len",
                  str(args.output_len), "--num-prompts", str(args.num_prompts),

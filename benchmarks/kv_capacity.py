@@ -14,7 +14,7 @@ import argparse
 import random
 
 from kvserve.engine.llm_engine import EngineArgs, build_engine
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 
 
 def peak_running(kv_cache_dtype: str, budget: str, n: int, prompt_len: int) -> dict:

@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-KVSERVE = [sys.executable, "-m", "kvserve.cli"]
+KVSERVE = [sys.executable, "-m", "kvserve"]
 
 
 def start(args: list[str], url: str, log=subprocess.DEVNULL,

@@ -17,7 +17,7 @@ import time
 import torch
 
 from kvserve.engine.llm import LLM
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 
 
 def main() -> None:

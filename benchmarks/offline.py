@@ -16,7 +16,7 @@ import time
 import torch
 
 from kvserve.engine.llm import LLM
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -17,7 +17,7 @@ import time
 
 from kvserve.engine.llm_engine import EngineArgs, build_engine
 from kvserve.outputs import OutputKind
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import time
 from kvserve.engine.llm import LLM
 from kvserve.kv_cache.planner import slot_bytes
 from kvserve.models.paths import gemma3_model_path
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 
 
 def run(path: str, prompt: list[int], out_len: int, disable: bool) -> dict:

@@ -24,7 +24,7 @@ import copy
 import time
 
 from kvserve.engine.llm import LLM
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 from kvserve.stats import SpecStats
 
 CHAT = [

@@ -53,7 +53,7 @@ COMPILE_SCHEMAS = {
 
 
 def bench(port: int, load: str, constrained: bool, out: Path, seed: int) -> dict:
-    cmd = [str(PYTHON), "-m", "kvserve.cli", "bench", "serve", "--base-url",
+    cmd = [str(PYTHON), "-m", "kvserve", "bench", "serve", "--base-url",
            f"http://127.0.0.1:{port}", "--dataset", "random", "--random-input-len", "256",
            "--random-output-len", "128", *LOADS[load], "--seed", str(seed),
            "--temperature", "0", "--no-progress", "--save-result", str(out)]
@@ -71,8 +71,8 @@ def grammar_steps(port: int) -> list[dict]:
 def compile_times() -> list[tuple[str, float, float]]:
     """(schema, cold ms, cached ms) with a GrammarCompiler on the default model's tokenizer."""
     from kvserve.models.paths import resolve_model
-    from kvserve.sampling_params import StructuredOutputs
-    from kvserve.structured import GrammarCompiler
+    from kvserve.sample.sampling_params import StructuredOutputs
+    from kvserve.sample.structured import GrammarCompiler
     from kvserve.tokenizer import Tokenizer
 
     tok = Tokenizer.load(resolve_model(None))

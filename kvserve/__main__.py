@@ -1,9 +1,9 @@
-"""`python -m kvserve ...`: the same commands as the `kvserve` script (kvserve.cli)."""
+"""`python -m kvserve ...`: the same commands as the `kvserve` script (kvserve.entrypoints.cli)."""
 
 from __future__ import annotations
 
 import sys
 
-from kvserve.cli import main
+from kvserve.entrypoints.cli import main
 
 sys.exit(main())

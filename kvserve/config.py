@@ -137,7 +137,7 @@ class SchedulerConfig:
     # a prompt's last chunk) gets steps of its own before decodes and long chunks.
     short_prompt_steps: bool = True
     # Latency targets (seconds; None: not targeted). With an ITL target, each step's prompt
-    # work and the admission of new requests are sized by the step cost model (kvserve.slo)
+    # work and the admission of new requests are sized by the step cost model (kvserve.sched.slo)
     # so that running decodes' steps stay within it; the TTFT target defines goodput and,
     # with `shed_late_requests`, refuses requests predicted to miss it (the server's 429).
     target_ttft_s: float | None = None

@@ -6,7 +6,17 @@ import enum
 from dataclasses import dataclass, field
 
 from kvserve.request import Request, RequestStatus
-from kvserve.sampler import TokenLogprobs
+
+
+@dataclass
+class TokenLogprobs:
+    """One sampled token's logprob (raw: of the model's logits, see sample.sampler), its rank
+    and the top alternatives a request asked for."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1-based rank in the raw distribution; 1 + number of strictly larger logprobs
+    top: list[tuple[int, float]]  # (token id, logprob), len = requested logprobs, descending
 
 
 @dataclass

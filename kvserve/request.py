@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.sampling_params import SamplingParams
-from kvserve.structured import Grammar
+from kvserve.sample.sampling_params import SamplingParams
+from kvserve.sample.structured import Grammar
 
 
 class RequestStatus(enum.Enum):

@@ -126,9 +126,9 @@ class EngineStats:
     spec: SpecState | None = None
     steps: tuple[StepRecord, ...] = ()  # the step profiler's recent records, oldest first
     # the step cost model's coefficients (seconds: fixed, per prefill token, per decode row,
-    # per 1024 attended pairs; kvserve.slo), None until fitted; and the prompt tokens the
+    # per 1024 attended pairs; kvserve.sched.slo), None until fitted; and the prompt tokens the
     # last step sized under the ITL target allowed, and the factor predicted TTFTs are
-    # scaled by (measured / predicted of recent requests; Scheduler.ttft_calibration)
+    # scaled by (measured / predicted of recent requests; TTFTPredictor.calibration)
     step_cost: tuple[float, float, float, float] | None = None
     prompt_allowance: int | None = None
     ttft_calibration: float = 1.0

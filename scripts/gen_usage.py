@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvserve.cli import build_parser  # noqa: E402
+from kvserve.entrypoints.cli import build_parser  # noqa: E402
 
 PAGE = ROOT / "docs" / "usage.md"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
@@ -72,19 +72,32 @@ def render() -> str:
 
 
 def render_layers() -> str:
-    """The layers contract as a drawing: top to bottom, each layer's packages side by side
-    (`|`: siblings that may not import each other)."""
+    """The import-linter contracts as a drawing: the first layers contract top to bottom, each
+    layer's packages side by side (`|`: they may not import each other; `:` they may), then
+    every other contract in a line."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    (contract,) = [c for c in config["tool"]["importlinter"]["contracts"]
-                   if c["type"] == "layers"]
-    rows = [" | ".join(m.removeprefix("kvserve.") for m in layer.split(" | "))
-            for layer in contract["layers"]]
+    contracts = config["tool"]["importlinter"]["contracts"]
+    short = lambda m: m.removeprefix("kvserve.")  # noqa: E731
+    main, *rest = contracts
+    assert main["type"] == "layers", "the first contract draws the layers"
+    rows = [re.sub(r"kvserve\.", "", layer) for layer in main["layers"]]
     width = max(map(len, rows))
-    lines = ["```text", f"{contract['name']} (a module imports only from layers below its own)",
+    lines = ["```text", f"{main['name']} (a module imports only from layers below its own)",
              ""]
     for i, row in enumerate(rows):
         lines += [f"  {row.center(width)}".rstrip()] + (
             [f"  {'v'.center(width)}".rstrip()] if i < len(rows) - 1 else [])
+    lines.append("")
+    for c in rest:
+        if c["type"] == "layers":
+            what = " > ".join(re.sub(r"kvserve\.", "", layer) for layer in c["layers"])
+        elif c["type"] == "independence":
+            what = "none of " + ", ".join(map(short, c["modules"])) + " imports another"
+        else:
+            what = (", ".join(map(short, c["source_modules"])) + " may not import "
+                    + ", ".join(map(short, c["forbidden_modules"]))
+                    + (" directly" if c.get("allow_indirect_imports") else ""))
+        lines.append(f"{c['name']}:\n  {what}")
     return "\n".join(lines + ["```"])
 
 

@@ -19,9 +19,9 @@ import openai
 import uvicorn
 
 from kvserve.engine.llm_engine import EngineArgs
-from kvserve.server.app import build_app
-from kvserve.server.args import ConnectionLimits, ServerArgs
-from kvserve.server.connections import server_config
+from kvserve.entrypoints.server.app import build_app
+from kvserve.entrypoints.server.args import ConnectionLimits, ServerArgs
+from kvserve.entrypoints.server.connections import server_config
 
 
 def openai_client(url: str, strict: bool = True, **kw) -> openai.OpenAI:
@@ -120,7 +120,8 @@ def metric(url: str, name: str) -> float:
 
 # ----------------------------------------------------------------------------------------
 # Every response a test receives from a kvserve server, checked against the OpenAPI document
-# that server publishes (kvserve.server.schemas): JSON bodies whole, streams event by event.
+# that server publishes (kvserve.entrypoints.server.schemas): JSON bodies whole, streams event
+# by event.
 
 _DOCS: dict[str, dict | None] = {}  # origin -> its /openapi.json (None: not a kvserve API)
 _VALIDATORS: dict[tuple[str, str, str, str], jsonschema.protocols.Validator | None] = {}

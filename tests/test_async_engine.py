@@ -10,7 +10,7 @@ import pytest
 
 from kvserve.engine.async_engine import AsyncEngine, QueueFullError
 from kvserve.engine.llm_engine import EngineArgs, build_engine
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -23,6 +23,14 @@ import pytest
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from kvserve.bench.client import (
+    BenchError,
+    RequestRecord,
+    ServeBenchConfig,
+    arrival_offsets,
+    build_payload,
+    join_url,
+)
 from kvserve.bench.datasets import (
     DatasetConfig,
     DatasetError,
@@ -31,21 +39,9 @@ from kvserve.bench.datasets import (
     load_requests,
     load_tokenizer,
 )
-from kvserve.bench.serve import (
-    BenchError,
-    RequestRecord,
-    ServeBenchConfig,
-    Stats,
-    arrival_offsets,
-    benchmark,
-    build_payload,
-    format_report,
-    join_url,
-    meets_slos,
-    parse_goodput,
-    summarize,
-)
-from kvserve.cli import main
+from kvserve.bench.report import Stats, format_report, meets_slos, parse_goodput, summarize
+from kvserve.bench.serve import benchmark
+from kvserve.entrypoints.cli import main
 from tests.conftest import byte_level_tokenizer_json
 
 FIRST_DELAY = 0.05

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.cli import main
+from kvserve.entrypoints.cli import main
 from kvserve.models.cache_budget import (
     MODEL_FLOOR,
     Budget,

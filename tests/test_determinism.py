@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.engine.llm_engine import EngineArgs, LLMEngine, build_engine
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

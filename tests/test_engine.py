@@ -8,7 +8,7 @@ import random
 import pytest
 
 from kvserve.outputs import OutputKind
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 from tests.conftest import make_llm
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

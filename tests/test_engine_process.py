@@ -13,8 +13,8 @@ import pytest
 from kvserve.engine.core import EngineDeadError
 from kvserve.engine.llm_engine import EngineArgs
 from kvserve.outputs import OutputKind
-from kvserve.sampling_params import SamplingParams, StructuredOutputs
-from kvserve.structured import StructuredOutputError
+from kvserve.sample.sampling_params import SamplingParams, StructuredOutputs
+from kvserve.sample.structured import StructuredOutputError
 from tests.conftest import make_llm
 from tests.server_utils import openai_client, run_server
 

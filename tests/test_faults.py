@@ -17,7 +17,7 @@ from kvserve.engine.llm import LLM
 from kvserve.faults import Faults
 from kvserve.kv_cache.hashing import BlockKey
 from kvserve.kv_cache.tiers import DiskTier
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 
 PARAMS = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
           SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)]

@@ -15,7 +15,7 @@ from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.engine.llm import LLM
 from kvserve.engine.llm_engine import EngineArgs
 from kvserve.models.loader import load_model
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 from tests.conftest import gguf_parsed_once
 from tests.server_utils import assert_completion_envelope, openai_client, run_server
 from tests.test_model import paged_logits
@@ -139,7 +139,7 @@ def test_sliding_window_blocks_are_handed_back(gemma3_path):
 
 
 def test_plan_counts_the_sliding_windows(gemma3_path):
-    out = subprocess.run([sys.executable, "-m", "kvserve.cli", "plan", "--model",
+    out = subprocess.run([sys.executable, "-m", "kvserve", "plan", "--model",
                           str(gemma3_path), "--prompt-len", "8000", "--output-len", "192",
                           "--dtype", "bfloat16"],  # auto is float32 on CPUs without bf16
                          capture_output=True, text=True, check=True).stdout
@@ -150,7 +150,7 @@ def test_plan_counts_the_sliding_windows(gemma3_path):
 
 
 def test_cli_generate(gemma3_path):  # by its short name
-    r = subprocess.run([sys.executable, "-m", "kvserve.cli", "generate", "Water boils at",
+    r = subprocess.run([sys.executable, "-m", "kvserve", "generate", "Water boils at",
                         "--model", "gemma3", "--temperature", "0", "--max-tokens", "8"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -13,10 +13,10 @@ import httpx
 import pytest
 
 from kvserve.engine.llm_engine import EngineArgs
-from kvserve.metrics import EngineMetrics
+from kvserve.engine.metrics import EngineMetrics
+from kvserve.entrypoints.server.errors import APIError
+from kvserve.entrypoints.server.history import History, HistoryRecorder, percentiles
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvserve.server.errors import APIError
-from kvserve.server.history import History, HistoryRecorder, percentiles
 from kvserve.stats import EngineStats
 from tests.server_utils import run_server
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve import cli, kernels
+from kvserve import kernels
 from kvserve.attention.kv_quant import kv_storage_dtype
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.config import resolve_dtype, resolve_kv_cache_dtype
 from kvserve.engine.llm import LLM
+from kvserve.entrypoints import cli
 from kvserve.kv_cache.planner import capacity_gain, kv_bytes_per_token, kv_token_bytes, plan_kv
 from kvserve.models.loader import hf_model_config
 from tests.test_kernels import _paged_case
@@ -200,7 +201,7 @@ def test_a_16_bit_cache_serves_requests_like_float32(tiny_llama_dir):
     keeps 8, about int8's error (measured 21.4 of 24 tokens before the first difference on
     average, against int8's 19.7; first logprobs within 0.018). On the kernel where it runs,
     on torch's path elsewhere."""
-    from kvserve.sampling_params import SamplingParams
+    from kvserve.sample.sampling_params import SamplingParams
     from tests.test_engine import random_prompts
 
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)

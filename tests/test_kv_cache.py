@@ -11,7 +11,7 @@ from kvserve.kv_cache.block_pool import BlockPool
 from kvserve.kv_cache.layout import KVLayout
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 
 
 def make_req(rid: str, tokens: list[int], max_tokens: int = 8) -> Request:

@@ -15,7 +15,7 @@ from kvserve.config import CacheConfig, ModelConfig
 from kvserve.engine.llm import LLM
 from kvserve.kv_cache.planner import plan_kv
 from kvserve.models.loader import load_model
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 from tests.test_engine import GREEDY, random_prompts
 from tests.test_model import paged_logits
 

@@ -20,7 +20,7 @@ from kvserve.kv_cache.layout import KVLayout
 from kvserve.kv_cache.manager import KVCacheManager, Stored
 from kvserve.kv_cache.tiers import DiskTier, HostTier, KVTier, TieredKVStore
 from kvserve.request import Request
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 
 BS = 4
 LAYERS = 2

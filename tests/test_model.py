@@ -10,7 +10,7 @@ from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.config import CacheConfig
 from kvserve.engine.llm import LLM
 from kvserve.models.loader import load_model
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 from kvserve.worker.model_runner import ModelRunner
 from tests.conftest import gguf_parsed_once
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from kvserve.engine.llm_engine import EngineArgs
-from kvserve.server import responses
+from kvserve.entrypoints.server import responses
 from tests.server_utils import async_openai_client, openai_client, run_server
 
 pytestmark = pytest.mark.slow

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from kvserve import cli
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.config import CacheConfig
 from kvserve.engine.llm import LLM
+from kvserve.entrypoints import cli
 from kvserve.kv_cache.planner import (
     gpu_kv_budget,
     kv_bytes_per_token,

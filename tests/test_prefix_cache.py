@@ -8,7 +8,7 @@ import random
 import pytest
 
 from kvserve.engine.llm import LLM
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 

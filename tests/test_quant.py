@@ -22,7 +22,7 @@ from kvserve.layers.quant import (
     quantize_int8,
 )
 from kvserve.models.loader import load_model
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 from tests.test_model import paged_logits
 
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from kvserve import kernels, roofline
-from kvserve.cli import main
 from kvserve.engine.llm import LLM
+from kvserve.entrypoints.cli import main
 from kvserve.layers.linear import LinearBase
 from kvserve.layers.quant import QuantizedWeight
-from kvserve.roofline import Machine, Point, StepWork, WorkModel, cost_model
+from kvserve.tools.roofline import Machine, Point, StepWork, WorkModel, cost_model
 
 # Round synthetic figures: no timing is measured by these tests (apart from the command's).
 MACHINE = Machine(torch.float32, threads=2, bandwidth={"sum": 8.0, "int8 GEMV": 10.0},

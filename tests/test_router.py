@@ -17,9 +17,9 @@ import pytest
 import uvicorn
 
 from kvserve.engine.llm_engine import EngineArgs
-from kvserve.router import Router, RouterConfig, build_router_app
-from kvserve.server.app import build_app
-from kvserve.server.args import ServerArgs
+from kvserve.entrypoints.router import Router, RouterConfig, build_router_app
+from kvserve.entrypoints.server.app import build_app
+from kvserve.entrypoints.server.args import ServerArgs
 from tests.server_utils import assert_completion_envelope, free_port, openai_client, start_in_thread
 
 pytestmark = pytest.mark.slow
@@ -216,7 +216,7 @@ def test_router_spawns_its_replicas_and_stops_them(tiny_llama_dir, tmp_path):
     port = free_port()
     serve_args = f"--model '{tiny_llama_dir}' --dtype float32 --served-model-name 'tiny one'"
     log = tmp_path / "router.log"  # the router's and its replicas' output
-    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "router", "--spawn", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve", "router", "--spawn", "2",
                              "--serve-args", serve_args, "--replica-base-port", str(base),
                              "--port", str(port), "--policy", "round-robin",
                              "--health-interval", "0.2"],

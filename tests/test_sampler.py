@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.sampler import (
+from kvserve.sample.sampler import (
     Sampler,
     SamplerOutput,
     SamplingMetadata,
@@ -17,7 +17,7 @@ from kvserve.sampler import (
     apply_truncation,
     seeded_uniform,
 )
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 
@@ -493,7 +493,7 @@ def test_logprobs_clamped_to_vocab() -> None:
     candidates=st.sampled_from([2, 5, 16]))
 def test_top_p_candidate_search_equals_full_sort(rows, candidates):
     """The partial-topk path keeps exactly what the full stable sort keeps, ties included."""
-    import kvserve.sampler as sampler_mod
+    import kvserve.sample.sampler as sampler_mod
 
     logits = torch.tensor([r[0] for r in rows])
     logits[:, 0] = 5.0  # at least one finite logit per row

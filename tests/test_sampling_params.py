@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from kvserve.sampling_params import SamplingParams, SamplingType
+from kvserve.sample.sampling_params import SamplingParams, SamplingType
 
 NAN = float("nan")
 INF = float("inf")

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request, RequestStatus
-from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler import SHORT_STEP_TOKENS, Scheduler
+from kvserve.sample.sampling_params import SamplingParams
+from kvserve.sched.scheduler import SHORT_STEP_TOKENS, Scheduler
 
 _ids = itertools.count()
 

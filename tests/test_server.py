@@ -530,7 +530,7 @@ def test_request_timeline_and_engine_steps(server, client):
 
 
 def test_trace_command(server, client, tmp_path, capsys):
-    from kvserve.cli import main
+    from kvserve.entrypoints.cli import main
 
     url = server[0]
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5,

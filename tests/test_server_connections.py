@@ -1,7 +1,8 @@
-"""Connection guards (kvserve.server.connections) on a tiny model, with raw sockets as the
-slow and greedy clients: silent and half-sent heads (slowloris), a body that stops, a client
-that stops reading its stream, and more connections than the cap. The server answers or
-closes each, frees what they held, and keeps serving everyone else, /health included."""
+"""Connection guards (kvserve.entrypoints.server.connections) on a tiny model, with raw
+sockets as the slow and greedy clients: silent and half-sent heads (slowloris), a body that
+stops, a client that stops reading its stream, and more connections than the cap. The server
+answers or closes each, frees what they held, and keeps serving everyone else, /health
+included."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import pytest
 
 from kvserve import faults
 from kvserve.engine.llm_engine import EngineArgs
+from kvserve.entrypoints.server.args import ConnectionLimits
 from kvserve.faults import Faults
-from kvserve.server.args import ConnectionLimits
 from tests.server_utils import run_server
 
 LIMITS = ConnectionLimits(header_timeout=0.5, read_timeout=0.5, write_timeout=1.0,

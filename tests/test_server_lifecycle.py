@@ -38,7 +38,7 @@ def test_sigterm_lets_in_flight_requests_finish(real_model_path, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with open(tmp_path / "server.log", "w+") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--model",
+        proc = subprocess.Popen([sys.executable, "-m", "kvserve", "serve", "--model",
                                  str(real_model_path), "--port", str(port),
                                  "--shutdown-timeout", "60", "--access-log"],
                                 stdout=log, stderr=log, text=True)

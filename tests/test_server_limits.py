@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from kvserve.engine.llm_engine import EngineArgs
-from kvserve.server.limits import RequestLimits
+from kvserve.entrypoints.server.limits import RequestLimits
 from tests.server_utils import run_server
 
 KEY, METRICS_KEY = "sk-test-7f3a9d", "metrics-key-2b8c41"

@@ -12,13 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.config import SchedulerConfig
+from kvserve.engine.metrics import EngineMetrics
 from kvserve.kv_cache.manager import KVCacheManager
-from kvserve.metrics import EngineMetrics
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.request import Request, RequestStatus
-from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler import MIN_PROMPT_TOKENS, UNSURE_PROMPT_TOKENS, Scheduler
-from kvserve.slo import (
+from kvserve.sample.sampling_params import SamplingParams
+from kvserve.sched.scheduler import MIN_PROMPT_TOKENS, UNSURE_PROMPT_TOKENS, Scheduler
+from kvserve.sched.slo import (
     LatencyTargets,
     StepShape,
     StepTimeModel,
@@ -206,7 +206,7 @@ def test_a_target_no_step_can_meet_runs_one_request_at_a_time():
     sched.add_request(make_req(40))
     step(sched)
     # one seat, taken: a new request waits for it (2 ms a decode row, 7 tokens to go)
-    assert sched.predicted_ttft(40, 8) >= 7 * 0.022
+    assert sched.ttft.predict(40, 8) >= 7 * 0.022
 
 
 def test_prompt_allowance_gives_prompts_what_the_target_leaves():
@@ -238,23 +238,23 @@ def test_untargeted_long_prompt_takes_the_whole_budget():
 
 def test_predicted_ttft_counts_the_prompt_work_ahead_and_the_wait_for_seats():
     sched = make_sched(budget=100, max_seqs=3, short_steps=False)
-    assert sched.predicted_ttft(50, 8) is None  # no model yet
+    assert sched.ttft.predict(50, 8) is None  # no model yet
     sched.cost.set(0.0, 0.001, 0.0, 0.0)  # 1 ms per prompt token, nothing else
-    assert sched.predicted_ttft(50, 8) == pytest.approx(0.050)
-    assert sched.predicted_ttft(250, 8) == pytest.approx(0.250)  # three steps' worth
+    assert sched.ttft.predict(50, 8) == pytest.approx(0.050)
+    assert sched.ttft.predict(250, 8) == pytest.approx(0.250)  # three steps' worth
     _workload(sched, 2, 300, 4)  # a seat is left for it, behind 600 prompt tokens
-    assert sched.predicted_ttft(50, 8) == pytest.approx(0.650)
+    assert sched.ttft.predict(50, 8) == pytest.approx(0.650)
     # two more waiting: it would wait for seats, and no request has left yet; they are
     # waiting, not running, so nothing is known to leave: no wait for a seat is predicted
     _workload(sched, 2, 10, 4)
-    assert sched.predicted_ttft(50, 8) == pytest.approx(0.670)
+    assert sched.ttft.predict(50, 8) == pytest.approx(0.670)
     now = 1000.0
-    sched._left.extend([now - 10, now - 5, now])  # 2 left in 10 s: a seat per 5 s
+    sched.ttft.left.extend([now - 10, now - 5, now])  # 2 left in 10 s: a seat per 5 s
     # 2 ahead beyond the 3 seats (4 waiting + it - 3) x 5 s, then its 50 ms
-    assert sched.predicted_ttft(50, 8, now) == pytest.approx(2 * 5 + 0.05)
-    sched._left.clear()
-    sched._left.extend([now - 0.1, now - 0.05, now])  # a seat per 50 ms: tokens bind
-    assert sched.predicted_ttft(50, 8, now) == pytest.approx(0.670)
+    assert sched.ttft.predict(50, 8, now) == pytest.approx(2 * 5 + 0.05)
+    sched.ttft.left.clear()
+    sched.ttft.left.extend([now - 0.1, now - 0.05, now])  # a seat per 50 ms: tokens bind
+    assert sched.ttft.predict(50, 8, now) == pytest.approx(0.670)
 
 
 def test_before_any_request_left_the_wait_for_a_seat_follows_the_running_outputs():
@@ -266,11 +266,11 @@ def test_before_any_request_left_the_wait_for_a_seat_follows_the_running_outputs
         sched.add_request(make_req(4, out_len))
     step(sched)  # all three run, and each has its first token: 9, 29 and 19 to go
     assert len(sched.running) == 3 and not sched.waiting
-    assert sched._drain_wait(1) == pytest.approx(0.09 * 9)
-    assert sched._drain_wait(2) == pytest.approx(0.09 * 19)
-    assert sched._drain_wait(4) == pytest.approx(0.09 * (9 + 29))  # a second round
+    assert sched.ttft.drain_wait(1) == pytest.approx(0.09 * 9)
+    assert sched.ttft.drain_wait(2) == pytest.approx(0.09 * 19)
+    assert sched.ttft.drain_wait(4) == pytest.approx(0.09 * (9 + 29))  # a second round
     sched.add_request(make_req(4, 8))  # one waiting: a new request is second in line
-    wait = sched.predicted_ttft(4, 8)
+    wait = sched.ttft.predict(4, 8)
     assert wait is not None and wait >= 0.09 * 19
 
 
@@ -280,36 +280,36 @@ def test_predicted_ttft_is_scaled_by_how_the_last_predictions_turned_out():
     predictions, so shedding tightens when the model has been optimistic."""
     sched = make_sched(budget=100, max_seqs=8, short_steps=False, ttft_ms=1000)
     sched.cost.set(0.0, 0.001, 0.0, 0.0)  # 1 ms per prompt token
-    base = sched.predicted_ttft(50, 8)
-    assert base == pytest.approx(0.050) and sched.ttft_calibration == 1.0
+    base = sched.ttft.predict(50, 8)
+    assert base == pytest.approx(0.050) and sched.ttft.calibration == 1.0
 
     def served(ratio: float) -> None:
         req = make_req(50)
         sched.add_request(req)
-        predicted = sched._predicted[req.request_id]
-        sched.record_first_token(req, req.arrival_time + ratio * predicted)
+        predicted = sched.ttft.predicted[req.request_id]
+        sched.ttft.on_first_token(req, req.arrival_time + ratio * predicted)
         sched.waiting.remove(req)
 
     for ratio in (3.0, 2.0, 3.0):
         served(ratio)
-    assert sched.ttft_calibration == 1.0  # 3 samples: too few to judge
+    assert sched.ttft.calibration == 1.0  # 3 samples: too few to judge
     served(4.0)
-    assert sched.ttft_calibration == pytest.approx(3.0)  # median of 2, 3, 3, 4
-    assert sched.predicted_ttft(50, 8) == pytest.approx(3.0 * base)
+    assert sched.ttft.calibration == pytest.approx(3.0)  # median of 2, 3, 3, 4
+    assert sched.ttft.predict(50, 8) == pytest.approx(3.0 * base)
     for _ in range(32):
         served(20.0)
-    assert sched.ttft_calibration == 8.0  # the window forgot the rest; capped
+    assert sched.ttft.calibration == 8.0  # the window forgot the rest; capped
     for _ in range(32):
         served(0.5)
-    assert sched.ttft_calibration == 1.0  # never more optimistic than the model
+    assert sched.ttft.calibration == 1.0  # never more optimistic than the model
     req = make_req(50)
     sched.add_request(req)
     sched.finish(req, RequestStatus.FINISHED_ABORTED)  # no first token: no sample
-    assert req.request_id not in sched._predicted
+    assert req.request_id not in sched.ttft.predicted
     no_target = make_sched(budget=100, short_steps=False)
     no_target.cost.set(0.0, 0.001, 0.0, 0.0)
     no_target.add_request(make_req(50))
-    assert not no_target._predicted  # predictions are kept only under a TTFT target
+    assert not no_target.ttft.predicted  # predictions are kept only under a TTFT target
 
 
 def _output(rid: str, ttft: float, tpot: float | None, reason: str = "stop") -> RequestOutput:

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from kvserve.config import SpecConfig
 from kvserve.kv_cache.hashing import ROOT_HASH, BlockKey, hash_block
 from kvserve.kv_cache.manager import KVCacheManager
-from kvserve.rejection_sampler import verify
 from kvserve.request import Request
-from kvserve.sampler import Sampler
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.rejection_sampler import verify
+from kvserve.sample.sampler import Sampler
+from kvserve.sample.sampling_params import SamplingParams
 from kvserve.spec_decode import draft_quantization
 from kvserve.spec_decode.base import Drafter
 from kvserve.spec_decode.mtp import MTPModule, save_mtp
@@ -221,7 +221,7 @@ def test_greedy_verification_accepts_the_matching_prefix():
 
 def test_rollback_returns_blocks_held_only_for_drafts():
     from kvserve.config import SchedulerConfig
-    from kvserve.scheduler import Scheduler
+    from kvserve.sched.scheduler import Scheduler
 
     kv = KVCacheManager(num_blocks=16, block_size=4)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv)

@@ -18,9 +18,9 @@ from kvserve.engine.core import EngineCore
 from kvserve.engine.startup import create_config
 from kvserve.outputs import LATE_REFUSAL
 from kvserve.request import Request
-from kvserve.sampling_params import SamplingParams
-from kvserve.scheduler import OVERRUN_STEPS, TARGET_MARGIN
-from kvserve.slo import DEFAULT_ITL_BUDGET_S, DRIFT_MIN_SAMPLES, StepShape
+from kvserve.sample.sampling_params import SamplingParams
+from kvserve.sched.scheduler import OVERRUN_STEPS
+from kvserve.sched.slo import DEFAULT_ITL_BUDGET_S, DRIFT_MIN_SAMPLES, TARGET_MARGIN, StepShape
 from kvserve.worker.model_runner import ModelRunner
 
 
@@ -221,7 +221,7 @@ def test_a_machine_that_slows_down_halfway_shrinks_the_batch_back(tiny_llama_dir
 def test_a_late_refusal_is_a_429():
     """A queued request refused as predicted to miss its TTFT target is a 429 to the client,
     like one refused on arrival; any other engine error stays a 500."""
-    from kvserve.server.serving import failure
+    from kvserve.entrypoints.server.serving import failure
 
     assert failure(LATE_REFUSAL)[0] == 429
     assert failure("RuntimeError: boom") == (500, "request failed: RuntimeError: boom")

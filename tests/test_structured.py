@@ -12,8 +12,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from kvserve.sampling_params import SamplingParams, StructuredOutputs
-from kvserve.structured import (
+from kvserve.sample.sampling_params import SamplingParams, StructuredOutputs
+from kvserve.sample.structured import (
     GrammarCompiler,
     StructuredOutputError,
     apply_bitmask,

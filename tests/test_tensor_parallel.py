@@ -27,7 +27,7 @@ from kvserve.engine.llm import LLM
 from kvserve.engine.llm_engine import EngineArgs
 from kvserve.engine.startup import create_config
 from kvserve.layers.linear import ParallelLMHead, VocabParallelEmbedding
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 from kvserve.worker.tp_workers import (
     TensorParallelError,
     TensorParallelWorkers,

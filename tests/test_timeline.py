@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 from tests.conftest import make_llm as make_tiny_llm
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -8,14 +8,14 @@ import random
 
 import pytest
 
-from kvserve.server.reasoning import (
+from kvserve.entrypoints.server.reasoning import (
     REASONING_PARSERS,
     DeepSeekR1ReasoningParser,
     Qwen3ReasoningParser,
     ReasoningParser,
     get_reasoning_parser,
 )
-from kvserve.server.tool_parsers import (
+from kvserve.entrypoints.server.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
     Llama3JsonToolParser,

@@ -173,7 +173,7 @@ def test_engine_tokens_with_triton_attention(tiny_gemma3_dir, monkeypatch):
     C++ kernel, and batched as alone. The tiny Gemma 3 has sliding-window and global
     layers."""
     from kvserve.engine.llm import LLM
-    from kvserve.sampling_params import SamplingParams
+    from kvserve.sample.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [[(11 * i + 3 * j) % 200 + 2 for j in range(9 + 7 * i)] for i in range(3)]

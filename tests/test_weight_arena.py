@@ -149,9 +149,11 @@ def test_the_cli_parses_and_reserves_before_torch(k_quant_gguf):
     """`kvserve serve/generate` read their arguments and start the reservation with torch not
     yet imported, so the import and the page faults overlap."""
     code = ("import sys\n"
-            "from kvserve import cli, weight_arena\n"
+            "from kvserve.entrypoints import cli\n"
+            "from kvserve.entrypoints.cli.common import prefault_weights\n"
+            "from kvserve import weight_arena\n"
             "args = cli.build_parser().parse_args(['generate', 'hi', '--model', sys.argv[1]])\n"
-            "cli.prefault_weights(args)\n"
+            "prefault_weights(args)\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n"
             "weight_arena._prefault.join()\n"
             "print(weight_arena._prefault.arena.size)\n")

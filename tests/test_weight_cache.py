@@ -25,7 +25,7 @@ from kvserve.layers.linear import LinearBase
 from kvserve.layers.quant import GGUFWeight
 from kvserve.models.loader import DeferredReader
 from kvserve.models.weight_cache import find_entry
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 from kvserve.tokenizer import Tokenizer
 from kvserve.worker.model_runner import load_target, zeros
 

@@ -16,9 +16,9 @@ import httpx
 def spawn_server(flags: list[str], port: int, log: Path, cwd: Path | None = None,
                  python: str | os.PathLike = sys.executable, env: dict | None = None,
                  timeout: float = 600) -> subprocess.Popen:
-    """`python -m kvserve.cli serve --port PORT FLAGS` in a new session (its output to
+    """`python -m kvserve serve --port PORT FLAGS` in a new session (its output to
     `log`); returns once /health answers 200, raises if it exits or times out first."""
-    cmd = [str(python), "-m", "kvserve.cli", "serve", "--port", str(port), *flags]
+    cmd = [str(python), "-m", "kvserve", "serve", "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True, env=env)
     deadline = time.time() + timeout

@@ -22,7 +22,7 @@ from kvserve.settings import (
 )
 
 if TYPE_CHECKING:
-    from kvserve.slo import LatencyTargets
+    from kvserve.sched.slo import LatencyTargets
 
 
 @dataclass
@@ -131,7 +131,7 @@ class EngineArgs:
     def latency_targets(self) -> LatencyTargets:
         """--target-ttft-ms and --target-itl-ms as given, in seconds (None: not given, or
         the ITL target off)."""
-        from kvserve.slo import LatencyTargets
+        from kvserve.sched.slo import LatencyTargets
 
         s = lambda ms: ms / 1e3 if ms else None  # noqa: E731
         return LatencyTargets(s(self.target_ttft_ms), s(self.target_itl_ms))

@@ -19,10 +19,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from kvserve.engine.llm_engine import EngineDeadError, LLMEngine
-from kvserve.metrics import EngineMetrics
+from kvserve.engine.metrics import EngineMetrics
 from kvserve.outputs import OutputKind, RequestOutput
 from kvserve.request import Request
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 from kvserve.stats import EngineStats
 
 log = logging.getLogger(__name__)

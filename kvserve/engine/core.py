@@ -29,8 +29,8 @@ from kvserve.kernels import build_spec
 from kvserve.models.weight_cache import code_versions
 from kvserve.outputs import LATE_REFUSAL, CoreOutput, RequestTimes
 from kvserve.request import Request, RequestStatus
-from kvserve.scheduler import MIN_PROMPT_TOKENS, TARGET_MARGIN, calibration_requests
-from kvserve.slo import StepShape, StepTimeModel, default_itl_budget
+from kvserve.sched.scheduler import MIN_PROMPT_TOKENS, calibration_requests
+from kvserve.sched.slo import TARGET_MARGIN, StepShape, StepTimeModel, default_itl_budget
 from kvserve.stats import EngineStats, SpecState, StepRecord, TierState
 from kvserve.worker.tp_workers import TensorParallelError
 
@@ -77,7 +77,7 @@ class EngineCore:
             raise
 
     def calibrate(self) -> float:
-        """Seed the step cost model before the first request (kvserve.scheduler's
+        """Seed the step cost model before the first request (kvserve.sched.scheduler's
         CALIBRATION_ROWS): run the calibration requests through the engine's own steps, fit
         the model on every step but the warm-up's, and forget they ran. Returns seconds."""
         t0 = time.perf_counter()
@@ -151,7 +151,7 @@ class EngineCore:
         self._pending.clear()
 
     def _resolve_itl_budget(self) -> None:
-        """Set the default step budget (kvserve.slo.default_itl_budget) from the calibrated
+        """Set the default step budget (kvserve.sched.slo.default_itl_budget) from the calibrated
         model, and log what the model predicts and what the ITL target allows a step."""
         sched, cost = self.scheduler, self.scheduler.cost
         if self.itl_budget_default:
@@ -270,8 +270,8 @@ class EngineCore:
 
     def predicted_ttft(self, num_prompt_tokens: int, max_tokens: int) -> float | None:
         """Seconds to the first token of a request of this shape queued now
-        (Scheduler.predicted_ttft); None while the step cost model knows too little."""
-        return self.scheduler.predicted_ttft(num_prompt_tokens, max_tokens)
+        (sched.ttft.TTFTPredictor.predict); None while the step cost model knows too little."""
+        return self.scheduler.ttft.predict(num_prompt_tokens, max_tokens)
 
     # ------------------------------------------------------------------------------ a step
 
@@ -400,7 +400,7 @@ class EngineCore:
             if req.timeline.first_token is None:
                 req.timeline.first_token = now
                 req.timeline.add(now, "first_token")
-                self.scheduler.record_first_token(req, now)
+                self.scheduler.ttft.on_first_token(req, now)
             status = req.check_stop_token()
             if status is not None:
                 stop = token if (status is RequestStatus.FINISHED_STOPPED
@@ -491,7 +491,7 @@ class EngineCore:
             prefix_hit_tokens=tuple(kv.stats.hits.items()), spec=spec,
             steps=tuple(self.steps) if self._keep_steps else (),
             step_cost=None if (c := sched.cost.coef) is None else tuple(map(float, c)),
-            prompt_allowance=sched.prompt_allowance, ttft_calibration=sched.ttft_calibration,
+            prompt_allowance=sched.prompt_allowance, ttft_calibration=sched.ttft.calibration,
             target_itl_s=sched.config.target_itl_s, itl_default=self.itl_budget_default,
             sizing=sched.sizing(), itl_warning=self.itl_warning(),
             step_cost_drift=sched.cost.drift)

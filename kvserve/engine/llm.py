@@ -7,7 +7,7 @@ from dataclasses import fields
 
 from kvserve.engine.llm_engine import EngineArgs, build_engine
 from kvserve.outputs import OutputKind, RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 
 Message = dict[str, str]
 

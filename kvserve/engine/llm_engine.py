@@ -18,7 +18,7 @@ from kvserve.engine.core_process import CoreProcess
 from kvserve.engine.processor import OutputProcessor
 from kvserve.engine.startup import create_config
 from kvserve.outputs import OutputKind, RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 from kvserve.stats import EngineStats
 from kvserve.tokenizer import Tokenizer
 

@@ -29,10 +29,10 @@ from kvserve.outputs import (
     RequestMetrics,
     RequestOutput,
     RequestTimes,
+    TokenLogprobs,
 )
 from kvserve.request import Request, RequestStatus, timeline_segments
-from kvserve.sampler import TokenLogprobs
-from kvserve.sampling_params import SamplingParams
+from kvserve.sample.sampling_params import SamplingParams
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Message = dict[str, str]

@@ -39,12 +39,12 @@ from kvserve.kv_cache.planner import (
 from kvserve.kv_cache.tiers import TieredKVStore, build_store, cache_fingerprint
 from kvserve.models.loader import read_model_config, shard_config
 from kvserve.models.paths import resolve_model
-from kvserve.scheduler import Scheduler
+from kvserve.sample.structured import GrammarCompiler
+from kvserve.sched.scheduler import Scheduler
+from kvserve.sched.slo import LatencyTargets
 from kvserve.settings import parse_size
-from kvserve.slo import LatencyTargets
 from kvserve.spec_decode import build_drafter
 from kvserve.spec_decode.coordinator import SpecCoordinator
-from kvserve.structured import GrammarCompiler
 from kvserve.tokenizer import Tokenizer
 from kvserve.worker.model_runner import ModelRunner, load_target, resolve_quantization
 from kvserve.worker.tp_workers import TensorParallelWorkers

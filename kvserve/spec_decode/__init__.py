@@ -1,5 +1,5 @@
 """Speculative decoding: the drafters (ngram, draft_model, mtp) and the coordinator that
-decides who drafts (verification is kvserve.rejection_sampler)."""
+decides who drafts (verification is kvserve.sample.rejection_sampler)."""
 
 from __future__ import annotations
 

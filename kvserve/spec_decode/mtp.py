@@ -16,7 +16,7 @@ CPU the full LM head costs ~0.9 ms a row, more than the rest of a draft step, an
 tokens it drops are rarely drafted right anyway. Drafts stay exact to verify: q is zero
 outside the draft vocabulary.
 
-`kvserve.train_mtp` trains the module (by self-distillation from the target); this module
+`kvserve.tools.train_mtp` trains the module (by self-distillation from the target); this module
 only serves it.
 """
 
@@ -34,8 +34,8 @@ from kvserve import kernels
 from kvserve.layers.linear import ReplicatedLinear
 from kvserve.layers.quant import QuantizedWeight
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.rejection_sampler import plain_greedy
 from kvserve.request import Request
+from kvserve.sample.rejection_sampler import plain_greedy
 from kvserve.spec_decode.base import Drafter
 from kvserve.spec_decode.sampling import sample_drafts
 

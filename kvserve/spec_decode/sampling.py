@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.rejection_sampler import Row, plain_greedy, process_rows
 from kvserve.request import Request
+from kvserve.sample.rejection_sampler import Row, plain_greedy, process_rows
 
 
 def sample_drafts(logits: torch.Tensor, requests: list[Request],

@@ -33,11 +33,12 @@ from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import LoadedModel, auto_quantization
 from kvserve.models.paths import resolve_model
 from kvserve.models.weight_cache import load_packed
-from kvserve.rejection_sampler import verify
+from kvserve.outputs import TokenLogprobs
 from kvserve.request import Request
-from kvserve.sampler import Sampler, SamplingMetadata, TokenLogprobs, token_logprobs
-from kvserve.scheduler import SchedulerOutput
-from kvserve.structured import fill_bitmasks
+from kvserve.sample.rejection_sampler import verify
+from kvserve.sample.sampler import Sampler, SamplingMetadata, token_logprobs
+from kvserve.sample.structured import fill_bitmasks
+from kvserve.sched.output import SchedulerOutput
 from kvserve.worker.cuda_graphs import Captured, DecodeGraphs, cuda_capture
 from kvserve.worker.forward import ForwardItem
 

@@ -1,0 +1,158 @@
+"""`kvserve serve`, `kvserve router` and `kvserve trace`: the server, replicas behind one
+endpoint, and one request's timeline read back from a server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+
+from kvserve.entrypoints.cli.common import add_engine_args, engine_args_from
+
+log = logging.getLogger("kvserve")
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("model_tag", nargs="?", default=None,
+                   help="model, as an alternative to --model")
+    from kvserve.entrypoints.server.args import ServerArgs
+
+    ServerArgs.add_cli_args(s)
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    ro = sub.add_parser("router", help="one OpenAI endpoint in front of several kvserve "
+                                       "serve replicas")
+    ro.add_argument("--replica", action="append", metavar="URL",
+                    help="a running replica (repeatable)")
+    ro.add_argument("--spawn", type=int, default=0, help="start this many replicas here")
+    ro.add_argument("--serve-args", default="", help="extra `kvserve serve` flags for them")
+    ro.add_argument("--replica-base-port", type=int, default=8100)
+    ro.add_argument("--policy", default="prefix-aware",
+                    choices=["round-robin", "least-outstanding", "prefix-aware"])
+    ro.add_argument("--health-interval", type=float, default=2.0)
+    ro.add_argument("--balance-slack", type=int, default=4,
+                    help="prefix-aware: in-flight requests a prefix's replica may have beyond "
+                         "the least loaded before a request goes elsewhere")
+    ro.add_argument("--host", default="127.0.0.1")
+    ro.add_argument("--port", type=int, default=8000)
+    ro.set_defaults(func=cmd_router)
+
+    tr = sub.add_parser("trace", help="one request's timeline from a server, as text and a "
+                                      "waterfall PNG")
+    tr.add_argument("request_id", help="the id in the API response")
+    tr.add_argument("--url", default="http://127.0.0.1:8000", help="the server")
+    tr.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"))
+    tr.add_argument("--output", default="trace.png", help="PNG to write")
+    tr.set_defaults(func=cmd_trace)
+
+
+def server_args_from(args: argparse.Namespace):
+    """`serve`'s server settings from its flags, by field name (ServerArgs.from_cli_args)."""
+    from kvserve.entrypoints.server.args import ServerArgs
+
+    return ServerArgs.from_cli_args(args)
+
+
+def absorb_sigterm_reraise() -> None:
+    """uvicorn re-raises the signal it handled once its graceful shutdown is done. By then
+    SIGTERM's work is complete, so that re-raise lands on a no-op: the caller's own clean-up
+    runs and the process exits 0 (the default action would kill it on the spot)."""
+    signal.signal(signal.SIGTERM, lambda *_: None)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    engine_args = engine_args_from(args)  # first: it starts the prefault before torch loads
+    import uvicorn
+
+    from kvserve.engine.startup import create_config
+    from kvserve.entrypoints.server.app import build_app
+    from kvserve.entrypoints.server.connections import server_config
+
+    create_config(engine_args)  # every engine setting checked before listening, not after
+    server_args = server_args_from(args)
+    if server_args.enable_auto_tool_choice and server_args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    failed: list[BaseException] = []
+
+    def on_fatal(e: BaseException) -> None:
+        failed.append(e)
+        server.should_exit = True
+
+    app = build_app(engine_args, server_args, on_fatal)
+    config = server_config(app, server_args.host, server_args.port, server_args.connections,
+                           log_level="info", access_log=server_args.access_log,
+                           timeout_graceful_shutdown=int(server_args.shutdown_timeout))
+    server = uvicorn.Server(config)
+    log.info("listening on http://%s:%d (OpenAI API under /v1; /health is 503 until the "
+             "model has loaded)", server_args.host, server_args.port)
+    absorb_sigterm_reraise()
+    server.run()
+    if failed:
+        print(f"kvserve: error: model failed to load: {failed[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    """An OpenAI-compatible router in front of replicas given as URLs or started here."""
+    import uvicorn
+
+    from kvserve.entrypoints.router import RouterConfig, build_router_app
+
+    urls = list(args.replica or [])
+    procs: list[subprocess.Popen] = []
+    if args.spawn < 0:
+        raise ValueError("--spawn must be >= 0")
+    for i in range(args.spawn):
+        port = args.replica_base_port + i
+        procs.append(subprocess.Popen([sys.executable, "-m", "kvserve", "serve", "--port",
+                                       str(port), *shlex.split(args.serve_args)]))
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        config = RouterConfig(urls, args.policy, health_interval=args.health_interval,
+                              balance_slack=args.balance_slack)
+        absorb_sigterm_reraise()  # so the replicas below are stopped, not orphaned
+        uvicorn.run(build_router_app(config), host=args.host, port=args.port,
+                    log_level="warning")
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(60)
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    """Fetch one request's timeline from a server, print it and draw its waterfall."""
+    import httpx
+
+    url = f"{args.url.rstrip('/')}/v1/requests/{args.request_id}/timeline"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        resp = httpx.get(url, headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot reach {url}: {e}") from None
+    if resp.status_code != 200:
+        try:
+            message = resp.json()["error"]["message"]
+        except Exception:
+            message = resp.text[:200]
+        raise ValueError(f"{url}: HTTP {resp.status_code}: {message}")
+    timeline = resp.json()
+    for sample in timeline["samples"]:
+        print(f"sample {sample['index']} ({sample['status']}, {sample['output_tokens']} tokens)")
+        for e in sample["events"]:
+            extra = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("t", "event"))
+            print(f"  {1e3 * e['t']:10.2f} ms  {e['event']:12s} {extra}")
+    print("breakdown: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                    for k, v in timeline["breakdown"].items()))
+    from kvserve.bench.plots import plot_timeline
+
+    print(f"waterfall written to {plot_timeline(timeline, args.output)}")
+    return 0

@@ -1,0 +1,260 @@
+"""Tool calls and reasoning on the chat endpoint: what a request's `tools` and `tool_choice`
+ask of the engine, and how a choice's generated text becomes the message sent back.
+
+- `none` (or no tools): plain text; the tools are not shown to the model.
+- `required` and a named function are enforced by a grammar built from the tools' parameter
+  schemas, so they work on any model: a named function's output is its arguments object; a
+  required call's output is a JSON array of {"name", "parameters"} objects (one item when
+  parallel_tool_calls is false).
+- `auto` needs `--enable-auto-tool-choice` and a `--tool-call-parser` for the model's own
+  format (hermes, llama3_json); its output is parsed, not constrained.
+
+With a `--reasoning-parser`, the text up to the end of the thinking goes to
+`reasoning_content` first and only the rest is read for content and tool calls; a constraint
+(tools or response_format) applies only after the thinking's end tag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from kvserve.entrypoints.server.errors import APIError
+from kvserve.entrypoints.server.protocol import ChatCompletionRequest, NamedToolChoice
+from kvserve.entrypoints.server.reasoning import THINK_END, ReasoningParser, get_reasoning_parser
+from kvserve.entrypoints.server.tool_parsers import (
+    ParsedMessage,
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    get_tool_parser,
+    normalize_arguments,
+)
+from kvserve.sample.sampling_params import StructuredOutputs
+
+
+class NamedToolParser(ToolParser):
+    """tool_choice naming a function: the whole (grammar-constrained) output is its arguments,
+    streamed as they come."""
+
+    name: ClassVar[str] = "named"
+
+    def __init__(self, function: str) -> None:
+        super().__init__([function])
+        self.function = function
+        self._call: ToolCall | None = None
+
+    def parse(self, text: str) -> ParsedMessage:
+        return ParsedMessage(None, [ToolCall(self.function, text)])
+
+    def feed(self, delta: str) -> StreamDelta:
+        self._check_open()
+        if not delta:
+            return StreamDelta()
+        if self._call is None:
+            self._call = ToolCall(self.function, "")
+            self._calls.append(self._call)
+            piece = ToolCallDelta(0, self._call.id, self.function, delta)
+        else:
+            piece = ToolCallDelta(0, arguments=delta)
+        self._call.arguments += delta
+        return StreamDelta(tool_calls=[piece])
+
+    def finish(self) -> StreamDelta:
+        self._check_open()
+        self._finished = True
+        if self._call is None:  # nothing generated: still one call, with empty arguments
+            self._call = ToolCall(self.function, "")
+            self._calls.append(self._call)
+            return StreamDelta(tool_calls=[ToolCallDelta(0, self._call.id, self.function)])
+        return StreamDelta()
+
+
+class RequiredToolParser(ToolParser):
+    """tool_choice "required": the (grammar-constrained) output is a JSON array of
+    {"name", "parameters"}; calls are sent once the array is complete. Text that is not such
+    an array (cut off by max_tokens) is content."""
+
+    name: ClassVar[str] = "required"
+
+    def parse(self, text: str) -> ParsedMessage:
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            return ParsedMessage(text or None, [])
+        calls = []
+        for item in items if isinstance(items, list) else []:
+            args = normalize_arguments(item.get("parameters")) if isinstance(item, dict) \
+                else None
+            if args is None or not isinstance(item.get("name"), str):
+                return ParsedMessage(text or None, [])
+            calls.append(ToolCall(item["name"], args))
+        return ParsedMessage(None, calls) if calls else ParsedMessage(text or None, [])
+
+
+def _parameters(tool) -> dict[str, Any]:
+    return tool.function.parameters if tool.function.parameters is not None else \
+        {"type": "object"}
+
+
+@dataclass
+class ChatPlan:
+    """What a chat request needs beyond plain text, decided before it is queued."""
+
+    tools: list[dict] | None  # for the chat template
+    mode: str  # none | auto | required | named
+    function: str | None  # the named function
+    constraint: StructuredOutputs | None
+    constraint_field: str | None
+    tool_parser: str | None  # auto: the format to parse
+    reasoning_parser: str | None
+    tool_names: list[str]
+    echo: str = ""  # vLLM's echo: the last (assistant) message's text, which this continues
+
+    def parser(self) -> ToolParser | None:
+        if self.mode == "named":
+            assert self.function is not None
+            return NamedToolParser(self.function)
+        if self.mode == "required":
+            return RequiredToolParser(self.tool_names)
+        if self.mode == "auto":
+            assert self.tool_parser is not None
+            return get_tool_parser(self.tool_parser)(self.tool_names)
+        return None
+
+    def reasoning(self) -> ReasoningParser | None:
+        return get_reasoning_parser(self.reasoning_parser)() if self.reasoning_parser else None
+
+
+def plan_chat(body: ChatCompletionRequest, constraint: StructuredOutputs | None,
+              constraint_field: str | None, auto_tool_parser: str | None,
+              reasoning_parser: str | None) -> ChatPlan:
+    """Check `tools` and `tool_choice` (APIError 400 naming the field) and decide the mode.
+    `auto_tool_parser` is the server's --tool-call-parser when --enable-auto-tool-choice is
+    on, else None."""
+    tools = body.tools or []
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, "tool names must be unique", "tools")
+    choice = body.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if not tools and choice != "none":
+        raise APIError(400, "tool_choice needs tools", "tool_choice")
+    function = None
+    if isinstance(choice, NamedToolChoice):
+        function = choice.function.name
+        if function not in names:
+            raise APIError(400, f"tool_choice names function {function!r}, which is not "
+                           f"among the tools {names}", "tool_choice")
+        mode = "named"
+    else:
+        mode = choice
+    if mode == "auto" and auto_tool_parser is None:
+        raise APIError(400, 'tool_choice "auto" needs a server started with '
+                       "--enable-auto-tool-choice and --tool-call-parser; send "
+                       'tool_choice "required" or a named function instead (enforced by a '
+                       "grammar on any model)", "tool_choice")
+    if mode in ("named", "required"):
+        if constraint is not None:
+            raise APIError(400, f"tool_choice {mode!r} cannot be combined with "
+                           f"{constraint_field}", constraint_field)
+        if mode == "named":
+            schema = _parameters(next(t for t in tools if t.function.name == function))
+        else:
+            item = {"anyOf": [{
+                "type": "object",
+                "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+                "required": ["name", "parameters"], "additionalProperties": False}
+                for t in tools]}
+            schema = {"type": "array", "items": item, "minItems": 1}
+            if body.parallel_tool_calls is False:
+                schema["maxItems"] = 1
+        constraint, constraint_field = StructuredOutputs(json=json.dumps(schema)), "tools"
+    if constraint is not None and reasoning_parser is not None:
+        # A reasoning model thinks first: the constraint starts after its thinking.
+        try:
+            constraint = dataclasses.replace(constraint, reasoning_end=THINK_END)
+        except ValueError as e:
+            raise APIError(400, f"{constraint_field}: {e}", constraint_field) from e
+    template_tools = None
+    if mode != "none":
+        template_tools = [{"type": "function", "function": t.function.model_dump(
+            exclude_none=True)} for t in tools]
+    return ChatPlan(template_tools, mode, function, constraint, constraint_field,
+                    auto_tool_parser if mode == "auto" else None, reasoning_parser, names)
+
+
+def _call_json(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
+def chat_message(plan: ChatPlan, text: str) -> tuple[dict, bool]:
+    """A whole choice's message, and whether it holds tool calls."""
+    text = plan.echo + text
+    reasoning = None
+    rp = plan.reasoning()
+    content: str | None = text
+    if rp is not None:
+        reasoning, content = rp.parse(text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if rp is not None:
+        message["reasoning_content"] = reasoning
+    tp = plan.parser()
+    if tp is None:
+        if message["content"] is None:
+            message["content"] = ""
+        return message, False
+    parsed = tp.parse(content or "")
+    message["content"] = parsed.content
+    if parsed.tool_calls:
+        message["tool_calls"] = [_call_json(c) for c in parsed.tool_calls]
+    return message, bool(parsed.tool_calls)
+
+
+class ChoiceStream:
+    """One streamed choice: text deltas in, chat `delta` objects out."""
+
+    def __init__(self, plan: ChatPlan) -> None:
+        self.reasoning = plan.reasoning()
+        self.tools = plan.parser()
+        self.has_calls = False
+        self._echo = plan.echo
+
+    def feed(self, text: str, final: bool) -> list[dict]:
+        deltas: list[dict] = []
+        text, self._echo = self._echo + text, ""
+        content = text
+        if self.reasoning is not None:
+            r, content = self.reasoning.feed(text)
+            if final:
+                r2, c2 = self.reasoning.finish()
+                r, content = r + r2, content + c2
+            if r:
+                deltas.append({"reasoning_content": r})
+        if self.tools is None:
+            if content:
+                deltas.append({"content": content})
+            return deltas
+        out = self.tools.feed(content) if content else StreamDelta()
+        if final:
+            last = self.tools.finish()
+            out = StreamDelta(out.content + last.content, out.tool_calls + last.tool_calls)
+        if out.content:
+            deltas.append({"content": out.content})
+        for d in out.tool_calls:
+            self.has_calls = True
+            piece: dict[str, Any] = {"index": d.index, "function": {"arguments": d.arguments}}
+            if d.id is not None:
+                piece["id"], piece["type"] = d.id, "function"
+                piece["function"]["name"] = d.name
+            deltas.append({"tool_calls": [piece]})
+        return deltas

@@ -1,0 +1,286 @@
+"""Structured outputs: grammars compiled by llguidance, enforced with a token mask per step.
+
+A constrained request holds a `Grammar`: llguidance's matcher for its constraint, advanced by
+every token the request is given (Request.append_token) and nothing else, so its mask depends
+only on the request's own output, whatever its batch, chunking or preemption. Each step the
+runner asks every constrained row for the set of tokens the grammar allows next
+(`fill_bitmasks`); the sampler sets every other logit to -inf before any other processing,
+so greedy, random and seeded rows (and rejection sampling of drafts) draw only allowed tokens.
+A row that verifies drafts gets one mask per draft position: the matcher advances over the
+drafts the grammar allows, fills each position's mask, and is rolled back; a draft the grammar
+forbids has probability 0 under its row's mask and is rejected there.
+
+When the grammar is complete and allows nothing more (a JSON object closed), the request
+stops (finish_reason "stop") without spending a step on an end-of-sequence token.
+
+`GrammarCompiler` owns llguidance's view of the tokenizer (built once, on a background thread
+at start-up) and an LRU cache of compiled grammars keyed by the constraint; a request's
+matcher is a copy of the cached one, so a repeated schema costs microseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import llguidance
+import torch
+
+from kvserve.sample.sampling_params import StructuredOutputs
+
+# Parser limits (llguidance's fuel): they bound the work of compiling a grammar and of each
+# mask, so a pathological schema is refused rather than stalling every step.
+_LIMITS = llguidance.LLParserLimits(
+    initial_lexer_fuel=2_000_000,  # ~40 ms of regex analysis at ~50k/ms
+    step_lexer_fuel=400_000,  # ~30 ms for one mask at worst
+    max_grammar_size=200_000,
+)
+COMPILE_CACHE_SIZE = 256
+# JSON is written as json.dumps writes it: ", " and ": ", no other whitespace. llguidance's
+# own default allows any whitespace anywhere, and small models then fill max_tokens with
+# newlines (measured here: 9 of 12 SmolLM2 outputs). A schema may still ask for more with its
+# "x-guidance" options (e.g. {"whitespace_flexible": true}), which override these.
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
+
+class StructuredOutputError(ValueError):
+    """The constraint cannot be enforced: invalid, unsupported, or over the limits."""
+
+
+def _schema(spec: StructuredOutputs) -> dict | bool:
+    if spec.json_object:
+        return {"type": "object"}
+    assert spec.json is not None
+    try:
+        schema = json.loads(spec.json)
+    except json.JSONDecodeError as e:
+        raise StructuredOutputError(f"the JSON schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict | bool):
+        raise StructuredOutputError("a JSON schema must be an object or a boolean")
+    return schema
+
+
+def _choice_lark(choices: tuple[str, ...]) -> str:
+    # Lark string literals read JSON escapes, so any choice text is written exactly.
+    return " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _after_reasoning(spec: StructuredOutputs) -> str:
+    """A Lark grammar: anything up to the end of thinking, optional whitespace, then the
+    constraint."""
+    if spec.json is not None or spec.json_object:
+        schema = _schema(spec)
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
+        answer = "%json " + json.dumps(schema)
+    elif spec.regex is not None:
+        answer = "/" + spec.regex.replace("/", "\\/") + "/"
+    else:
+        assert spec.choice is not None
+        answer = _choice_lark(spec.choice)
+    return (f"start: thinking SPACE answer\n"
+            f"thinking[stop={json.dumps(spec.reasoning_end)}]: /(?s:.*)/\n"
+            f"SPACE: /[ \\t\\r\\n]*/\nanswer: {answer}\n")
+
+
+def grammar_text(spec: StructuredOutputs) -> str:
+    """The constraint as an llguidance grammar. Raises StructuredOutputError when the JSON
+    schema is not JSON."""
+    if spec.reasoning_end is not None:
+        return llguidance.LLMatcher.grammar_from_lark(_after_reasoning(spec))
+    if spec.json_object:
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                             defaults=JSON_OPTIONS)
+    if spec.json is not None:
+        schema = _schema(spec)
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except ValueError as e:
+            raise StructuredOutputError(f"invalid JSON schema: {e}") from None
+    if spec.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        return llguidance.LLMatcher.grammar_from_lark("start: " + _choice_lark(spec.choice))
+    assert spec.grammar is not None
+    return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
+
+
+class Grammar:
+    """One request's matcher. `accept` advances it by a generated token; `terminated` is True
+    once the grammar allows no further token."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"the grammar rejected token {token}: "
+                               f"{self.matcher.get_error() or 'not allowed'}")
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_stopped()
+
+    def fill(self, row: torch.Tensor) -> None:
+        """The allowed next tokens as a bitmask into `row` (int32, contiguous, CPU)."""
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        if self.matcher.is_error():
+            raise RuntimeError(f"the grammar failed: {self.matcher.get_error()}")
+
+    def fill_drafts(self, rows: torch.Tensor, drafts: Sequence[int]) -> None:
+        """Masks for len(drafts) + 1 positions: position j allows what may follow the drafts
+        before it. Positions after a draft the grammar forbids allow everything (their
+        drafts are rejected before them). The matcher ends where it started."""
+        valid = self.matcher.validate_tokens(list(drafts))
+        self.fill(rows[0])
+        consumed = 0
+        try:
+            for j in range(valid):
+                self.accept(drafts[j])
+                consumed += 1
+                self.fill(rows[j + 1])
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)
+        rows[valid + 1:].fill_(-1)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer (its tokenizer.json text, or a function that
+    makes it when first needed, the model's vocab size and end-of-sequence ids); safe to call
+    from one thread at a time."""
+
+    def __init__(self, tokenizer_json: str | Callable[[], str], vocab_size: int,
+                 eos_token_ids: Sequence[int]) -> None:
+        self.vocab_size = vocab_size
+        self._tokenizer_json = tokenizer_json
+        self._eos = sorted(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[StructuredOutputs, llguidance.LLMatcher] = OrderedDict()
+        self.num_compiled = 0
+        self.compile_seconds = 0.0
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's tokenizer, built on first use: ~0.3 s for a 49k vocabulary, during
+        which it holds the GIL (measured), so building it on a thread at load time would
+        only have delayed the load."""
+        if self._tokenizer is None:
+            try:
+                text = self._tokenizer_json
+                self._tokenizer = llguidance.LLTokenizer(
+                    text if isinstance(text, str) else text(), n_vocab=self.vocab_size,
+                    eos_token=self._eos)
+            except Exception as e:
+                raise StructuredOutputError(f"structured outputs are unavailable for this "
+                                            f"tokenizer: {e}") from e
+            self._tokenizer_json = ""  # the text is not needed again
+        return self._tokenizer
+
+    def compile(self, spec: StructuredOutputs) -> Grammar:
+        """A fresh matcher for `spec`; raises StructuredOutputError naming the problem."""
+        return Grammar(self._compiled(spec).deep_copy())
+
+    def check(self, spec: StructuredOutputs) -> None:
+        """Raise StructuredOutputError if `spec` cannot be enforced (compiling it into the
+        cache, for the request's compile that follows)."""
+        self._compiled(spec)
+
+    def _compiled(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
+        """The cached matcher of `spec`, compiled on first use (never handed out: copy)."""
+        matcher = self._cache.get(spec)
+        if matcher is not None:
+            self._cache.move_to_end(spec)
+            return matcher
+        t0 = time.perf_counter()
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(spec), log_level=0,
+                                       limits=_LIMITS)
+        if matcher.is_error():
+            raise StructuredOutputError(f"invalid {_what(spec)}: {matcher.get_error()}")
+        first = new_bitmask(1, self.vocab_size)
+        try:
+            Grammar(matcher.deep_copy()).fill(first[0])
+        except RuntimeError:
+            first.zero_()
+        if not first.any():  # nothing the tokenizer can write starts a match
+            raise StructuredOutputError(f"the {_what(spec)} allows no output this model's "
+                                        "tokens can write")
+        self.compile_seconds += time.perf_counter() - t0
+        self.num_compiled += 1
+        self._cache[spec] = matcher
+        while len(self._cache) > COMPILE_CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return matcher
+
+
+def _what(spec: StructuredOutputs) -> str:
+    return {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regex",
+            "choice": "choice", "grammar": "grammar"}[spec.kind]
+
+
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """An int32 bitmask for `rows` rows, every token allowed."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+# Byte b of a bitmask -> an additive bias for its 8 tokens (0 allowed, -inf forbidden).
+# Expanding a mask by lookup and adding it is about ten times faster than shifting every
+# 32-bit word 32 times and a boolean masked_fill.
+_BIAS = torch.zeros(256, 8).masked_fill_(
+    ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1) == 0, float("-inf"))
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in rows `rows` of `logits` [B, V] (float32), every token whose bit in
+    `bitmask` [len(rows), ceil(V / 32)] is 0 (bit i of word w is token 32 w + i)."""
+    vocab = logits.shape[-1]
+    # Little-endian bytes: byte j of a row holds the bits of tokens 8 j .. 8 j + 7.
+    codes = bitmask.contiguous().view(torch.uint8).view(-1).to(logits.device, torch.int32)
+    bias = _BIAS.to(logits.device).index_select(0, codes).view(bitmask.shape[0], -1)
+    bias = bias[:, :vocab]
+    if rows.numel() == logits.shape[0] and bool((rows == torch.arange(
+            rows.numel(), device=rows.device)).all()):
+        logits.add_(bias)
+    else:
+        logits[rows] += bias
+
+
+_executor: llguidance.LLExecutor | None = None
+
+
+def fill_bitmasks(items: Sequence[tuple[int, Grammar, Sequence[int]]], vocab_size: int
+                  ) -> tuple[list[int], torch.Tensor]:
+    """The masks of a step's constrained rows: `items` holds, per constrained request, the
+    index of its first row of logits, its grammar and its drafts (a row per draft and one
+    more). Returns the row indices and their bitmasks, in that order. Rows without drafts
+    are filled in parallel by llguidance's thread pool."""
+    global _executor
+    rows: list[int] = []
+    for offset, _, drafts in items:
+        rows.extend(range(offset, offset + len(drafts) + 1))
+    bitmask = new_bitmask(len(rows), vocab_size)
+    plain: list[tuple[Grammar, int]] = []
+    i = 0
+    for _, grammar, drafts in items:
+        if drafts:
+            grammar.fill_drafts(bitmask[i:i + len(drafts) + 1], drafts)
+        else:
+            plain.append((grammar, i))
+        i += len(drafts) + 1
+    if len(plain) == 1:
+        grammar, i = plain[0]
+        grammar.fill(bitmask[i])
+    elif plain:
+        if _executor is None:
+            _executor = llguidance.LLExecutor(min(4, os.cpu_count() or 1))
+        _executor.unsafe_compute_mask_ptr([(g.matcher, i) for g, i in plain],
+                                          bitmask.data_ptr(), bitmask.shape[1] * 4,
+                                          bitmask.shape[0])
+        for grammar, _ in plain:
+            matcher = grammar.matcher
+            if matcher.is_error():
+                raise RuntimeError(f"the grammar failed: {matcher.get_error()}")
+    return rows, bitmask
