@@ -8,11 +8,12 @@ import json
 import pytest
 import torch
 
-from kvserve import kernels, roofline
+from kvserve import kernels
 from kvserve.engine.llm import LLM
 from kvserve.entrypoints.cli import main
 from kvserve.layers.linear import LinearBase
 from kvserve.layers.quant import QuantizedWeight
+from kvserve.tools import roofline
 from kvserve.tools.roofline import Machine, Point, StepWork, WorkModel, cost_model
 
 # Round synthetic figures: no timing is measured by these tests (apart from the command's).

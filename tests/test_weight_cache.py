@@ -327,3 +327,13 @@ def test_kv_cache_memory_reads_zero_until_written():
     a[1, 2] = 1.5
     assert a.sum().item() == 1.5 * 3 * 64 and not b.any()  # separate memory
     assert zeros((0, 5), torch.int8, CPU).shape == (0, 5)
+
+
+def test_every_source_a_cache_digests_exists():
+    """The start-up caches key their entries on kvserve's own files (so an edit retires what
+    they made): a file moved or renamed must be named again there, not silently skipped."""
+    from kvserve.engine import calibration_cache
+    from kvserve.models import weight_cache
+
+    for code in (calibration_cache._CODE, weight_cache._CODE):
+        assert code and not [p for p in code if not p.is_file()]

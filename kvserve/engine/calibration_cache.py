@@ -40,8 +40,9 @@ AGREEMENT = (2 / 3, 3 / 2)
 # layers and kernels: kvserve.models.weight_cache.code_versions): the engine's step and the
 # calibration's workload.
 _PKG = Path(__file__).resolve().parent.parent
-_CODE = [_PKG / p for p in ("engine/core.py", "scheduler.py", "slo.py", "worker/model_runner.py",
-                            "attention/torch_paged.py", "sampler.py")]
+_CODE = [_PKG / p for p in ("engine/core.py", "sched/scheduler.py", "sched/slo.py",
+                            "worker/model_runner.py", "attention/torch_paged.py",
+                            "sample/sampler.py")]
 
 Sample = tuple[tuple[float, ...], float]
 
@@ -61,9 +62,9 @@ class CalibrationCache:
             return None
         try:
             fingerprint = model_fingerprint(model)
-            code = sources_digest(_CODE)
-        except OSError:
+        except OSError:  # no such file: the load says so
             return None
+        code = sources_digest(_CODE)  # kvserve's own files: a missing one is a bug, not a miss
         header = {"format": FORMAT, "model": fingerprint, "setting": setting,
                   "machine": machine, "code": code}
         name = entry_name(model, {"path": fingerprint["path"], "setting": setting}, header)
