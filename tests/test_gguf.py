@@ -263,7 +263,7 @@ def test_k_quant_layers_under_auto_read_the_files_codes(tmp_path_factory, monkey
     assert 0 < (a - b).abs().max() / b.abs().max() < 0.1
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
     # kvserve plan's count of what auto holds: the file's bytes, none of them its pages
-    from kvserve.models.loader import gguf_weight_bytes
+    from kvserve.models.gguf_file import gguf_weight_bytes
 
     tensors = parsed_gguf(path).tensors
     size = {k: sum(int(t.n_bytes) for t in tensors if t.tensor_type.name == k)
@@ -367,7 +367,7 @@ def test_floats_from_the_groups_equal_gguf_dequantization(qtype, tiny_llama_dir,
     """The loader reads these types' projection floats from the kernel groups, or leaves them
     in place (GGUFTensor): every tensor it yields, dequantized, is bit for bit what gguf's own
     dequantization gives, in the weight's row order."""
-    from kvserve.models import loader
+    from kvserve.models import gguf_file, loader
 
     path = tmp_path / "tiny-q.gguf"
     write_gguf(tiny_llama_dir, path, qtype=qtype)
@@ -375,7 +375,7 @@ def test_floats_from_the_groups_equal_gguf_dequantization(qtype, tiny_llama_dir,
 
     def tensors():
         return [(n, w.dequantized() if isinstance(w, GGUFTensor) else w) for n, w, _ in
-                loader.iter_gguf_tensors(gguf.GGUFReader(str(path)), cfg)]
+                gguf_file.iter_gguf_tensors(gguf.GGUFReader(str(path)), cfg)]
 
     in_place = tensors()
     monkeypatch.setattr(loader, "gguf_native", lambda kind: False)

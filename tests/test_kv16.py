@@ -19,7 +19,7 @@ from kvserve.config import resolve_dtype, resolve_kv_cache_dtype
 from kvserve.engine.llm import LLM
 from kvserve.entrypoints import cli
 from kvserve.kv_cache.planner import capacity_gain, kv_bytes_per_token, kv_token_bytes, plan_kv
-from kvserve.models.loader import hf_model_config
+from kvserve.models.hf_dir import hf_model_config
 from tests.test_kernels import _paged_case
 from tests.test_kv_int8 import SMOLLM2
 

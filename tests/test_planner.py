@@ -20,7 +20,8 @@ from kvserve.kv_cache.planner import (
     plan_num_blocks,
     weight_bytes,
 )
-from kvserve.models.loader import hf_model_config, load_model, read_model_config
+from kvserve.models.hf_dir import hf_model_config
+from kvserve.models.loader import load_model, read_model_config
 from tests.conftest import parsed_gguf
 from tests.test_kv_int8 import SMOLLM2
 

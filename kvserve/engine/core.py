@@ -29,9 +29,11 @@ from kvserve.kernels import build_spec
 from kvserve.models.weight_cache import code_versions
 from kvserve.outputs import LATE_REFUSAL, CoreOutput, RequestTimes
 from kvserve.request import Request, RequestStatus
+from kvserve.sched.output import SchedulerOutput
 from kvserve.sched.scheduler import MIN_PROMPT_TOKENS, calibration_requests
 from kvserve.sched.slo import TARGET_MARGIN, StepShape, StepTimeModel, default_itl_budget
 from kvserve.stats import EngineStats, SpecState, StepRecord, TierState
+from kvserve.worker.model_runner import ModelRunnerOutput
 from kvserve.worker.tp_workers import TensorParallelError
 
 log = logging.getLogger(__name__)
@@ -290,16 +292,7 @@ class EngineCore:
         for req in sched.refused:
             self._fail(req.request_id, LATE_REFUSAL)
         t2 = time.perf_counter()
-        kv_io = 0.0
-        if sched.kv_transfers:
-            assert self.kv.store is not None
-            t = sched.kv_transfers
-            failed = self.kv.store.execute(t.saves, t.loads)
-            if failed:
-                log.warning("%d prefix-cache blocks failed to load; recomputing them",
-                            len(failed))
-                self.scheduler.recompute_failed_loads(sched, failed)
-            kv_io = time.perf_counter() - t2
+        kv_io = self._move_kv(sched) if sched.kv_transfers else 0.0
         self._step_start = None
         if sched.is_empty:
             return self._take_pending()
@@ -327,8 +320,29 @@ class EngineCore:
             req = self._requests[request_id]
             req.pooled.append(vec)
             req.num_pooled += count
-        now = time.perf_counter()
         outputs = self._take_pending()
+        outputs += self._new_tokens(sched, result, injected)
+        self._step_start = (sched, result.timings, t0, t1, t2, kv_io)
+        return outputs
+
+    def _move_kv(self, sched: SchedulerOutput) -> float:
+        """The step's prefix-cache tier copies, before its forward; blocks that fail to load
+        are recomputed. Returns the seconds they took."""
+        t0 = time.perf_counter()
+        assert self.kv.store is not None
+        t = sched.kv_transfers
+        failed = self.kv.store.execute(t.saves, t.loads)
+        if failed:
+            log.warning("%d prefix-cache blocks failed to load; recomputing them", len(failed))
+            self.scheduler.recompute_failed_loads(sched, failed)
+        return time.perf_counter() - t0
+
+    def _new_tokens(self, sched: SchedulerOutput, result: ModelRunnerOutput,
+                    injected: faults.Faults | None) -> list[CoreOutput]:
+        """Each sampling request's new tokens (or its embedding) appended and handed out; a
+        request whose handling raises fails alone."""
+        now = time.perf_counter()
+        outputs: list[CoreOutput] = []
         hidden = result.hidden or [None] * len(result.token_ids)
         sampled = iter(zip(result.token_ids, result.logprobs, hidden, strict=True))
         for s in sched.scheduled:
@@ -358,7 +372,6 @@ class EngineCore:
                 self._fail(req.request_id, f"{type(e).__name__}: {e}")
                 continue
             outputs.append(out)
-        self._step_start = (sched, result.timings, t0, t1, t2, kv_io)
         return outputs
 
     def record_step(self) -> None:

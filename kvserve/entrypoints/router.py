@@ -28,9 +28,10 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -169,38 +170,61 @@ def _error(status: int, message: str) -> JSONResponse:
                                    "param": None, "code": status}}, status_code=status)
 
 
-def build_router_app(config: RouterConfig) -> FastAPI:
-    router = Router(config)
-    metrics = _Metrics()
-    client = httpx.AsyncClient(timeout=httpx.Timeout(config.timeout, connect=5.0))
+class RouterState:
+    """What the router's routes share: the replicas and their policy, the metrics and the
+    client that forwards to the replicas."""
 
-    async def check(replica: Replica) -> None:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.router = Router(config)
+        self.metrics = _Metrics()
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(config.timeout, connect=5.0))
+
+    async def check(self, replica: Replica) -> None:
+        """Poll one replica's /health and take it out of, or back into, rotation."""
         try:
-            ok = (await client.get(f"{replica.url}/health", timeout=5.0)).status_code == 200
+            ok = (await self.client.get(f"{replica.url}/health", timeout=5.0)).status_code == 200
         except httpx.HTTPError:
             ok = False
         if ok != replica.healthy:
             log.warning("replica %s is %s", replica.url, "back" if ok else "unhealthy")
         replica.healthy = ok
-        metrics.healthy.labels(replica.url).set(int(ok))
+        self.metrics.healthy.labels(replica.url).set(int(ok))
 
-    async def health_loop() -> None:
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(r) for r in self.router.replicas))
+
+    async def health_loop(self) -> None:
         while True:
-            await asyncio.gather(*(check(r) for r in router.replicas))
-            await asyncio.sleep(config.health_interval)
+            await self.check_all()
+            await asyncio.sleep(self.config.health_interval)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
-        await asyncio.gather(*(check(r) for r in router.replicas))
-        task = asyncio.create_task(health_loop())
-        yield
-        task.cancel()
-        await client.aclose()
+    async def _send(self, body: dict, raw: bytes, path: str, headers: dict[str, str]
+                    ) -> tuple[Replica, httpx.Response] | None:
+        """The request sent to the replica the policy picks, another one each time one
+        cannot be reached; None when no healthy replica is left."""
+        tried: set[str] = set()
+        metrics = self.metrics
+        while True:
+            replica, why = self.router.pick(body, tried)
+            metrics.decisions.labels(self.config.policy, why).inc()
+            if replica is None:
+                return None
+            try:
+                upstream = await self.client.send(
+                    self.client.build_request("POST", replica.url + path, content=raw,
+                                              headers=headers), stream=True)
+            except httpx.TransportError as e:
+                log.warning("replica %s unreachable (%s); trying another", replica.url, e)
+                replica.healthy = False
+                metrics.healthy.labels(replica.url).set(0)
+                metrics.failovers.inc()
+                tried.add(replica.url)
+                continue
+            return replica, upstream
 
-    app = FastAPI(title="kvserve router", lifespan=lifespan)
-    app.state.router = router
-
-    async def forward(request: Request, path: str) -> Response:
+    async def forward(self, request: Request, path: str) -> Response:
+        """`request`'s body sent on to a replica, its response streamed back unchanged."""
         raw = await request.body()
         try:
             body = json.loads(raw or b"{}")
@@ -210,25 +234,12 @@ def build_router_app(config: RouterConfig) -> FastAPI:
             return _error(400, "request body must be a JSON object")
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "content-type", "accept")}
-        tried: set[str] = set()
         t0 = time.perf_counter()
-        while True:
-            replica, why = router.pick(body, tried)
-            metrics.decisions.labels(config.policy, why).inc()
-            if replica is None:
-                return _error(503, "no healthy replica")
-            try:
-                upstream = await client.send(
-                    client.build_request("POST", replica.url + path, content=raw,
-                                         headers=headers), stream=True)
-            except httpx.TransportError as e:
-                log.warning("replica %s unreachable (%s); trying another", replica.url, e)
-                replica.healthy = False
-                metrics.healthy.labels(replica.url).set(0)
-                metrics.failovers.inc()
-                tried.add(replica.url)
-                continue
-            break
+        sent = await self._send(body, raw, path, headers)
+        if sent is None:
+            return _error(503, "no healthy replica")
+        replica, upstream = sent
+        metrics = self.metrics
         replica.outstanding += 1
         metrics.outstanding.labels(replica.url).set(replica.outstanding)
         metrics.requests.labels(replica.url, str(upstream.status_code)).inc()
@@ -250,40 +261,71 @@ def build_router_app(config: RouterConfig) -> FastAPI:
         return StreamingResponse(passthrough(), status_code=upstream.status_code,
                                  headers=keep)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await forward(request, "/v1/completions")
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await forward(request, "/v1/chat/completions")
+def _state(request: Request) -> RouterState:
+    return request.app.state.kvserve_router
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        for r in router.replicas:
-            if not r.healthy:
-                continue
-            try:
-                resp = await client.get(f"{r.url}/v1/models", headers=auth, timeout=10)
-            except httpx.HTTPError:
-                continue
-            return Response(resp.content, status_code=resp.status_code,
-                            media_type="application/json")
-        return _error(503, "no healthy replica")
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if any(r.healthy for r in router.replicas) else 503)
+State = Annotated[RouterState, Depends(_state)]
+routes = APIRouter()
 
-    @app.get("/router/replicas")
-    async def replicas() -> dict:
-        return {"policy": config.policy, "replicas": [
-            {"url": r.url, "healthy": r.healthy, "outstanding": r.outstanding}
-            for r in router.replicas]}
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+@routes.post("/v1/completions")
+async def completions(request: Request, state: State) -> Response:
+    return await state.forward(request, "/v1/completions")
 
+
+@routes.post("/v1/chat/completions")
+async def chat(request: Request, state: State) -> Response:
+    return await state.forward(request, "/v1/chat/completions")
+
+
+@routes.get("/v1/models")
+async def models(request: Request, state: State) -> Response:
+    """The first healthy replica's model list."""
+    auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+    for r in state.router.replicas:
+        if not r.healthy:
+            continue
+        try:
+            resp = await state.client.get(f"{r.url}/v1/models", headers=auth, timeout=10)
+        except httpx.HTTPError:
+            continue
+        return Response(resp.content, status_code=resp.status_code,
+                        media_type="application/json")
+    return _error(503, "no healthy replica")
+
+
+@routes.get("/health")
+async def health(state: State) -> Response:
+    return Response(status_code=200 if any(r.healthy for r in state.router.replicas) else 503)
+
+
+@routes.get("/router/replicas")
+async def replicas(state: State) -> dict:
+    return {"policy": state.config.policy, "replicas": [
+        {"url": r.url, "healthy": r.healthy, "outstanding": r.outstanding}
+        for r in state.router.replicas]}
+
+
+@routes.get("/metrics")
+async def prometheus(state: State) -> Response:
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def build_router_app(config: RouterConfig) -> FastAPI:
+    """The router's app: its routes over one RouterState, replicas polled from start-up on."""
+    state = RouterState(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await state.check_all()
+        task = asyncio.create_task(state.health_loop())
+        yield
+        task.cancel()
+        await state.client.aclose()
+
+    app = FastAPI(title="kvserve router", lifespan=lifespan)
+    app.state.kvserve_router = state
+    app.include_router(routes)
     return app

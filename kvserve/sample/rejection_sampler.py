@@ -157,20 +157,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
 
     if final:
         assert probs is not None
-        dist = []
-        for _, row, req, a in final:
-            p = probs[row]
-            if a < len(req.draft_token_ids):  # rejected at a: sample max(0, p - q)
-                if req.draft_probs is None:
-                    residual = p.clone()
-                    residual[req.draft_token_ids[a]] = 0.0
-                else:
-                    residual = (p - req.draft_probs[a].to(p.device, torch.float32)).clamp_(min=0)
-                p = residual if residual.sum() > 0 else p
-            dist.append(p)
-        u = torch.rand(len(final), 1, device=device)
-        drawn = inverse_cdf(torch.stack(dist), u).tolist()
-        for (i, _, _, _), t in zip(final, drawn, strict=True):
+        for (i, _, _, _), t in zip(final, _draw_last(final, probs, device), strict=True):
             tokens[i].append(t)
 
     # Logprobs (raw model logprobs of each emitted token), through the sampler's own path.
@@ -180,6 +167,26 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
     out = sampler.to_output(logits, chosen.to(device), meta)
     logprobs = [out.logprobs[o:o + len(toks)] for toks, o in zip(tokens, offsets, strict=True)]
     return VerifyOutput(tokens, logprobs)
+
+
+def _draw_last(final: list[tuple[int, int, Request, int]], probs: torch.Tensor,
+               device: torch.device) -> list[int]:
+    """The token after each rejection-sampled request's accepted drafts, in one batched
+    draw (after the acceptance draws, so the generator's sequence is fixed): from the
+    residual max(0, p - q) where a draft was rejected, from p where all were accepted."""
+    dist = []
+    for _, row, req, a in final:
+        p = probs[row]
+        if a < len(req.draft_token_ids):  # rejected at a: sample max(0, p - q)
+            if req.draft_probs is None:
+                residual = p.clone()
+                residual[req.draft_token_ids[a]] = 0.0
+            else:
+                residual = (p - req.draft_probs[a].to(p.device, torch.float32)).clamp_(min=0)
+            p = residual if residual.sum() > 0 else p
+        dist.append(p)
+    u = torch.rand(len(final), 1, device=device)
+    return inverse_cdf(torch.stack(dist), u).tolist()
 
 
 def _rejection_sampled(req: Request) -> bool:

@@ -29,7 +29,7 @@ however many numbers speculative decoding drew for it before (see kvserve.sample
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -132,107 +132,108 @@ class SamplingMetadata:
         """
         device = torch.device(device)
         params = [r.sampling_params for r in rows]
-        b = len(rows)
         greedy = [p.is_greedy for p in params]
-        all_greedy = all(greedy)
-        any_greedy = any(greedy)
-
-        bias_rows: list[int] = []
-        bias_tokens: list[int] = []
-        bias_vals: list[float] = []
-        ban_rows: list[int] = []
-        ban_tokens: list[int] = []
+        all_greedy, any_greedy = all(greedy), any(greedy)
         constrained = set(allowed[0]) if allowed is not None else set()
-        for i, (row, p) in enumerate(zip(rows, params, strict=True)):
-            if p.logit_bias:
-                for token, value in p.logit_bias.items():
-                    _check_token(token, vocab_size, "logit_bias")
-                    bias_rows.append(i)
-                    bias_tokens.append(token)
-                    bias_vals.append(value)
-            if len(row.output_token_ids) < p.min_tokens and i not in constrained:
-                banned = set(row.eos_token_ids).union(p.stop_token_ids or ())
-                for token in sorted(banned):
-                    _check_token(token, vocab_size, "min_tokens banned")
-                    ban_rows.append(i)
-                    ban_tokens.append(token)
+        bias, bans = _bias_and_bans(rows, vocab_size, constrained)
 
         def ints(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
-        def column(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
-
-        bias_index = (ints(bias_rows), ints(bias_tokens)) if bias_rows else None
-        bias_values = torch.tensor(bias_vals, device=device) if bias_rows else None
-        ban_index = (ints(ban_rows), ints(ban_tokens)) if ban_rows else None
         penalties = _build_penalties(rows, vocab_size, device)
-
-        # Sampling knobs only matter for random rows; greedy rows get neutral values.
-        random_params = [p for p, g in zip(params, greedy, strict=True) if not g]
-
-        def knob(name: str, neutral: float) -> torch.Tensor:
-            values = [
-                neutral if g else getattr(p, name) for p, g in zip(params, greedy, strict=True)
-            ]
-            return column(values)
-
-        temperature = min_p = top_k = top_p = None
-        max_top_k = 0
-        seeded: list[tuple[int, float]] = []
-        any_unseeded_random = False
-        if random_params:
-            temperature = knob("temperature", 1.0)
-            if any(p.min_p > 0 for p in random_params):
-                min_p = knob("min_p", 0.0)
-            if any(p.top_p < 1.0 for p in random_params):
-                top_p = knob("top_p", 1.0)
-            # k = V means "no top-k" for that row; both truncation paths treat it as a no-op.
-            ks = [
-                vocab_size if g or not p.top_k_enabled else min(p.top_k, vocab_size)
-                for p, g in zip(params, greedy, strict=True)
-            ]
-            if any(k < vocab_size for k in ks):
-                top_k = ints(ks)
-                max_top_k = max(k for k in ks if k < vocab_size)
-            for i, (row, p, g) in enumerate(zip(rows, params, greedy, strict=True)):
-                if g:
-                    continue
-                if p.seed is not None:
-                    seeded.append((i, seeded_uniform(p.seed, len(row.output_token_ids))))
-                else:
-                    any_unseeded_random = True
-
+        knobs = _RandomKnobs.of(rows, greedy, vocab_size, device)
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        num_logprobs = [min(params[i].logprobs or 0, vocab_size) for i in logprob_rows]
-
         return cls(
-            batch_size=b,
+            batch_size=len(rows),
             vocab_size=vocab_size,
             all_greedy=all_greedy,
-            needs_processing=bool(bias_rows or ban_rows or penalties is not None
-                                  or constrained),
-            greedy_mask=(
-                torch.tensor(greedy, dtype=torch.bool, device=device)
-                if any_greedy and not all_greedy
-                else None
-            ),
-            temperature=temperature,
-            min_p=min_p,
-            top_k=top_k,
-            max_top_k=max_top_k,
-            top_p=top_p,
-            bias_index=bias_index,
-            bias_values=bias_values,
-            ban_index=ban_index,
+            needs_processing=bool(bias or bans or penalties is not None or constrained),
+            greedy_mask=(torch.tensor(greedy, dtype=torch.bool, device=device)
+                         if any_greedy and not all_greedy else None),
+            temperature=knobs.temperature,
+            min_p=knobs.min_p,
+            top_k=knobs.top_k,
+            max_top_k=knobs.max_top_k,
+            top_p=knobs.top_p,
+            bias_index=(ints([r for r, _, _ in bias]), ints([t for _, t, _ in bias]))
+            if bias else None,
+            bias_values=torch.tensor([v for _, _, v in bias], device=device) if bias else None,
+            ban_index=(ints([r for r, _ in bans]), ints([t for _, t in bans])) if bans else None,
             penalties=penalties,
-            seeded=seeded,
-            any_unseeded_random=any_unseeded_random,
+            seeded=knobs.seeded,
+            any_unseeded_random=knobs.any_unseeded_random,
             logprob_rows=logprob_rows,
-            num_logprobs=num_logprobs,
+            num_logprobs=[min(params[i].logprobs or 0, vocab_size) for i in logprob_rows],
             grammar_rows=ints(allowed[0]) if constrained else None,
             grammar_bitmask=allowed[1] if constrained else None,
         )
+
+
+def _bias_and_bans(rows: Sequence[SamplingRow], vocab_size: int, constrained: set[int]
+                   ) -> tuple[list[tuple[int, int, float]], list[tuple[int, int]]]:
+    """(row, token, value) of every logit bias, and (row, token) of every token banned
+    until a row has its min_tokens: its EOS and stop tokens (not in grammar rows, whose
+    grammar decides when they may end)."""
+    bias: list[tuple[int, int, float]] = []
+    bans: list[tuple[int, int]] = []
+    for i, row in enumerate(rows):
+        p = row.sampling_params
+        for token, value in (p.logit_bias or {}).items():
+            _check_token(token, vocab_size, "logit_bias")
+            bias.append((i, token, value))
+        if len(row.output_token_ids) < p.min_tokens and i not in constrained:
+            for token in sorted(set(row.eos_token_ids).union(p.stop_token_ids or ())):
+                _check_token(token, vocab_size, "min_tokens banned")
+                bans.append((i, token))
+    return bias, bans
+
+
+@dataclass
+class _RandomKnobs:
+    """The settings only random rows use, as columns over the batch (greedy rows get
+    neutral values), each None when no random row needs it."""
+
+    temperature: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    max_top_k: int = 0
+    top_p: torch.Tensor | None = None
+    seeded: list[tuple[int, float]] = field(default_factory=list)  # (row, its uniform)
+    any_unseeded_random: bool = False
+
+    @classmethod
+    def of(cls, rows: Sequence[SamplingRow], greedy: list[bool], vocab_size: int,
+           device: torch.device) -> _RandomKnobs:
+        params = [r.sampling_params for r in rows]
+        random_params = [p for p, g in zip(params, greedy, strict=True) if not g]
+        knobs = cls()
+        if not random_params:
+            return knobs
+
+        def column(name: str, neutral: float) -> torch.Tensor:
+            values = [neutral if g else getattr(p, name)
+                      for p, g in zip(params, greedy, strict=True)]
+            return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+        knobs.temperature = column("temperature", 1.0)
+        if any(p.min_p > 0 for p in random_params):
+            knobs.min_p = column("min_p", 0.0)
+        if any(p.top_p < 1.0 for p in random_params):
+            knobs.top_p = column("top_p", 1.0)
+        # k = V means "no top-k" for that row; both truncation paths treat it as a no-op.
+        ks = [vocab_size if g or not p.top_k_enabled else min(p.top_k, vocab_size)
+              for p, g in zip(params, greedy, strict=True)]
+        if any(k < vocab_size for k in ks):
+            knobs.top_k = torch.tensor(ks, dtype=torch.int64, device=device)
+            knobs.max_top_k = max(k for k in ks if k < vocab_size)
+        for i, (row, p, g) in enumerate(zip(rows, params, greedy, strict=True)):
+            if g:
+                continue
+            if p.seed is not None:
+                knobs.seeded.append((i, seeded_uniform(p.seed, len(row.output_token_ids))))
+            else:
+                knobs.any_unseeded_random = True
+        return knobs
 
 
 def _check_token(token: int, vocab_size: int, what: str) -> None:

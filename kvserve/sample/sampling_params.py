@@ -143,6 +143,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        self._check_sampling()
+        self._check_outputs()
+
+    def _check_sampling(self) -> None:
+        """How tokens are picked: n, the sampling knobs, penalties, bias and seed."""
         self.n = _check_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
@@ -182,6 +187,8 @@ class SamplingParams:
             if not _INT64_MIN <= self.seed <= _INT64_MAX:
                 raise ValueError(f"seed must fit in a signed 64-bit int, got {self.seed}")
 
+    def _check_outputs(self) -> None:
+        """What comes out and when it stops: stops, lengths, logprobs, pooling, structure."""
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
 

@@ -100,6 +100,98 @@ def _hidden_and_labels(model: LlamaForCausalLM, seqs: list[list[int]], device: t
     return out
 
 
+def _generate(llm: LLM, num_prompts: int, max_tokens: int, seed: int, progress: bool
+              ) -> tuple[list[list[int]], list[int]]:
+    """The target's sampled answers to the training prompts and then to the held-out ones:
+    each sequence's ids (prompt and answer) and its prompt's length."""
+    n_val = max(8, num_prompts // 10)
+    texts = training_prompts(num_prompts, seed) + training_prompts(n_val, seed, held_out=True)
+    prompts = [llm.render_chat([{"role": "user", "content": p}]) for p in texts]
+    params = SamplingParams(temperature=0.5, top_p=0.95, max_tokens=max_tokens, seed=seed)
+    seqs: list[list[int]] = []
+    prompt_lens: list[int] = []
+    chunk = 128
+    with tqdm(total=len(prompts), desc="generating", unit="prompt", disable=not progress) as bar:
+        for j in range(0, len(prompts), chunk):
+            for o in llm.generate(prompts[j:j + chunk], params):
+                seqs.append(list(o.prompt_token_ids) + list(o.outputs[0].token_ids))
+                prompt_lens.append(len(o.prompt_token_ids))
+            bar.update(len(prompts[j:j + chunk]))
+    return seqs, prompt_lens
+
+
+def _examples(part, answers_only: bool) -> list[torch.Tensor]:
+    """(h_t, x_{t+1}, x_{t+2}, target's greedy token at t+1 and at t+2) for every t, or
+    only where x_{t+1} is part of the answer (validation: what drafting will see)."""
+    cols: list[list[torch.Tensor]] = [[], [], [], [], []]
+    for h, lab, seq, plen in part:
+        n = len(seq)
+        a = plen - 1 if answers_only else 0
+        if n - 3 <= a:
+            continue
+        ids = torch.tensor(seq)
+        for col, t in zip(cols, (h[a:n - 3], ids[a + 1:n - 2], ids[a + 2:n - 1],
+                                 lab[a + 1:n - 2], lab[a + 2:n - 1]), strict=True):
+            col.append(t)
+    return [torch.cat(c) for c in cols]
+
+
+def _draft_vocab(tr: list[torch.Tensor], vocab: int, draft_vocab: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft head's vocabulary (the `draft_vocab` tokens the target chose most often in
+    the training data, in id order; all of them with 0) and the map token -> head row
+    (-100: not in it)."""
+    if 0 < draft_vocab < vocab:
+        counts = torch.bincount(torch.cat([tr[3], tr[4]]), minlength=vocab)
+        vocab_ids = counts.topk(draft_vocab).indices.sort().values
+    else:
+        vocab_ids = torch.arange(vocab)
+    index = torch.full((vocab,), -100, dtype=torch.long)  # token -> head row, -100 = none
+    index[vocab_ids] = torch.arange(vocab_ids.numel())
+    return vocab_ids, index
+
+
+def _validate(losses, va: list[torch.Tensor]) -> list[float]:
+    """The mean over the validation examples of what `losses` gives a batch (losses and
+    agreement at depth 1 and 2), in batches of 1,024."""
+    with torch.no_grad():
+        n_va = va[0].shape[0]
+        parts = [(losses([t[j:j + 1024] for t in va]), min(1024, n_va - j))
+                 for j in range(0, n_va, 1024)]
+        return [sum(s[i].item() * n for s, n in parts) / n_va for i in range(4)]
+
+
+def _fit(module: MTPModule, losses, tr: list[torch.Tensor], va: list[torch.Tensor],
+         epochs: int, batch_size: int, lr: float, progress: bool) -> list[dict]:
+    """Train `module` on `tr` (loss: depth 1's plus half depth 2's; AdamW, one cycle of the
+    learning rate), measuring it on `va` after every epoch. Returns those measurements."""
+    opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.01)
+    n_train = tr[0].shape[0]
+    steps = epochs * math.ceil(n_train / batch_size)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps,
+                                                pct_start=0.1)
+    bar = tqdm(total=steps, desc="training", unit="step", disable=not progress)
+    history = []
+    for epoch in range(epochs):
+        order = torch.randperm(n_train)
+        for j in range(0, n_train, batch_size):
+            idx = order[j:j + batch_size]
+            l1, l2, _, _ = losses([t[idx] for t in tr])
+            loss = l1 + 0.5 * l2
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            bar.update(1)
+            bar.set_postfix(loss=f"{l1.item():.3f}/{l2.item():.3f}")
+        avg = _validate(losses, va)
+        history.append({"epoch": epoch + 1, "val_loss_depth1": avg[0], "val_loss_depth2": avg[1],
+                        "val_agree_depth1": avg[2], "val_agree_depth2": avg[3]})
+        log.info("epoch %d: %s", epoch + 1, history[-1])
+    bar.close()
+    return history
+
+
 def train_mtp(model: str | None, output: Path, num_prompts: int = 1024,
               max_tokens: int = 128, epochs: int = 6, batch_size: int = 256,
               lr: float = 2e-3, intermediate: int | None = None, draft_vocab: int = 8192,
@@ -116,53 +208,19 @@ def train_mtp(model: str | None, output: Path, num_prompts: int = 1024,
     cfg = target.config
 
     # 1. The target answers the prompts (sampled, so the data is not one greedy path).
-    n_val = max(8, num_prompts // 10)
-    texts = training_prompts(num_prompts, seed) + training_prompts(n_val, seed, held_out=True)
-    prompts = [llm.render_chat([{"role": "user", "content": p}]) for p in texts]
-    params = SamplingParams(temperature=0.5, top_p=0.95, max_tokens=max_tokens, seed=seed)
-    seqs: list[list[int]] = []
-    prompt_lens: list[int] = []
-    chunk = 128
-    with tqdm(total=len(prompts), desc="generating", unit="prompt", disable=not progress) as bar:
-        for j in range(0, len(prompts), chunk):
-            for o in llm.generate(prompts[j:j + chunk], params):
-                seqs.append(list(o.prompt_token_ids) + list(o.outputs[0].token_ids))
-                prompt_lens.append(len(o.prompt_token_ids))
-            bar.update(len(prompts[j:j + chunk]))
+    seqs, prompt_lens = _generate(llm, num_prompts, max_tokens, seed, progress)
     t_gen = time.perf_counter() - t0
 
     # 2. Hidden states and the target's greedy choices along every sequence.
     data = [(h, lab, seq, plen) for (h, lab), seq, plen
             in zip(_hidden_and_labels(target, seqs, device), seqs, prompt_lens, strict=True)]
-
-    def examples(part, answers_only: bool) -> list[torch.Tensor]:
-        """(h_t, x_{t+1}, x_{t+2}, target's greedy token at t+1 and at t+2) for every t, or
-        only where x_{t+1} is part of the answer (validation: what drafting will see)."""
-        cols: list[list[torch.Tensor]] = [[], [], [], [], []]
-        for h, lab, seq, plen in part:
-            n = len(seq)
-            a = plen - 1 if answers_only else 0
-            if n - 3 <= a:
-                continue
-            ids = torch.tensor(seq)
-            for col, t in zip(cols, (h[a:n - 3], ids[a + 1:n - 2], ids[a + 2:n - 1],
-                                     lab[a + 1:n - 2], lab[a + 2:n - 1]), strict=True):
-                col.append(t)
-        return [torch.cat(c) for c in cols]
-
-    tr = examples(data[:num_prompts], answers_only=False)
-    va = examples(data[num_prompts:], answers_only=True)
+    tr = _examples(data[:num_prompts], answers_only=False)
+    va = _examples(data[num_prompts:], answers_only=True)
     del data
 
     # 3. The draft vocabulary: the tokens the target chose most often in the training data.
     vocab = cfg.vocab_size
-    if 0 < draft_vocab < vocab:
-        counts = torch.bincount(torch.cat([tr[3], tr[4]]), minlength=vocab)
-        vocab_ids = counts.topk(draft_vocab).indices.sort().values
-    else:
-        vocab_ids = torch.arange(vocab)
-    index = torch.full((vocab,), -100, dtype=torch.long)  # token -> head row, -100 = none
-    index[vocab_ids] = torch.arange(vocab_ids.numel())
+    vocab_ids, index = _draft_vocab(tr, vocab, draft_vocab)
     coverage = float((index[tr[3]] >= 0).float().mean())
 
     # 4. Train the module; the embedding, final norm and LM head are the target's, frozen.
@@ -187,38 +245,11 @@ def train_mtp(model: str | None, output: Path, num_prompts: int = 1024,
                 F.cross_entropy(l2, t2, ignore_index=-100),
                 (l1.argmax(-1) == t1).float().mean(), (l2.argmax(-1) == t2).float().mean())
 
-    opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.01)
     n_train = tr[0].shape[0]
-    steps = epochs * math.ceil(n_train / batch_size)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps,
-                                                pct_start=0.1)
-    bar = tqdm(total=steps, desc="training", unit="step", disable=not progress)
-    history = []
-    for epoch in range(epochs):
-        order = torch.randperm(n_train)
-        for j in range(0, n_train, batch_size):
-            idx = order[j:j + batch_size]
-            l1, l2, _, _ = losses([t[idx] for t in tr])
-            loss = l1 + 0.5 * l2
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            bar.update(1)
-            bar.set_postfix(loss=f"{l1.item():.3f}/{l2.item():.3f}")
-        with torch.no_grad():
-            n_va = va[0].shape[0]
-            parts = [(losses([t[j:j + 1024] for t in va]), min(1024, n_va - j))
-                     for j in range(0, n_va, 1024)]
-            avg = [sum(s[i].item() * n for s, n in parts) / n_va for i in range(4)]
-        history.append({"epoch": epoch + 1, "val_loss_depth1": avg[0], "val_loss_depth2": avg[1],
-                        "val_agree_depth1": avg[2], "val_agree_depth2": avg[3]})
-        log.info("epoch %d: %s", epoch + 1, history[-1])
-    bar.close()
-    report = {"model": str(engine.config.model), "sequences": len(seqs),
-              "train_positions": n_train, "val_positions": int(va[0].shape[0]),
-              "draft_vocab": int(vocab_ids.numel()), "draft_vocab_coverage": coverage,
-              "generate_seconds": round(t_gen, 1),
+    history = _fit(module, losses, tr, va, epochs, batch_size, lr, progress)
+    report = {"model": str(engine.config.model), "sequences": len(seqs), "train_positions":
+              n_train, "val_positions": int(va[0].shape[0]), "draft_vocab": int(vocab_ids.numel()),
+              "draft_vocab_coverage": coverage, "generate_seconds": round(t_gen, 1),
               "total_seconds": round(time.perf_counter() - t0, 1), "history": history}
     save_mtp(module, output, report)
     return report

@@ -38,7 +38,7 @@ from kvserve.request import Request
 from kvserve.sample.rejection_sampler import verify
 from kvserve.sample.sampler import Sampler, SamplingMetadata, token_logprobs
 from kvserve.sample.structured import fill_bitmasks
-from kvserve.sched.output import SchedulerOutput
+from kvserve.sched.output import ScheduledRequest, SchedulerOutput
 from kvserve.worker.cuda_graphs import Captured, DecodeGraphs, cuda_capture
 from kvserve.worker.forward import ForwardItem
 
@@ -244,45 +244,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        items, rows = [], []
-        # Requests wanting prompt logprobs get a row per position of the chunk whose next
-        # token is a prompt token: (request, its first row, first and end position).
-        prompt_rows: list[tuple[Request, int, int, int]] = []
-        pool_rows: list[tuple[Request, int, int, str]] = []  # (request, first row, rows, how)
-        offset = 0
-        for s in sched.scheduled:
-            req, n = s.request, s.num_new_tokens
-            start = req.num_computed_tokens
-            tokens = [req.token_at(i) for i in range(start, start + n)]
-            num_outputs = s.num_drafts + 1 if s.samples else 0
-            pooling = req.sampling_params.pooling
-            if pooling is not None:  # an embedding: pooled hidden states, no sampling
-                first = max(start, req.num_pooled) if pooling == "mean" else start + n - 1
-                num_outputs = start + n - first if pooling == "mean" or s.samples else 0
-                if num_outputs:
-                    pool_rows.append((req, offset, num_outputs, pooling))
-            else:
-                first = max(start, len(req.prompt_logprobs))  # survives preemption
-                end = min(start + n, req.num_prompt_tokens - 1)
-                if req.sampling_params.prompt_logprobs is not None and first < end:
-                    num_outputs = start + n - first  # the prompt rows, then any sampled row
-                    prompt_rows.append((req, offset, first, end))
-                if s.samples:
-                    rows.append(s)
-            items.append(ForwardItem(tokens, start, req.block_ids, num_outputs,
-                                     req.group_tables))
-            offset += num_outputs
+        batch = _Batch.of(sched)
         timings: dict[str, float] = {}
         if self.workers is not None:
-            self.workers.send(items)
-        if self.graphs is not None and self.graphs.fits(items):
-            hidden = self.graphs.run(items, timings)
+            self.workers.send(batch.items)
+        if self.graphs is not None and self.graphs.fits(batch.items):
+            hidden = self.graphs.run(batch.items, timings)
         else:
-            hidden = run_forward(self.model, self.kv_caches, self.block_size, items,
+            hidden = run_forward(self.model, self.kv_caches, self.block_size, batch.items,
                                  self.device, timings, self.layout)
         pooled = [(req.request_id, hidden[o:o + k].float() if how == "mean"
-                   else hidden[o + k - 1:o + k].float(), k) for req, o, k, how in pool_rows]
-        if not rows and not prompt_rows and (self.workers is None or not hidden.shape[0]):
+                   else hidden[o + k - 1:o + k].float(), k) for req, o, k, how in batch.pooled]
+        rows = batch.sampled
+        if not rows and not batch.prompt and (self.workers is None or not hidden.shape[0]):
             if self.workers is not None:
                 self.workers.settle(self.device)
             return ModelRunnerOutput([], [], pooled=pooled, timings=timings)
@@ -292,21 +266,22 @@ class ModelRunner:
         if self.workers is not None:  # before any host read of the results: bounded
             self.workers.settle(self.device)
         prompt_lps = []
-        if prompt_rows or pool_rows:
-            keep = torch.ones(logits.shape[0], dtype=torch.bool)
-            for _, o, k, _ in pool_rows:
-                keep[o:o + k] = False
-            for req, o, first, end in prompt_rows:
-                targets = req.prompt_token_ids[first + 1:end + 1]
-                prompt_lps.append((req.request_id, token_logprobs(
-                    logits[o:o + len(targets)], targets, req.sampling_params.prompt_logprobs)))
-                keep[o:o + len(targets)] = False
-            # What is left are the sampled rows, as without prompt logprobs.
-            logits, hidden = logits[keep], hidden[keep]
+        if batch.prompt or batch.pooled:
+            prompt_lps, logits, hidden = batch.take_prompt_rows(logits, hidden)
             if not rows:
                 timings["sample"] = time.perf_counter() - t0
                 return ModelRunnerOutput([], [], prompt_logprobs=prompt_lps, pooled=pooled,
                                          timings=timings)
+        token_ids, logprobs, kept = self._sample(rows, logits, hidden, timings)
+        timings["sample"] = time.perf_counter() - t0 - timings.get("grammar", 0.0)
+        return ModelRunnerOutput(token_ids, logprobs, kept, prompt_lps, pooled, timings)
+
+    def _sample(self, rows: list[ScheduledRequest], logits: torch.Tensor,
+                hidden: torch.Tensor, timings: dict[str, float]
+                ) -> tuple[list[list[int]], list, list[torch.Tensor] | None]:
+        """The sampled rows' tokens (or verified drafts and one more), their logprobs and,
+        for a drafter that reads them, the hidden state each request's last token came
+        from. Grammar masks first, timed apart."""
         allowed, constrained, offset = None, [], 0
         for s in rows:
             if s.request.grammar is not None:
@@ -320,10 +295,8 @@ class ModelRunner:
             reqs = [s.request for s in rows]
             out = self.sampler(logits, SamplingMetadata.build(reqs, logits.shape[-1],
                                                               self.device, allowed))
-            timings["sample"] = time.perf_counter() - t0 - timings.get("grammar", 0.0)
-            return ModelRunnerOutput([[t] for t in out.token_ids], [[lp] for lp in out.logprobs],
-                                     list(hidden) if self.keep_hidden else None, prompt_lps,
-                                     pooled, timings)
+            return ([[t] for t in out.token_ids], [[lp] for lp in out.logprobs],
+                    list(hidden) if self.keep_hidden else None)
         verified = verify(self.sampler, logits, [s.request for s in rows], self.device,
                           allowed)
         kept = None
@@ -332,9 +305,63 @@ class ModelRunner:
             for s, toks in zip(rows, verified.token_ids, strict=True):
                 kept.append(hidden[offset + len(toks) - 1])
                 offset += s.num_drafts + 1
-        timings["sample"] = time.perf_counter() - t0 - timings.get("grammar", 0.0)
-        return ModelRunnerOutput(verified.token_ids, verified.logprobs, kept, prompt_lps,
-                                 pooled, timings)
+        return verified.token_ids, verified.logprobs, kept
+
+
+@dataclass
+class _Batch:
+    """A step's forward items and what each output row is for: sampled rows (`sampled`, in
+    output order), prompt logprob rows (`prompt`: request, first row, first and end
+    position) and pooled rows (`pooled`: request, first row, rows, how)."""
+
+    items: list[ForwardItem] = field(default_factory=list)
+    sampled: list[ScheduledRequest] = field(default_factory=list)
+    prompt: list[tuple[Request, int, int, int]] = field(default_factory=list)
+    pooled: list[tuple[Request, int, int, str]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, sched: SchedulerOutput) -> _Batch:
+        batch, offset = cls(), 0
+        for s in sched.scheduled:
+            req, n = s.request, s.num_new_tokens
+            start = req.num_computed_tokens
+            tokens = [req.token_at(i) for i in range(start, start + n)]
+            num_outputs = s.num_drafts + 1 if s.samples else 0
+            pooling = req.sampling_params.pooling
+            if pooling is not None:  # an embedding: pooled hidden states, no sampling
+                first = max(start, req.num_pooled) if pooling == "mean" else start + n - 1
+                num_outputs = start + n - first if pooling == "mean" or s.samples else 0
+                if num_outputs:
+                    batch.pooled.append((req, offset, num_outputs, pooling))
+            else:
+                # Requests wanting prompt logprobs get a row per position of the chunk whose
+                # next token is a prompt token.
+                first = max(start, len(req.prompt_logprobs))  # survives preemption
+                end = min(start + n, req.num_prompt_tokens - 1)
+                if req.sampling_params.prompt_logprobs is not None and first < end:
+                    num_outputs = start + n - first  # the prompt rows, then any sampled row
+                    batch.prompt.append((req, offset, first, end))
+                if s.samples:
+                    batch.sampled.append(s)
+            batch.items.append(ForwardItem(tokens, start, req.block_ids, num_outputs,
+                                           req.group_tables))
+            offset += num_outputs
+        return batch
+
+    def take_prompt_rows(self, logits: torch.Tensor, hidden: torch.Tensor
+                         ) -> tuple[list, torch.Tensor, torch.Tensor]:
+        """The prompt logprobs per request, and the logits and hidden states of the rows
+        left to sample (those neither prompt nor pooled rows), in order."""
+        keep = torch.ones(logits.shape[0], dtype=torch.bool)
+        for _, o, k, _ in self.pooled:
+            keep[o:o + k] = False
+        prompt_lps = []
+        for req, o, first, end in self.prompt:
+            targets = req.prompt_token_ids[first + 1:end + 1]
+            prompt_lps.append((req.request_id, token_logprobs(
+                logits[o:o + len(targets)], targets, req.sampling_params.prompt_logprobs)))
+            keep[o:o + len(targets)] = False
+        return prompt_lps, logits[keep], hidden[keep]
 
 
 def release_freed_memory() -> None:

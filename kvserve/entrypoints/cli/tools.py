@@ -84,11 +84,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from kvserve.kv_cache.planner import (
         capacity_gain,
         dtype_name,
-        param_count,
         plan_kv,
-        weight_bytes,
     )
-    from kvserve.models.loader import gguf_weight_bytes, read_model_config
+    from kvserve.models.loader import read_model_config
     from kvserve.settings import parse_size
 
     budget = parse_size(args.kv_cache_memory)
@@ -123,29 +121,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"model: {cfg.name or path.name} ({cfg.architecture}): {cfg.num_layers} layers, "
           f"{cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}, "
           f"context {cfg.max_position}")
-    held = gguf_weight_bytes(path, dtype, in_place=False)
-    if held is None:
-        print(f"weights: {param_count(cfg):,} parameters = "
-              f"{weight_bytes(cfg, dtype) / mib:.1f} MiB in {dtype_name(dtype)}")
-    else:
-        mapped = gguf_weight_bytes(path, dtype, in_place=True)
-        assert mapped is not None
-        pages = f" ({held.in_place / mib:.1f} MiB of it the file's pages)" \
-            if held.in_place else ""
-        print(f"weights: {param_count(cfg):,} parameters = {held.resident / mib:.1f} MiB as "
-              f"--quantization auto holds them{pages}; a decode step reads "
-              f"{held.per_token / mib:.1f} MiB")
-        print(f"  --quantization gguf: {mapped.resident / mib:.1f} MiB "
-              f"({mapped.in_place / mib:.1f} MiB of it read in place from the file); a decode "
-              f"step reads {mapped.per_token / mib:.1f} MiB")
-    _print_decode_floor(args, weight_bytes(cfg, dtype) if held is None else held.per_token,
-                        None if held is None else mapped.per_token)
+    resident = _print_weights(args, cfg, path, dtype)
     print(f"KV budget: {budget:,} B ({budget / mib:.1f} MiB), blocks of {args.block_size} "
           f"tokens; a sequence = {args.prompt_len} prompt + {args.output_len} output = "
           f"{seq_len} tokens = {plans[0].blocks_per_seq} blocks\n")
     print(f"{'KV dtype':<10}{'bytes/token':>12}{'blocks':>10}{'tokens':>10}{'KV MiB':>10}"
           f"{'+ weights MiB':>15}{f'seqs of {seq_len}':>15}{f'seqs of {max_len}':>15}")
-    resident = weight_bytes(cfg, dtype) if held is None else held.resident
     for p, f in zip(plans, full, strict=True):
         tb = p.token_bytes
         print(f"{dtype_name(tb.storage_dtype):<10}{tb.total:>12}{p.num_blocks:>10}"
@@ -161,21 +142,57 @@ def cmd_plan(args: argparse.Namespace) -> int:
            if dtype == torch.float32 else "the compute dtype")
     print(f"--kv-cache-dtype auto: {dtype_name(auto.token_bytes.storage_dtype)} here ({why})")
     if any(layout.group_windows):
-        kept = [plan_kv(cfg, budget, args.block_size, auto.token_bytes.kv_cache_dtype, dtype, n)
-                for n in (seq_len, max_len)]
-        held = auto.blocks_per_seq * auto.block_bytes
-        print(f"sliding windows: {layout.describe()}; blocks before a window are handed back "
-              f"while a sequence runs: one of {seq_len} tokens holds at most "
-              f"{held / mib:.1f} MiB ({held / seq_len / 1024:.1f} KiB per token) against "
-              f"{seq_len * auto.token_bytes.total / mib:.1f} MiB keeping every block "
-              f"(--disable-hybrid-kv-cache-manager: {kept[0].max_seqs} and "
-              f"{kept[1].max_seqs} sequences)")
+        _print_windows(args, cfg, dtype, layout, auto, seq_len, max_len, budget)
     for p in plans[1:]:
         seqs = f"{p.max_seqs / plans[0].max_seqs:.2f}x" if plans[0].max_seqs else "n/a"
         kv = p.token_bytes.kv_cache_dtype
         print(f"{kv} holds {capacity_gain(cfg, kv, dtype):.2f}x the tokens of "
               f"{dtype_name(dtype)} ({seqs} the sequences of {seq_len} tokens)")
     return 0
+
+
+def _print_weights(args: argparse.Namespace, cfg, path: Path, dtype) -> int:
+    """`plan`'s weights lines and its decode floor: the bytes held and read a token, as
+    --quantization auto and gguf hold a GGUF's matrices. Returns the bytes held."""
+    from kvserve.kv_cache.planner import dtype_name, param_count, weight_bytes
+    from kvserve.models.gguf_file import gguf_weight_bytes
+
+    mib = 2**20
+    held = gguf_weight_bytes(path, dtype, in_place=False)
+    if held is None:
+        print(f"weights: {param_count(cfg):,} parameters = "
+              f"{weight_bytes(cfg, dtype) / mib:.1f} MiB in {dtype_name(dtype)}")
+        _print_decode_floor(args, weight_bytes(cfg, dtype), None)
+        return weight_bytes(cfg, dtype)
+    mapped = gguf_weight_bytes(path, dtype, in_place=True)
+    assert mapped is not None
+    pages = f" ({held.in_place / mib:.1f} MiB of it the file's pages)" if held.in_place else ""
+    print(f"weights: {param_count(cfg):,} parameters = {held.resident / mib:.1f} MiB as "
+          f"--quantization auto holds them{pages}; a decode step reads "
+          f"{held.per_token / mib:.1f} MiB")
+    print(f"  --quantization gguf: {mapped.resident / mib:.1f} MiB "
+          f"({mapped.in_place / mib:.1f} MiB of it read in place from the file); a decode "
+          f"step reads {mapped.per_token / mib:.1f} MiB")
+    _print_decode_floor(args, held.per_token, mapped.per_token)
+    return held.resident
+
+
+def _print_windows(args: argparse.Namespace, cfg, dtype, layout, auto, seq_len: int,
+                   max_len: int, budget: int) -> None:
+    """`plan`'s line on sliding windows: what a sequence holds with the blocks before its
+    windows handed back, against keeping them all."""
+    from kvserve.kv_cache.planner import plan_kv
+
+    mib = 2**20
+    kept = [plan_kv(cfg, budget, args.block_size, auto.token_bytes.kv_cache_dtype, dtype, n)
+            for n in (seq_len, max_len)]
+    held = auto.blocks_per_seq * auto.block_bytes
+    print(f"sliding windows: {layout.describe()}; blocks before a window are handed back "
+          f"while a sequence runs: one of {seq_len} tokens holds at most "
+          f"{held / mib:.1f} MiB ({held / seq_len / 1024:.1f} KiB per token) against "
+          f"{seq_len * auto.token_bytes.total / mib:.1f} MiB keeping every block "
+          f"(--disable-hybrid-kv-cache-manager: {kept[0].max_seqs} and "
+          f"{kept[1].max_seqs} sequences)")
 
 
 def _print_decode_floor(args: argparse.Namespace, per_token: int, in_place: int | None

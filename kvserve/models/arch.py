@@ -1,0 +1,40 @@
+"""What the two model readers (gguf_file, hf_dir) share: the architectures kvserve serves and
+their constants, a weight's GGUF source, and fused projections split into the layers' parts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from kvserve.config import ModelConfig
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+GEMMA3_GLOBAL_EVERY = 6  # Gemma 3: every 6th layer global, the others sliding-window
+GEMMA3_LOCAL_THETA = 10000.0  # ... with this RoPE base (llama.cpp's and transformers' default)
+
+GgufSource = tuple[str, object]  # (GGUF type name, its QuantGroups or None)
+
+
+def split_fused(cfg: ModelConfig, layer: str, kind: str, what: str, w: torch.Tensor,
+                 source: GgufSource | None
+                 ) -> Iterator[tuple[str, torch.Tensor, GgufSource | None]]:
+    """A checkpoint's fused projection (Phi-3: qkv_proj, gate_up_proj) as its parts, row
+    blocks of the weight (and of its GGUF groups)."""
+    if kind == "qkv_proj":
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        names, sizes = ("q", "k", "v"), (q, kv, kv)
+    else:
+        names, sizes = ("gate", "up"), (cfg.intermediate_size,) * 2
+    if w.shape[0] != sum(sizes):
+        raise ValueError(f"layers.{layer}.{kind}: {w.shape[0]} rows, expected {sum(sizes)}")
+    start = 0
+    for name, size in zip(names, sizes, strict=True):
+        part = None
+        if source is not None:
+            g = source[1]
+            part = (source[0], None if g is None else type(g)(
+                g.q[start:start + size], g.d[start:start + size], g.m[start:start + size],
+                g.bits, g.group))
+        yield f"layers.{layer}.{name}.{what}", w[start:start + size], part
+        start += size

@@ -1,0 +1,306 @@
+"""A GGUF file as kvserve reads it: its metadata as a ModelConfig, its tensors (dequantized, or
+kept in the file's own blocks for the kernels that read them), and the bytes its weights take."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvserve.config import ModelConfig, RopeScaling
+from kvserve.gguf_reader import open_gguf
+from kvserve.layers import quant
+from kvserve.layers.quant import (
+    INT4_SOURCES,
+    INT8_SOURCES,
+    GGUFTensor,
+    gguf_native,
+    interleaved_at_load,
+)
+from kvserve.models.arch import (
+    GEMMA3_GLOBAL_EVERY,
+    GEMMA3_LOCAL_THETA,
+    SUPPORTED_ARCHS,
+    GgufSource,
+    split_fused,
+)
+from kvserve.models.gguf_quants import decode_groups
+
+log = logging.getLogger(__name__)
+
+
+
+
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_model_config(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"unsupported model architecture {arch!r} "
+                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+
+    def get(key: str, default=None):
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    rot = _field(reader, f"{arch}.rope.dimension_count")
+    head_size = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    if rot is not None and int(rot) != head_size:
+        raise ValueError(f"partial rotary embeddings ({rot} of {head_size} dimensions) are not "
+                         "supported")
+    kv_heads = int(get("attention.head_count_kv", heads))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if kind not in ("none", "linear"):
+        raise ValueError(f"unsupported RoPE scaling type {kind!r} in GGUF (supported: none, "
+                         "linear, and per-frequency factors in rope_freqs)")
+
+    def factors(name: str) -> tuple[float, ...] | None:
+        t = next((t for t in reader.tensors if t.name == name), None)
+        return None if t is None else tuple(
+            float(x) for x in np.asarray(t.data, dtype=np.float32).ravel())
+
+    long_factors = factors("rope_factors_long.weight")  # Phi-3's LongRoPE
+    scaling = RopeScaling(
+        kind="longrope" if long_factors is not None else kind,
+        factor=float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
+        original_max_position=int(
+            _field(reader, f"{arch}.rope.scaling.original_context_length", 8192)),
+        freq_factors=factors("rope_freqs.weight"),
+        attn_factor=float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
+        short_factors=factors("rope_factors_short.weight"),
+        long_factors=long_factors,
+    )
+    layers = int(get("block_count"))
+    window = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
+    gemma = arch == "gemma3"
+    if gemma:
+        windows = tuple(0 if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else window
+                        for i in range(layers))
+    else:
+        windows = (window,) * layers if window else ()
+    return ModelConfig(
+        architecture=arch,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=int(get("feed_forward_length")),
+        vocab_size=int(vocab),
+        max_position=int(get("context_length")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        layer_windows=windows,
+        rope_local_theta=GEMMA3_LOCAL_THETA if gemma else 0.0,
+        # GGUF's Gemma norm weights already hold 1 + w (llama.cpp adds the 1 on conversion).
+        embedding_scale=hidden**0.5 if gemma else 1.0,
+        norm_scale_in_float32=gemma,
+        sandwich_norms=gemma,
+        hidden_act="gelu_tanh" if gemma else "silu",
+        name=str(_field(reader, "general.name", "")),
+    )
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row interleaving (pairwise RoPE) back to rotate-half order."""
+    rows = w.shape[0]
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
+            .transpose(1, 2).reshape(w.shape))
+
+
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o_proj",
+    "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down_proj",
+    "attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "attn_qkv": "qkv",
+    "post_attention_norm": "attn_out_norm", "post_ffw_norm": "mlp_out_norm",
+}
+
+
+def _row_order(rows: int, n_heads: int) -> torch.Tensor:
+    """The file rows of llama.cpp's interleaved q/k weight in rotate-half order (_unpermute)."""
+    return _unpermute(torch.arange(rows)[:, None], n_heads)[:, 0].contiguous()
+
+
+def _in_place(t, kind: str, cfg: ModelConfig, heads: int | None) -> GGUFTensor:
+    """A 2-D tensor of a type gguf_linear reads, as a view of the file's memory map; its
+    groups (for a layer that cannot read it in place) decoded only when asked for."""
+    cols, rows = (int(x) for x in t.shape)  # GGUF lists the inner dimension first
+    with warnings.catch_warnings():  # the map is read-only, and nothing writes through it
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(t.data)
+    order = _row_order(rows, heads) if heads else None
+
+    def groups():
+        g = decode_groups(t.data, kind, rows, cols)
+        if g is not None and heads:
+            g.q, g.d, g.m = (_unpermute(x, heads) for x in (g.q, g.d, g.m))
+        return g
+
+    return GGUFTensor(kind, data, cols, order, groups)
+
+
+def iter_gguf_tensors(reader, cfg: ModelConfig
+                      ) -> Iterator[tuple[str, torch.Tensor | GGUFTensor, GgufSource | None]]:
+    """(canonical name, tensor, its GGUF source) for every weight. A projection, embedding or
+    output matrix of a type gguf_linear reads comes as a GGUFTensor, its blocks in place in
+    the file's memory map (the layer dequantizes it only if it cannot serve it so); any
+    other tensor comes dequantized to float32 as `gguf` does, a projection's source being
+    its type and, where the type has an exact form, its blocks as the VNNI kernel's groups
+    (models/gguf_quants.py)."""
+    from gguf import quants
+
+    for t in reader.tensors:
+        if t.name in ("rope_freqs.weight", "rope_factors_long.weight",
+                      "rope_factors_short.weight"):
+            continue
+        parts = t.name.split(".")
+        kind = t.tensor_type.name
+        layer = parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER
+        name = _GGUF_LAYER[parts[2]] if layer else None
+        heads = None
+        if cfg.architecture == "llama" and name in ("q", "k"):
+            heads = cfg.num_heads if name == "q" else cfg.num_kv_heads
+        in_place = len(t.shape) == 2 and gguf_native(kind) and (
+            t.name in ("token_embd.weight", "output.weight") or name in _PROJECTIONS
+            and not (cfg.architecture == "phi3" and name in ("qkv", "up")))
+        if in_place:
+            w = _in_place(t, kind, cfg, heads)
+            if t.name == "token_embd.weight":
+                yield "embed_tokens.weight", w, None
+            elif t.name == "output.weight":
+                yield "lm_head.weight", w, None
+            else:
+                yield f"layers.{parts[1]}.{name}.{parts[3]}", w, (kind, None)
+            continue
+        groups = None
+        if kind in _EXACT_FROM_GROUPS and len(t.shape) == 2:
+            cols, rows = (int(x) for x in t.shape)
+            groups = decode_groups(t.data, kind, rows, cols)
+        if groups is not None:  # the same floats as gguf's, from blocks decoded anyway
+            w = groups.dequantized()
+        else:
+            try:
+                arr = quants.dequantize(t.data, t.tensor_type)
+            except NotImplementedError as e:
+                raise ValueError(f"tensor {t.name}: unsupported GGUF tensor type "
+                                 f"{kind}") from e
+            w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
+        if t.name == "token_embd.weight":
+            yield "embed_tokens.weight", w, None
+        elif t.name == "output_norm.weight":
+            yield "norm.weight", w, None
+        elif t.name == "output.weight":
+            yield "lm_head.weight", w, None
+        elif layer:
+            source = None
+            if w.dim() == 2 and name in _PROJECTIONS:
+                if groups is None:
+                    groups = decode_groups(t.data, kind, *w.shape)
+                if groups is not None and heads:
+                    groups.q, groups.d, groups.m = (_unpermute(x, heads)
+                                                    for x in (groups.q, groups.d, groups.m))
+                source = (kind, groups)
+            if heads:
+                w = _unpermute(w, heads)
+            if cfg.architecture == "phi3" and name in ("qkv", "up"):
+                kind = "qkv_proj" if name == "qkv" else "gate_up_proj"
+                yield from split_fused(cfg, parts[1], kind, parts[3], w, source)
+                continue
+            yield f"layers.{parts[1]}.{name}.{parts[3]}", w, source
+        else:
+            log.warning("ignoring unknown GGUF tensor %s", t.name)
+
+
+_PROJECTIONS = {"q", "k", "v", "qkv", "o_proj", "gate", "up", "down_proj"}
+
+
+# Types whose kernel groups give back gguf's dequantized floats bit for bit (q * d + m in
+# float32, as gguf computes them: tests/test_gguf.py). Their 2-D tensors' floats come from
+# the groups (decoded anyway for projections) instead of from gguf's slower numpy pass, a
+# third of the default model's load when it was measured.
+_EXACT_FROM_GROUPS = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """A GGUF model's weights as a --quantization serves them: `resident`, the bytes held,
+    and `per_token`, the bytes a decode step reads (every layer matrix and the LM head, not
+    the embedding, whose lookups read one row per token); `in_place`, of resident, the
+    file's own pages (a read-only map: shared, evictable)."""
+
+    resident: int
+    per_token: int
+    in_place: int
+
+
+def gguf_weight_bytes(path: Path, dtype: torch.dtype, in_place: bool) -> WeightBytes | None:
+    """WeightBytes of a GGUF file from its tensor table (no weights read), served in place
+    (`--quantization gguf`) or as `auto` serves it; None for a model that is not a GGUF file.
+    A matrix gguf_linear serves (in place: every type it reads; auto: gguf_auto_types()) counts
+    its bytes in the file, in the file's pages (`in_place`) unless auto interleaves it at
+    load (Q4_K, Q6_K); the embedding is looked up in place when the head is served so. Any other
+    quantized matrix counts the int4 or int8 tiles it is packed into (0.625 or 1.125 bytes a
+    weight), the embedding `dtype`'s floats and a tied head an int8 copy; float tensors
+    count `dtype`'s size."""
+    if path.suffix != ".gguf":
+        return None
+    reader = open_gguf(path)
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    tied = "output.weight" not in kinds
+
+    auto_types = quant.gguf_auto_types()
+
+    def served(kind: str) -> bool:  # by gguf_linear
+        return gguf_native(kind) and (in_place or kind in auto_types)
+
+    head_served = served(kinds.get("output.weight", kinds.get("token_embd.weight", "")))
+    resident = per_token = mapped = 0
+    item = torch.empty(0, dtype=dtype).element_size()
+    for t in reader.tensors:
+        kind, count = t.tensor_type.name, int(np.prod([int(x) for x in t.shape]))
+        quantized = len(t.shape) == 2 and (gguf_native(kind) or kind in INT4_SOURCES |
+                                           INT8_SOURCES)
+        embedding = t.name == "token_embd.weight"
+        head = 0
+        if len(t.shape) == 2 and (served(kind) and not embedding or
+                                  embedding and head_served and gguf_native(kind)):
+            size = int(t.n_bytes)
+            if in_place or not interleaved_at_load(kind) or embedding and not tied:
+                mapped += size
+        elif embedding:
+            size = count * item
+            head = int(count * 1.125) if tied else 0  # the tied head's int8 copy
+        elif quantized:
+            size = int(count * (0.625 if kind in INT4_SOURCES else 1.125))
+        else:
+            size = count * item
+        resident += size + head
+        if t.name.startswith("blk.") or t.name == "output.weight":
+            per_token += size
+        elif embedding and tied:
+            per_token += size if head_served else head
+    return WeightBytes(resident, per_token, mapped)
