@@ -378,10 +378,10 @@ def test_floats_from_the_groups_equal_gguf_dequantization(qtype, tiny_llama_dir,
                 gguf_file.iter_gguf_tensors(gguf.GGUFReader(str(path)), cfg)]
 
     in_place = tensors()
-    monkeypatch.setattr(loader, "gguf_native", lambda kind: False)
+    monkeypatch.setattr(gguf_file, "gguf_native", lambda kind: False)
     fast = tensors()
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(in_place, fast, strict=True))
-    monkeypatch.setattr(loader, "_EXACT_FROM_GROUPS", set())
+    monkeypatch.setattr(gguf_file, "_EXACT_FROM_GROUPS", set())
     slow = tensors()
     assert [n for n, _ in fast] == [n for n, _ in slow]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fast, slow, strict=True))
