@@ -1,10 +1,10 @@
-"""A CI-sized soak (`kvserve bench soak`, a minute of arrivals) of a real server on the default
-model, with faults injected: a request marker that fails its requests, a slow step now and
-then, a disk tier that fails every third write, n-gram speculation, and bursts far beyond
-the seats and the queue. Zero 5xx but the injected ones, zero leaked blocks, back to idle,
-every successful stream ends with [DONE], every other request gets its 4xx (or its 408 /
-close for slow clients), and /health stays under a second throughout (or 100x the idle
-server's, measured first, on a machine slower than that)."""
+"""A CI-sized soak (`kvserve bench soak`, half a minute of arrivals in three patterns) of a
+real server on the default model, with faults injected: a request marker that fails its
+requests, a slow step now and then, a disk tier that fails every third write, n-gram
+speculation, and bursts far beyond the seats and the queue. Zero 5xx but the injected ones,
+zero leaked blocks, back to idle, every successful stream ends with [DONE], every other
+request gets its 4xx (or its 408 / close for slow clients), and /health stays under a second
+throughout (or 100x the idle server's, measured first, on a machine slower than that)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def test_a_short_soak_with_faults_keeps_everything(real_model_path, tmp_path):
     args = parser.parse_args([
         "soak", "--spawn", flags, "--port", str(free_port()), "--faults",
         "--faults-env", json.dumps(FAULTS), "--server-log", str(tmp_path / "server.log"),
-        "--duration", "60", "--window", "20", "--rate", "8", "--concurrency", "24",
-        "--arrivals", "mixed", "--phase", "20", "--burst-size", "64", "--burst-every", "8",
+        "--duration", "30", "--window", "10", "--rate", "8", "--concurrency", "24",
+        "--arrivals", "mixed", "--phase", "10", "--burst-size", "64", "--burst-every", "8",
         "--slow-client-wait", "15", "--timeout", "120", "--seed", "3"])
     report = run_soak(args)
     summary = {k: v for k, v in report.items() if k not in ("windows", "integrity")}
