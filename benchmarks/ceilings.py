@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 
 from kvserve.engine.llm_engine import EngineArgs, build_engine
-from kvserve.tools.roofline import cost_model, decode_context, machine_lines, run, table
+from kvserve.tools.ceilings import machine_lines
+from kvserve.tools.roofline import cost_model, decode_context, run, table
 
 
 def main() -> None:

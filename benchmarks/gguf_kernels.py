@@ -28,7 +28,7 @@ from gguf.constants import GGML_QUANT_SIZES
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvserve import kernels  # noqa: E402
 from kvserve.layers.quant import GGML_TYPES, QuantizedWeight  # noqa: E402
-from kvserve.tools.roofline import run_times  # noqa: E402
+from kvserve.tools.ceilings import run_times  # noqa: E402
 
 # (name, out, in, GGUF type) of one decoder layer, as a Q4_K_M file stores them.
 SHAPES = {

@@ -134,9 +134,9 @@ def roofline_steps(path: Path, device: str, bandwidth: float, flops: float) -> l
     512-token prefill, each placed against this GPU's roof (the bf16 matmul ceiling and the
     copy bandwidth measured here)."""
     from kvserve.engine.llm_engine import EngineArgs, build_engine
-    from kvserve.tools import roofline
+    from kvserve.tools import ceilings, roofline
 
-    machine = roofline.Machine(torch.bfloat16, 0, {"bf16": {"torch matmul": flops / 1e9}},
+    machine = ceilings.Machine(torch.bfloat16, 0, {"bf16": {"torch matmul": flops / 1e9}},
                                {"device copy": bandwidth / 1e9})
     engine = build_engine(EngineArgs(
         model=str(path), dtype="bfloat16", device=device, enable_prefix_caching=False,

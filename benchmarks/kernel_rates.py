@@ -17,7 +17,7 @@ import sys
 import torch
 
 from kvserve import kernels
-from kvserve.tools.roofline import timed
+from kvserve.tools.ceilings import timed
 
 
 def main() -> int:

@@ -16,7 +16,7 @@ from kvserve import faults
 from kvserve.engine.llm import LLM
 from kvserve.faults import Faults
 from kvserve.kv_cache.hashing import BlockKey
-from kvserve.kv_cache.tiers import DiskTier
+from kvserve.kv_cache.tier_media import DiskTier
 from kvserve.sample.sampling_params import SamplingParams
 
 PARAMS = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from kvserve.kv_cache.hashing import ROOT_HASH, BlockKey, hash_block
 from kvserve.kv_cache.layout import KVLayout
 from kvserve.kv_cache.manager import KVCacheManager, Stored
-from kvserve.kv_cache.tiers import DiskTier, HostTier, KVTier, TieredKVStore
+from kvserve.kv_cache.tier_media import DiskTier, HostTier, KVTier
+from kvserve.kv_cache.tiers import TieredKVStore
 from kvserve.request import Request
 from kvserve.sample.sampling_params import SamplingParams
 

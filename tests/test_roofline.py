@@ -13,8 +13,9 @@ from kvserve.engine.llm import LLM
 from kvserve.entrypoints.cli import main
 from kvserve.layers.linear import LinearBase
 from kvserve.layers.quant import QuantizedWeight
-from kvserve.tools import roofline
-from kvserve.tools.roofline import Machine, Point, StepWork, WorkModel, cost_model
+from kvserve.tools import ceilings, roofline
+from kvserve.tools.ceilings import Machine, StepWork
+from kvserve.tools.roofline import Point, WorkModel, cost_model
 
 # Round synthetic figures: no timing is measured by these tests (apart from the command's).
 MACHINE = Machine(torch.float32, threads=2, bandwidth={"sum": 8.0, "int8 GEMV": 10.0},
@@ -133,14 +134,14 @@ def test_a_point_above_its_roof_is_flagged():
 
 
 def test_ceilings_json():
-    d = json.loads(json.dumps(roofline.ceilings_json(MACHINE)))
+    d = json.loads(json.dumps(ceilings.ceilings_json(MACHINE)))
     assert d["compute_gflops"]["fp32"] == {"ceiling": 100.0,
                                            "methods": {"matmul": 100.0, "dense_linear": 80.0}}
     assert d["bandwidth_gbs"]["best"] == 10.0 and d["threads"] == 2
     assert d["activations"] == "float32"
 
 
-def small_machine(dtype: torch.dtype, repeats: int, measure=roofline.measure_machine
+def small_machine(dtype: torch.dtype, repeats: int, measure=ceilings.measure_machine
                   ) -> Machine:
     """Every figure over tensors of a few MiB: quick, and meaningless as a measurement."""
     return measure(dtype, repeats, matmul_n=64, rows=16, read_bytes=1 << 22)

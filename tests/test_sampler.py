@@ -9,13 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.sample.metadata import SamplingMetadata, seeded_uniform
 from kvserve.sample.sampler import (
     Sampler,
     SamplerOutput,
-    SamplingMetadata,
     apply_processors,
     apply_truncation,
-    seeded_uniform,
 )
 from kvserve.sample.sampling_params import SamplingParams
 

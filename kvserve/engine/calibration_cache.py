@@ -42,7 +42,7 @@ AGREEMENT = (2 / 3, 3 / 2)
 _PKG = Path(__file__).resolve().parent.parent
 _CODE = [_PKG / p for p in ("engine/core.py", "sched/scheduler.py", "sched/slo.py",
                             "worker/model_runner.py", "attention/torch_paged.py",
-                            "sample/sampler.py")]
+                            "sample/sampler.py", "sample/metadata.py")]
 
 Sample = tuple[tuple[float, ...], float]
 

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.outputs import TokenLogprobs
 from kvserve.request import Request
+from kvserve.sample.metadata import SamplingMetadata
 from kvserve.sample.sampler import (
     Sampler,
-    SamplingMetadata,
-    TokenLogprobs,
     apply_processors,
     apply_truncation,
     draw_uniforms,

@@ -35,8 +35,9 @@ from kvserve.models.paths import resolve_model
 from kvserve.models.weight_cache import load_packed
 from kvserve.outputs import TokenLogprobs
 from kvserve.request import Request
+from kvserve.sample.metadata import SamplingMetadata
 from kvserve.sample.rejection_sampler import verify
-from kvserve.sample.sampler import Sampler, SamplingMetadata, token_logprobs
+from kvserve.sample.sampler import Sampler, token_logprobs
 from kvserve.sample.structured import fill_bitmasks
 from kvserve.sched.output import ScheduledRequest, SchedulerOutput
 from kvserve.worker.cuda_graphs import Captured, DecodeGraphs, cuda_capture

@@ -201,7 +201,7 @@ def _print_decode_floor(args: argparse.Namespace, per_token: int, in_place: int 
     read bandwidth (measured now, or --bandwidth); `in_place`: --quantization gguf's bytes."""
     import torch
 
-    from kvserve.tools import roofline
+    from kvserve.tools import ceilings
 
     if args.bandwidth is not None:
         if not args.bandwidth > 0:
@@ -210,7 +210,7 @@ def _print_decode_floor(args: argparse.Namespace, per_token: int, in_place: int 
     elif args.device != "cpu":
         return
     else:
-        method, gbs = roofline.read_bandwidth()
+        method, gbs = ceilings.read_bandwidth()
         how = f"{method}, {torch.get_num_threads()} threads, measured now"
     floor = lambda n: f"{n / gbs / 1e6:.1f} ms ({gbs * 1e9 / n:.1f} tok/s at most)"  # noqa: E731
     line = f"decode floor at {gbs:.1f} GB/s ({how}): a batch-1 step {floor(per_token)}"
@@ -224,7 +224,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     against the roof of its own arithmetic; a step above its roof is flagged)."""
     from kvserve.engine.llm_engine import EngineArgs, build_engine
     from kvserve.kv_cache.planner import dtype_name
-    from kvserve.tools import roofline
+    from kvserve.tools import ceilings, roofline
 
     ensure_default_model(args)
     try:
@@ -244,7 +244,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
                                           args.repeats)
     print(f"activations {dtype_name(machine.dtype)}; quantization: {engine.quantization} "
           f"({engine.local_core.runner.model.weight_kernel()}); {args.repeats} runs a figure")
-    for line in [*roofline.machine_lines(machine), *roofline.table(points)]:
+    for line in [*ceilings.machine_lines(machine), *roofline.table(points)]:
         print(line)
     ctx = roofline.decode_context(args.steps)
     print(f"decode at ~{ctx} tokens of context turns compute-bound at batch "
