@@ -61,16 +61,16 @@ def itl_target(text: str) -> float:
 def setting(default: Any, help: str, *, parse: Callable[[str], Any] | None = None,
             choices: Iterable[str] | None = None, metavar: str | None = None,
             flag: str | None = None, aliases: tuple[str, ...] = (), negatable: bool = False,
-            cli: bool = True) -> Any:
+            cli: bool = True, secret: bool = False) -> Any:
     """A field of a settings dataclass with what its flag needs: `parse` turns the flag's
     text into the value (default: int or float by the field's type, else the text); `flag`
     names a flag that is not `--` + the field's name; `negatable` gives a bool defaulting to
     False its --no- form too; `cli=False` keeps the setting off the command line (the
-    Python API's alone)."""
+    Python API's alone); `secret` keeps its value out of reports (non_defaults)."""
     return field(default=default, metadata={
         "help": help, "parse": parse, "choices": list(choices) if choices else None,
         "metavar": metavar, "flag": flag, "aliases": aliases, "negatable": negatable,
-        "cli": cli})
+        "cli": cli, "secret": secret})
 
 
 # a field's type (as its annotation reads, under `from __future__ import annotations`) ->
@@ -119,6 +119,20 @@ def fields_from_flags(cls: type, ns: argparse.Namespace, **extra: Any) -> Any:
     given = {f.name: getattr(ns, f.name) for f in fields(cls)
              if f.metadata.get("cli") and hasattr(ns, f.name)}
     return cls(**{**given, **extra})
+
+
+def non_defaults(obj: Any) -> dict[str, str]:
+    """The settings of dataclass `obj` (and of the settings dataclasses it holds) that differ
+    from their defaults, as their values print, a secret one as '***': what a start-up report
+    says was asked for."""
+    out: dict[str, str] = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if "help" not in f.metadata:  # a group of settings (the server's limits)
+            out.update(non_defaults(value))
+        elif value != f.default:
+            out[f.name] = "***" if f.metadata.get("secret") and value else str(value)
+    return out
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)

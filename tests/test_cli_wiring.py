@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import subprocess
+import sys
 
 import pytest
 
@@ -142,3 +144,28 @@ def test_a_command_of_a_few_engine_flags_reads_them_into_engine_args(command):
     argv, want = _distinct_argv(parser, names)
     engine = EngineArgs.from_cli_args(parser.parse_args(argv))
     assert {n: getattr(engine, n) for n in want} == want
+
+
+@pytest.mark.slow
+def test_kvserve_serve_reports_every_server_flag_it_was_given(tiny_llama_dir):
+    """`kvserve serve` itself, with every server, request-limit and connection flag set to a
+    value of its own: its start-up report names each with the value given (keys masked), so
+    a flag that `serve` drops or hands to another field fails here, not only in
+    test_every_serve_flag_reaches_its_field's call of the same functions."""
+    serve = _commands()["serve"]
+    server_fields = {f.name for cls in (ServerArgs, RequestLimits, ConnectionLimits)
+                     for f in dataclasses.fields(cls) if f.name not in ("limits", "connections")}
+    names = [a.dest for a in serve._actions if a.dest in server_fields]
+    argv, want = _distinct_argv(serve, names)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvserve", "serve", "--model", str(tiny_llama_dir), "--dtype",
+         "float32", "--target-itl-ms", "0", *argv], stderr=subprocess.PIPE, text=True)
+    try:
+        report = next((line for line in proc.stderr if "server settings" in line), "")
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    assert report, "no start-up report of the server settings"
+    got = dict(item.split("=", 1) for item in report.split(": ", 2)[-1].strip().split(", "))
+    secret = {"api_key", "metrics_api_key"}
+    assert got == {k: "***" if k in secret else str(v) for k, v in want.items()}

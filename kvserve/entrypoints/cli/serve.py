@@ -73,11 +73,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.engine.startup import create_config
     from kvserve.entrypoints.server.app import build_app
     from kvserve.entrypoints.server.connections import server_config
+    from kvserve.settings import non_defaults
 
     create_config(engine_args)  # every engine setting checked before listening, not after
     server_args = server_args_from(args)
     if server_args.enable_auto_tool_choice and server_args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    asked = non_defaults(server_args)
+    log.info("server settings (those not at their defaults): %s",
+             ", ".join(f"{k}={v}" for k, v in asked.items()) or "none")
     failed: list[BaseException] = []
 
     def on_fatal(e: BaseException) -> None:

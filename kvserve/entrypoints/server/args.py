@@ -47,7 +47,7 @@ class ServerArgs:
     served_model_name: str | None = setting(
         None, "model name clients use (default: the model's name)")
     api_key: str | None = setting(
-        None, "require 'Authorization: Bearer KEY' (default: $KVSERVE_API_KEY)")
+        None, "require 'Authorization: Bearer KEY' (default: $KVSERVE_API_KEY)", secret=True)
     max_waiting_requests: int | None = setting(
         None, "answer 429 when this many requests wait (default: unbounded)")
     max_request_bytes: int = setting(4 << 20, "largest request body, e.g. 4MiB (else 413)",
@@ -70,7 +70,8 @@ class ServerArgs:
         "mean", "/v1/embeddings: the mean of the final hidden states over the input's "
                 "tokens, or the last token's; L2-normalised", choices=["mean", "last"])
     metrics_api_key: str | None = setting(
-        None, "require this key for /metrics (default: public, aggregates only)")
+        None, "require this key for /metrics (default: public, aggregates only)",
+        secret=True)
     limits: RequestLimits = field(default_factory=RequestLimits)
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
 
