@@ -29,14 +29,13 @@ import sys
 from pathlib import Path
 
 from vs_llamacpp import (
-    Server,
     Workload,
     add_beside_llama_server_args,
     beside_llama_server,
-    command_str,
-    machine,
     server_spec,
 )
+
+from kvserve.bench.peers import Server, command_str, machine
 
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 

@@ -29,20 +29,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import vs_llamacpp as harness  # noqa: E402
+import httpx
+
+from kvserve.bench import peers as harness
 
 
 def busy(server: harness.Server) -> bool:
     """Whether the server holds a request now: kvserve's engine stats, or llama-server's
     slots."""
-    get = lambda path: harness.httpx.get(server.url + path, timeout=5, trust_env=False)  # noqa: E731
+    get = lambda path: httpx.get(server.url + path, timeout=5, trust_env=False)  # noqa: E731
     try:
         r = get("/v1/engine/stats")
         if r.status_code == 200:
@@ -50,7 +53,7 @@ def busy(server: harness.Server) -> bool:
             return stats["running"] + stats["waiting"] > 0
         r = get("/slots")
         return r.status_code == 200 and any(s.get("is_processing") for s in r.json())
-    except (harness.httpx.HTTPError, ValueError, KeyError, TypeError):
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return False
 
 
@@ -74,7 +77,7 @@ def bench(server: harness.Server, spec: harness.ServerSpec, args: argparse.Names
     foreign = harness.ForeignCpu(server.proc.pid)
     restarted: float | None = None
     with open(out.with_suffix(".txt"), "w") as report:
-        proc = harness.subprocess.Popen(cmd, stdout=report, stderr=harness.subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=report, stderr=subprocess.STDOUT)
         if args.restart_at is not None:
             wait_for_first_request(server, proc)
             time.sleep(args.restart_at * args.num_prompts / args.rate)
@@ -151,7 +154,7 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     targets = ["--target-ttft-ms", f"{args.ttft_ms:g}", "--target-itl-ms", f"{args.itl_ms:g}",
                "--shed-late-requests"]
-    extra = harness.shlex.split(args.kvserve_args)
+    extra = shlex.split(args.kvserve_args)
     servers: list[tuple[str, tuple[str, ...]]] = []
     only = args.only.split(",")
     if "kvserve" in only:

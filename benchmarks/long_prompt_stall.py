@@ -40,8 +40,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import vs_llamacpp as harness  # noqa: E402
+from kvserve.bench import peers as harness
 
 # Token ids every model this is run with has (the default model's vocabulary is 49,152):
 # random prompts from this range are valid everywhere, and never a chat template's specials.

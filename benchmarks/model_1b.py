@@ -28,8 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import vs_llamacpp as harness  # noqa: E402
+from kvserve.bench import peers as harness
 
 SHAPES = {
     "1b": dict(name="random 1B (Llama-3.2-1B shape)", layers=16, hidden=2048, ffn=8192,

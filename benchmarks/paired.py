@@ -34,15 +34,13 @@ import time
 
 import httpx
 from vs_llamacpp import (
-    THREADS,
-    Server,
     Workload,
     add_beside_llama_server_args,
     beside_llama_server,
-    command_str,
-    machine,
     server_spec,
 )
+
+from kvserve.bench.peers import THREADS, Server, command_str, machine
 
 
 def stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
