@@ -40,9 +40,10 @@ AGREEMENT = (2 / 3, 3 / 2)
 # layers and kernels: kvserve.models.weight_cache.code_versions): the engine's step and the
 # calibration's workload.
 _PKG = Path(__file__).resolve().parent.parent
-_CODE = [_PKG / p for p in ("engine/core.py", "sched/scheduler.py", "sched/slo.py",
-                            "worker/model_runner.py", "attention/torch_paged.py",
-                            "sample/sampler.py", "sample/metadata.py")]
+_CODE = [_PKG / p for p in ("engine/core.py", "engine/calibration.py", "sched/scheduler.py",
+                            "sched/slo.py", "worker/model_runner.py",
+                            "attention/torch_paged.py", "sample/sampler.py",
+                            "sample/metadata.py")]
 
 Sample = tuple[tuple[float, ...], float]
 

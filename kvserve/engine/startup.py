@@ -209,7 +209,7 @@ def _build(config: StartupConfig, device: torch.device, tp: TensorParallel,
     grammars = GrammarCompiler(tokenizer.backend.to_str, cfg.vocab_size,
                                sorted(tokenizer.eos_token_ids))
     # The default step budget is resolved once the calibration has measured this machine
-    # (EngineCore._resolve_itl_budget); until then, and with --target-itl-ms 0, no ITL target.
+    # (engine.calibration); until then, and with --target-itl-ms 0, no ITL target.
     sched = SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=resolve_max_model_len(args.max_model_len, cfg),

@@ -28,21 +28,8 @@ HF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qw
             "gemma3_text": "gemma3", "phi3": "phi3"}
 
 
-def hf_model_config(path: Path) -> ModelConfig:
-    cfg = json.loads((path / "config.json").read_text())
-    model_type = cfg.get("model_type")
-    arch = HF_ARCHS.get(model_type)
-    if arch is None:
-        raise ValueError(f"unsupported model architecture {model_type!r} "
-                         f"(supported: {', '.join(HF_ARCHS)})")
-    heads = cfg["num_attention_heads"]
-    params = cfg.get("rope_parameters") or {}
-    gemma = arch == "gemma3"
-    if gemma and "full_attention" in params:  # transformers 5: bases per layer type
-        local_theta = params.get("sliding_attention", {}).get("rope_theta", GEMMA3_LOCAL_THETA)
-        params = params["full_attention"]
-    else:
-        local_theta = cfg.get("rope_local_base_freq", GEMMA3_LOCAL_THETA)
+def _rope_scaling(cfg: dict, params: dict) -> RopeScaling:
+    """config.json's RoPE scaling (rope_scaling, or transformers 5's rope_parameters)."""
     rs = cfg.get("rope_scaling") or params
     kind = rs.get("rope_type", rs.get("type", "default"))
     kind = {"default": "none", "su": "longrope"}.get(kind, kind)
@@ -68,8 +55,11 @@ def hf_model_config(path: Path) -> ModelConfig:
         short_factors=tuple(rs["short_factor"]) if "short_factor" in rs else None,
         long_factors=tuple(rs["long_factor"]) if "long_factor" in rs else None,
     )
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
-    layers = cfg["num_hidden_layers"]
+    return scaling
+
+
+def _layer_windows(cfg: dict, model_type: str, layers: int, gemma: bool) -> tuple[int, ...]:
+    """Each layer's sliding window (0: whole context), or () when no layer has one."""
     window = int(cfg.get("sliding_window") or 0)
     if model_type == "qwen3" and not cfg.get("use_sliding_window"):
         window = 0
@@ -83,6 +73,28 @@ def hf_model_config(path: Path) -> ModelConfig:
         windows = (window,) * layers if window else ()
     if not any(windows):
         windows = ()
+    return windows
+
+
+def hf_model_config(path: Path) -> ModelConfig:
+    cfg = json.loads((path / "config.json").read_text())
+    model_type = cfg.get("model_type")
+    arch = HF_ARCHS.get(model_type)
+    if arch is None:
+        raise ValueError(f"unsupported model architecture {model_type!r} "
+                         f"(supported: {', '.join(HF_ARCHS)})")
+    heads = cfg["num_attention_heads"]
+    params = cfg.get("rope_parameters") or {}
+    gemma = arch == "gemma3"
+    if gemma and "full_attention" in params:  # transformers 5: bases per layer type
+        local_theta = params.get("sliding_attention", {}).get("rope_theta", GEMMA3_LOCAL_THETA)
+        params = params["full_attention"]
+    else:
+        local_theta = cfg.get("rope_local_base_freq", GEMMA3_LOCAL_THETA)
+    scaling = _rope_scaling(cfg, params)
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    layers = cfg["num_hidden_layers"]
+    windows = _layer_windows(cfg, model_type, layers, gemma)
     hidden = cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // heads
     scalar = cfg.get("query_pre_attn_scalar") if gemma else None

@@ -45,7 +45,6 @@ from typing import Literal
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request, RequestStatus
-from kvserve.sample.sampling_params import SamplingParams
 from kvserve.sched.output import ScheduledRequest, SchedulerOutput
 from kvserve.sched.slo import TARGET_MARGIN, StepShape, StepTimeModel, prompt_attended
 from kvserve.sched.ttft import TTFTPredictor
@@ -553,29 +552,3 @@ class Scheduler:
             self.num_suspects -= 1
         self.kv.free(req)
         self.kv.forget(req)
-
-
-# The start-up calibration's workload (EngineCore.calibrate): a warm-up request whose steps
-# are not kept (the first steps touch every weight's pages), then CALIBRATION_ROWS requests of
-# CALIBRATION_PROMPT tokens admitted together with outputs of 2, 3, ... tokens: a step of
-# prompt work, then decode steps of CALIBRATION_ROWS rows down to one. They tell the fixed
-# cost, a prompt token and a decode row apart, on the shapes the scheduler asks about, with
-# little prompt work (the step that costs most on a slow machine).
-CALIBRATION_ROWS = 4
-# Prompt tokens of each measured request; the warm-up's prompt is CALIBRATION_WARMUP_PROMPT
-# (any step touches every weight). The prompt step is the calibration's dearest on a slow
-# machine (a 1B model on 2 AVX2 cores), so its prompts are as short as a fit allows.
-CALIBRATION_PROMPT = 4
-CALIBRATION_WARMUP_PROMPT = 1
-
-
-def calibration_requests(vocab_size: int) -> tuple[Request, list[Request]]:
-    """The warm-up request and the measured ones (see CALIBRATION_ROWS)."""
-
-    def req(i: int, prompt: int, out: int) -> Request:
-        ids = [(7919 * (i * 64 + k) + 1) % vocab_size for k in range(prompt)]
-        sp = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
-        return Request(f"calibration-{i}", ids, sp, frozenset(), out)
-
-    return req(0, CALIBRATION_WARMUP_PROMPT, 2), [req(i + 1, CALIBRATION_PROMPT, i + 2)
-                                           for i in range(CALIBRATION_ROWS)]
