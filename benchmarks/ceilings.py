@@ -27,7 +27,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,8,16,32,64,128")
     p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--quantization", default="auto")
+    EngineArgs.add_cli_args(p, ["quantization"])
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm import LLM
 from kvserve.sample.sampling_params import SamplingParams
 
@@ -27,16 +28,12 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "float32", "bfloat16", "float16", "int8"])
+    EngineArgs.add_cli_args(p, ["model", "dtype", "kv_cache_dtype", "max_num_seqs",
+                                "max_num_batched_tokens"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args()
     if args.threads:

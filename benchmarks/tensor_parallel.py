@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm import LLM
 from kvserve.sample.sampling_params import SamplingParams
 
@@ -121,8 +122,7 @@ def collective_costs() -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default="auto")
+    EngineArgs.add_cli_args(p, ["dtype", "quantization"])
     args = p.parse_args()
     results = {tp: run(tp, args.dtype, args.quantization) for tp in (1, 2)}
     print(f"default model, --dtype {args.dtype} --quantization {args.quantization}")
