@@ -136,6 +136,9 @@ struct QuantX {
   std::vector<float> d;
   std::vector<int32_t> lanes;  // block 32: [M, K / 32, 8]
   std::vector<int16_t> runs;   // block 256: [M, K / 256, 16]
+  // block 256: [M, K / 256, 4], word k the sums of sub-blocks (of 32) 2k and 2k + 1 as int16
+  // (low, high): what vpmaddwd takes against a row's minimums 2k and 2k + 1
+  std::vector<int32_t> sub_pairs;
 
   const int8_t* row(int64_t m) const { return q.data() + m * K; }
   float scale(int64_t m, int64_t b) const { return d[m * (K / block) + b]; }
@@ -145,6 +148,9 @@ struct QuantX {
   const int16_t* run_sums(int64_t m, int64_t b) const {
     return runs.data() + (m * (K / 256) + b) * 16;
   }
+  const int32_t* pairs(int64_t m, int64_t b) const {
+    return sub_pairs.data() + (m * (K / 256) + b) * 4;
+  }
 };
 
 template <typename T>
@@ -153,7 +159,12 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t block, QuantX& out) {
   out.K = K;
   out.q.resize(M * K);
   out.d.resize(M * K / block);
-  (block == 32 ? out.lanes.resize(M * K / 4) : out.runs.resize(M * K / 16));
+  if (block == 32) {
+    out.lanes.resize(M * K / 4);
+  } else {
+    out.runs.resize(M * K / 16);
+    out.sub_pairs.resize(M * K / 64);
+  }
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> v(block);
     for (int64_t m = begin; m < end; ++m) {
@@ -178,6 +189,15 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t block, QuantX& out) {
             out.lanes[(m * (K / 32) + b) * 8 + g] = total;
           else
             out.runs[(m * (K / 256) + b) * 16 + g] = static_cast<int16_t>(total);
+        }
+        if (block == 256) {
+          const int16_t* run = out.runs.data() + (m * (K / 256) + b) * 16;
+          for (int k = 0; k < 4; ++k) {  // sub-block j's sum: runs 2j and 2j + 1
+            const auto lo = static_cast<uint16_t>(run[4 * k] + run[4 * k + 1]);
+            const auto hi = static_cast<uint16_t>(run[4 * k + 2] + run[4 * k + 3]);
+            out.sub_pairs[(m * (K / 256) + b) * 4 + k] =
+                static_cast<int32_t>(lo | static_cast<uint32_t>(hi) << 16);
+          }
         }
       }
     }
@@ -935,88 +955,116 @@ void x8q6_dot_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // 16 rows at once, two adjacent groups of an x8 part (g0's 8 rows, then g1's) in the 16 int32
 // lanes of a 512-bit register: the x8 VNNI kernels' integer sums for both groups, one
-// broadcast of the activations and one vpdpbusd per 64 products instead of two. Each
-// group's float steps are then the 8-lane kernels' own (q4x8_acc, q6x8_acc), on its half of
-// the sums: the same bits. out[16 r + i]: activation row m0 + r, row i of the 16.
+// broadcast of the activations and one vpdpbusd per 64 products instead of two. The float
+// steps are the 8-lane kernels' (q4x8_acc, q6x8_acc) in 16 lanes: the same operations lane
+// by lane, so the same bits. out[16 r + i]: activation row m0 + r, row i of the 16.
+//
+// The chunk loops are unrolled (#pragma GCC unroll) and the accumulators left to the
+// compiler: GCC 12 kept a rolled chunk loop's accumulators in a rotation of register copies
+// and stack slots (~2 moves per vpdpbusd); unrolled, a chunk is its loads, 3 unpacking
+// operations, and a broadcast and a vpdpbusd per activation row. On the Zen 5 of
+// benchmarks/RESULTS.md that took Q4_Kx8 at 64-512 rows from ~36% of vpdpbusd's peak
+// (2.3 T integer operations a second on 2 cores, measured) to ~55%, Q6_Kx8 by ~25%.
 constexpr int64_t kPairRows = 8;  // activation rows per pass over 16 weight rows
 
 inline __m512i load2x32(const uint8_t* a, const uint8_t* b) {  // a's 32 bytes low, b's high
   return _mm512_inserti64x4(_mm512_castsi256_si512(load32(a)), load32(b), 1);
 }
 
-inline __m256i half256(__m512i v, int h) {  // h: 0 low, 1 high
-  return h ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v);
+// A Q4_K block's minimums for 16 rows (q4x8_mins for two groups at once): mins[k], int16
+// lanes 2i, 2i + 1 minimums 2k and 2k + 1 of row i (g0's rows 0-7, then g1's).
+inline void q4x16_mins(const uint8_t* g0, const uint8_t* g1, __m512i* mins) {
+  const __m512i u1 = load2x32(g0 + 64, g1 + 64), u2 = load2x32(g0 + 96, g1 + 96);
+  const __m512i m6 = _mm512_set1_epi8(0x3f), m4 = _mm512_set1_epi8(0x0f),
+                top = _mm512_set1_epi8(0x30);
+  const __m512i mn_lo = _mm512_and_si512(u1, m6);
+  const __m512i mn_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m4),
+                                        _mm512_and_si512(_mm512_srli_epi32(u1, 2), top));
+  for (int k = 0; k < 4; ++k) {
+    const char o = static_cast<char>(2 * (k % 2)), z = static_cast<char>(0x80);
+    const __m128i pick = _mm_setr_epi8(o, z, o + 1, z, o + 4, z, o + 5, z, o + 8, z, o + 9, z,
+                                       o + 12, z, o + 13, z);
+    mins[k] = _mm512_shuffle_epi8(k < 2 ? mn_lo : mn_hi, _mm512_broadcast_i32x4(pick));
+  }
 }
 
-template <int N>
-inline void in_registers(__m512i (&v)[N]) {
-  for (int i = 0; i < N; ++i) asm("" : "+v"(v[i]));
+inline __m512 f16x16(const uint8_t* a, const uint8_t* b) {  // a's 8 halves, then b's
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
 }
 
+// Per block and sub-block pair k, the 16 rows' int32 sums of sub-blocks 2k and 2k + 1
+// (lo, hi: 8 chunks each, one vpdpbusd per chunk and activation row), times their scales
+// (vpmulld) into s; then q4x8_acc's float steps in 16 lanes (the same operations lane by
+// lane, so the same bits), with t from the activations' sub-block sums as int16 pairs
+// (QuantX::pairs, one broadcast per pair) against the rows' minimums.
 template <int NR>
 void x16_q4k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const QuantX& x,
                   int64_t m0, float* out) {
   constexpr int64_t kBytes = kX8Bytes<kQ4_K>;
-  __m256 acc[2][NR];
-  for (int r = 0; r < NR; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3f),
-                m4 = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30),
-                byte = _mm512_set1_epi32(0xFF);
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F), byte = _mm512_set1_epi32(0xFF);
+  const __m512 neg = _mm512_set1_ps(-0.f);
   const uint8_t *ahead0 = g0 + kAhead, *ahead1 = g1 + kAhead;
+  const int8_t* xr[NR];
+  for (int r = 0; r < NR; ++r) xr[r] = x.row(m0 + r);
   for (int64_t b = 0; b < blocks; ++b, g0 += kBytes, g1 += kBytes) {
     for (; ahead0 < g0 + kBytes + kAhead; ahead0 += 64, ahead1 += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(ahead0), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(ahead1), _MM_HINT_T0);
     }
-    // k_scale_words for 16 rows: scale bytes 0-3 and 4-7 of each row's lane
-    const __m512i u0 = load2x32(g0 + 32, g1 + 32), u2 = load2x32(g0 + 96, g1 + 96);
-    const __m512i sc_lo = _mm512_and_si512(u0, m6);
-    const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(u2, m4),
-                                          _mm512_and_si512(_mm512_srli_epi32(u0, 2), top));
     __m512i s[NR];
     for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_si512();
     const uint8_t *qs0 = g0 + 128, *qs1 = g1 + 128;
     for (int k = 0; k < 4; ++k) {
       __m512i lo[NR], hi[NR];  // int32 sums of sub-blocks 2k, 2k + 1
       for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {
         const __m512i p = load2x32(qs0 + 32 * (8 * k + c), qs1 + 32 * (8 * k + c));
         const __m512i qlo = _mm512_and_si512(p, low);
         const __m512i qhi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+        const int64_t at = b * 256 + 64 * k + 4 * c;
         for (int r = 0; r < NR; ++r) {
-          const int8_t* a = x.row(m0 + r) + b * 256 + 64 * k + 4 * c;
           int32_t alo, ahi;
-          std::memcpy(&alo, a, 4);
-          std::memcpy(&ahi, a + 32, 4);
+          std::memcpy(&alo, xr[r] + at, 4);
+          std::memcpy(&ahi, xr[r] + at + 32, 4);
           lo[r] = _mm512_dpbusd_epi32(lo[r], qlo, _mm512_set1_epi32(alo));
           hi[r] = _mm512_dpbusd_epi32(hi[r], qhi, _mm512_set1_epi32(ahi));
         }
-        in_registers(lo);
-        in_registers(hi);
       }
-      const __m512i sl = _mm512_and_si512(_mm512_srli_epi32(k < 2 ? sc_lo : sc_hi, 16 * (k % 2)),
-                                          byte);
-      const __m512i sh = _mm512_and_si512(
-          _mm512_srli_epi32(k < 2 ? sc_lo : sc_hi, 16 * (k % 2) + 8), byte);
+      // k_scale_words for 16 rows: scale bytes 0-3 and 4-7 of each row's lane
+      const __m512i words = k < 2 ? _mm512_and_si512(load2x32(g0 + 32, g1 + 32),
+                                                     _mm512_set1_epi8(0x3f))
+                                  : _mm512_or_si512(
+                                        _mm512_and_si512(load2x32(g0 + 96, g1 + 96),
+                                                         _mm512_set1_epi8(0x0f)),
+                                        _mm512_and_si512(
+                                            _mm512_srli_epi32(load2x32(g0 + 32, g1 + 32), 2),
+                                            _mm512_set1_epi8(0x30)));
+      const __m512i sl = _mm512_and_si512(_mm512_srli_epi32(words, 16 * (k % 2)), byte);
+      const __m512i sh = _mm512_and_si512(_mm512_srli_epi32(words, 16 * (k % 2) + 8), byte);
       for (int r = 0; r < NR; ++r)
         s[r] = _mm512_add_epi32(s[r], _mm512_add_epi32(_mm512_mullo_epi32(lo[r], sl),
                                                        _mm512_mullo_epi32(hi[r], sh)));
     }
-    __m256i mins[2][4];
-    q4x8_mins(g0, mins[0]);
-    q4x8_mins(g1, mins[1]);
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* g = h ? g1 : g0;
-      const __m256 d = f16x8(g), dmin = f16x8(g + 16);
-      for (int r = 0; r < NR; ++r)
-        acc[h][r] = q4x8_acc(mins[h], d, dmin, x, m0 + r, b, half256(s[r], h),
-                             acc[h][r]);
+    __m512i mins[4];
+    q4x16_mins(g0, g1, mins);
+    const __m512 d = f16x16(g0, g1), dmin = f16x16(g0 + 16, g1 + 16);
+    for (int r = 0; r < NR; ++r) {
+      const int32_t* pr = x.pairs(m0 + r, b);
+      __m512i t = _mm512_setzero_si512();
+      for (int k = 0; k < 4; ++k)
+        t = _mm512_add_epi32(t, _mm512_madd_epi16(mins[k], _mm512_set1_epi32(pr[k])));
+      const __m512 dx = _mm512_set1_ps(x.scale(m0 + r, b));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(s[r]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_xor_ps(_mm512_mul_ps(dmin, dx), neg),
+                               _mm512_cvtepi32_ps(t), acc[r]);
     }
   }
-  for (int r = 0; r < NR; ++r) {
-    _mm256_storeu_ps(out + 16 * r, acc[0][r]);
-    _mm256_storeu_ps(out + 16 * r + 8, acc[1][r]);
-  }
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
 // Q6_K codes of run `run` (0..3) of a chunk: the low nibbles in `nib` (already shifted down
@@ -1040,8 +1088,8 @@ template <int NR>
 void x16_q6k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const QuantX& x,
                   int64_t m0, float* out) {
   constexpr int64_t kBytes = kX8Bytes<kQ6_K>;
-  __m256 acc[2][NR];
-  for (int r = 0; r < NR; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t *ahead0 = g0 + kAhead, *ahead1 = g1 + kAhead;
   for (int64_t b = 0; b < blocks; ++b, g0 += kBytes, g1 += kBytes) {
     for (; ahead0 < g0 + kBytes + kAhead; ahead0 += 64, ahead1 += 64) {
@@ -1050,11 +1098,14 @@ void x16_q6k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const Qu
     }
     __m512i s[NR];
     for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_si512();
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 4
       for (int run = 0; run < 4; ++run)  // inputs 128 h + 32 run ..: ql's low nibbles first
         for (int half = 0; half < 2; ++half) {
           __m512i p32[NR];
           for (int r = 0; r < NR; ++r) p32[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
           for (int cc = 0; cc < 4; ++cc) {
             const int c = 4 * half + cc;
             const int64_t t = 144 + 96 * (8 * h + c);
@@ -1066,27 +1117,35 @@ void x16_q6k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const Qu
               std::memcpy(&a, x.row(m0 + r) + b * 256 + 128 * h + 32 * run + 4 * c, 4);
               p32[r] = _mm512_dpbusd_epi32(p32[r], q, _mm512_set1_epi32(a));
             }
-            in_registers(p32);
           }
           const __m512i scale = q6x16_scale(g0, g1, 8 * h + 2 * run + half);
           for (int r = 0; r < NR; ++r)
             s[r] = _mm512_add_epi32(s[r], _mm512_mullo_epi32(p32[r], scale));
-          in_registers(s);
         }
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* g = h ? g1 : g0;
-      __m256i pairs[8];
-      q6x8_pairs(g, pairs);
-      const __m256 d = f16x8(g);
-      for (int r = 0; r < NR; ++r)
-        acc[h][r] = q6x8_acc(pairs, d, x, m0 + r, b, half256(s[r], h),
-                             acc[h][r]);
+    // q6x8_acc in 16 lanes: the same operations lane by lane, so the same bits
+    __m512i pairs[8];  // scales 2k, 2k + 1 of each row as int16 pairs
+    for (int k = 0; k < 8; ++k) {
+      const __m128i v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g0 + 16 + 16 * k));
+      const __m128i v1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g1 + 16 + 16 * k));
+      pairs[k] = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_unpacklo_epi8(v0, _mm_srli_si128(v0, 8))),
+          _mm_unpacklo_epi8(v1, _mm_srli_si128(v1, 8)), 1));
+    }
+    const __m512 d = f16x16(g0, g1);
+    for (int r = 0; r < NR; ++r) {
+      const int16_t* runs = x.run_sums(m0 + r, b);
+      __m512i c = _mm512_setzero_si512();
+      for (int k = 0; k < 8; ++k) {
+        int32_t two;
+        std::memcpy(&two, runs + 2 * k, 4);
+        c = _mm512_add_epi32(c, _mm512_madd_epi16(pairs[k], _mm512_set1_epi32(two)));
+      }
+      const __m512i t = _mm512_sub_epi32(s[r], _mm512_slli_epi32(c, 5));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.scale(m0 + r, b))),
+                               _mm512_cvtepi32_ps(t), acc[r]);
     }
   }
-  for (int r = 0; r < NR; ++r) {
-    _mm256_storeu_ps(out + 16 * r, acc[0][r]);
-    _mm256_storeu_ps(out + 16 * r + 8, acc[1][r]);
-  }
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
 template <int64_t Type, int NR>
