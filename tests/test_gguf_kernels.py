@@ -181,6 +181,40 @@ def test_interleaved_gives_the_files_bits(kind):
         k.gguf_linear(x[:7], [c], [type_id(other)], none)], 1))
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0"])
+def test_activation_edges_and_bf16_on_every_path(kind):
+    """The activations' quantization (plain C++ on the portable path, AVX2 vectors on the
+    others) and the bf16 results, on rows that reach its edge cases: zeros, a subnormal
+    block (127 / amax overflows to inf), huge values, a NaN (skipped by the amax, coded -127),
+    float and bf16 inputs. Every path gives the portable path's bits, and bf16 results are
+    the float results rounded as torch rounds them."""
+    k = kernels.ops()
+    tid = type_id(kind)
+    cols, rows = 512, 48
+    raw = torch.from_numpy(random_blocks(kind, rows, cols, seed=30))
+    parts, types = [raw], [tid]
+    if k.gguf_repacked_type(tid):
+        parts, types = [repack(k, raw, tid, cols)], [k.gguf_repacked_type(tid)]
+    x = torch.randn(20, cols, generator=torch.Generator().manual_seed(31))
+    x[1] = 0
+    x[2] *= 1e-40  # subnormal
+    x[3, :256] *= 1e-41
+    x[4] *= 1e30
+    x[5, 7] = float("nan")
+    x[6, 300:] = 0
+    none = [torch.empty(0, dtype=torch.long)]
+    for xs in (x, x.bfloat16()):
+        want = k.gguf_linear(xs, parts, types, none, path="portable")
+        assert not want.isnan().any()
+        for path in k.gguf_paths():
+            got = k.gguf_linear(xs, parts, types, none, path=path)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        if xs.dtype == torch.bfloat16:
+            as_float = k.gguf_linear(xs.float(), parts, types, none)
+            torch.testing.assert_close(k.gguf_linear(xs, parts, types, none),
+                                       as_float.bfloat16(), rtol=0, atol=0)
+
+
 def test_interleaved_q6k_extremes_stay_exact():
     """Q6_Kx8 sums 2 chunks of vpmaddubsw in int16 (at most 2 * 2 * 63 * 127 = 32004): codes
     all 63 against activations all of one sign must not overflow (nor all 0, codes of -32)."""

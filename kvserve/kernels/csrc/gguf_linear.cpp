@@ -22,9 +22,10 @@
 // AVX2 path (vpmaddubsw / vpmaddwd) and the VNNI path (the x8 layouts on vpdpbusd, with
 // AVX512-VNNI or AVX-VNNI) give the same bits,
 // and a row's result never depends on the other rows of the call (batch invariance): work
-// is split over output rows only. The activations' quantization is one scalar routine for
-// both paths. Float contraction is off in this file: a compiler fusing a multiply into a
-// later add would make a path's rounding its own.
+// is split over output rows only. The activations' quantization is one arithmetic, in plain
+// C++ for the portable path and in AVX2 vectors for the others (quantize_x). Float
+// contraction is off in this file: a compiler fusing a multiply into a later add would make a
+// path's rounding its own.
 //
 // gguf_rows: the same blocks dequantized, rows picked by index (an embedding lookup on the
 // file's codes), with gguf's own arithmetic (so the floats are gguf's, bit for bit).
@@ -153,8 +154,8 @@ struct QuantX {
   }
 };
 
-template <typename T>
-void quantize_x(const T* x, int64_t M, int64_t K, int64_t block, QuantX& out) {
+// Sizes `out` for M rows of K inputs in blocks of `block`.
+void quantize_x_shape(int64_t M, int64_t K, int64_t block, QuantX& out) {
   out.block = block;
   out.K = K;
   out.q.resize(M * K);
@@ -165,6 +166,22 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t block, QuantX& out) {
     out.runs.resize(M * K / 16);
     out.sub_pairs.resize(M * K / 64);
   }
+}
+
+// A block of 256's sub-block pair sums (QuantX::sub_pairs) from its 16 run sums.
+inline void quantize_x_pairs(const int16_t* run, int32_t* pairs) {
+  for (int k = 0; k < 4; ++k) {  // sub-block j's sum: runs 2j and 2j + 1
+    const auto lo = static_cast<uint16_t>(run[4 * k] + run[4 * k + 1]);
+    const auto hi = static_cast<uint16_t>(run[4 * k + 2] + run[4 * k + 3]);
+    pairs[k] = static_cast<int32_t>(lo | static_cast<uint32_t>(hi) << 16);
+  }
+}
+
+// The reference quantization, in plain C++ (the portable path's): amax, q = round to nearest
+// even of x * (127 / amax) clamped to +-127, d = amax / 127; every path's gives these bits.
+template <typename T>
+void quantize_x_portable(const T* x, int64_t M, int64_t K, int64_t block, QuantX& out) {
+  quantize_x_shape(M, K, block, out);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> v(block);
     for (int64_t m = begin; m < end; ++m) {
@@ -190,15 +207,9 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t block, QuantX& out) {
           else
             out.runs[(m * (K / 256) + b) * 16 + g] = static_cast<int16_t>(total);
         }
-        if (block == 256) {
-          const int16_t* run = out.runs.data() + (m * (K / 256) + b) * 16;
-          for (int k = 0; k < 4; ++k) {  // sub-block j's sum: runs 2j and 2j + 1
-            const auto lo = static_cast<uint16_t>(run[4 * k] + run[4 * k + 1]);
-            const auto hi = static_cast<uint16_t>(run[4 * k + 2] + run[4 * k + 3]);
-            out.sub_pairs[(m * (K / 256) + b) * 4 + k] =
-                static_cast<int32_t>(lo | static_cast<uint32_t>(hi) << 16);
-          }
-        }
+        if (block == 256)
+          quantize_x_pairs(out.runs.data() + (m * (K / 256) + b) * 16,
+                           out.sub_pairs.data() + (m * (K / 256) + b) * 4);
       }
     }
   });
@@ -505,6 +516,85 @@ inline float sum_lanes8(__m256 v) {
   alignas(32) float a[8];
   _mm256_store_ps(a, v);
   return sum_lanes(a);
+}
+
+// 8 activations as floats (bf16: its bits are a float's top half, so widening is exact).
+inline __m256 load8_ps(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_ps(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// quantize_x_portable's arithmetic 8 lanes at a time, so its bits: the same float products,
+// the same clamp to +-127 (max_ps returns its second operand where the first is a NaN, as
+// std::max(-127.f, NaN) returns -127; +-inf, from a block with a subnormal amax, clamps to
+// +-127 as it does there), cvtps2dq's rounding to nearest even (nearbyint's in the default
+// mode), and exact integer sums. The amax is taken with max_ps(|v|, amax), which like
+// std::max skips a NaN.
+// It was ~10% of a 500-token prefill's time in the scalar form (Zen 5, 1.5B Q4_K_M).
+template <typename T>
+void quantize_x_avx2(const T* x, int64_t M, int64_t K, int64_t block, QuantX& out) {
+  quantize_x_shape(M, K, block, out);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    alignas(32) int32_t fours[64];  // sums of 4 consecutive codes, a block's worth
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b = 0; b < K / block; ++b) {
+        const T* v = x + m * K + b * block;
+        __m256 mx = _mm256_setzero_ps();
+        for (int64_t i = 0; i < block; i += 8)
+          mx = _mm256_max_ps(_mm256_and_ps(load8_ps(v + i), abs_mask), mx);
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float amax = _mm_cvtss_f32(h);
+        const float inv_s = amax > 0.f ? 127.f / amax : 0.f;
+        const __m256 inv = _mm256_set1_ps(inv_s);
+        int8_t* q = out.q.data() + m * K + b * block;
+        for (int64_t i = 0; i < block; i += 32) {
+          __m256i c[4];
+          for (int j = 0; j < 4; ++j)  // clamped before rounding: the bounds are integers
+            c[j] = _mm256_cvtps_epi32(_mm256_min_ps(
+                _mm256_max_ps(_mm256_mul_ps(load8_ps(v + i + 8 * j), inv), lo), hi));
+          // packs interleave the 128-bit lanes: 4-byte runs of c0, c1, c2, c3, then their
+          // second halves; the permute puts the 8 runs back in order
+          const __m256i bytes = _mm256_permutevar8x32_epi32(
+              _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])),
+              order);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), bytes);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(fours + i / 4),
+                             _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, bytes), ones16));
+        }
+        out.d[m * (K / block) + b] = amax / 127.f;
+        if (block == 32) {
+          std::memcpy(out.lanes.data() + (m * (K / 32) + b) * 8, fours, 8 * sizeof(int32_t));
+        } else {
+          int16_t* run = out.runs.data() + (m * (K / 256) + b) * 16;
+          for (int g = 0; g < 16; ++g)
+            run[g] = static_cast<int16_t>(fours[4 * g] + fours[4 * g + 1] + fours[4 * g + 2] +
+                                          fours[4 * g + 3]);
+          quantize_x_pairs(run, out.sub_pairs.data() + (m * (K / 256) + b) * 4);
+        }
+      }
+    }
+  });
+}
+
+// Floats to bf16 as c10::BFloat16 rounds them (to nearest even; a NaN to 0x7FC0), 8 at a time.
+inline void store8_bf16(c10::BFloat16* dst, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16),
+                                                         _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r),
+                                          _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
 }
 
 // One weight row against NR activation rows (m0 .. m0 + NR - 1): the portable path's lanes
@@ -999,6 +1089,22 @@ inline __m512 f16x16(const uint8_t* a, const uint8_t* b) {  // a's 8 halves, the
 // (vpmulld) into s; then q4x8_acc's float steps in 16 lanes (the same operations lane by
 // lane, so the same bits), with t from the activations' sub-block sums as int16 pairs
 // (QuantX::pairs, one broadcast per pair) against the rows' minimums.
+// acc += vpdpbusd(u, the 4 signed bytes at p in every lane), the bytes broadcast from memory
+// by the instruction itself ({1to16}): GCC 12 emits a vpbroadcastd and a vpdpbusd for the
+// intrinsics, twice the instructions of the kernels' inner loops. On the Zen 5 of
+// benchmarks/RESULTS.md, one thread, x16_q4k_vnni<8> alone ran ~9% faster for it (0.71
+// against 0.65 T integer operations a second), and Q6_Kx8's kernel ~2%. What is left: a
+// vpdpbusd with a broadcast from memory runs at ~78% of its rate with a register's (1.15 T
+// a second a core), and the per-block float steps take ~12% of the kernel's time. A 32-row
+// form reusing each broadcast in a register for two pairs reached 87% in its inner loop,
+// but its sums no longer fit the 32 registers, and in all it ran no faster.
+inline __m512i dpbusd_bcast(__m512i acc, __m512i u, const int8_t* p) {
+  asm("vpdpbusd %[s]%{1to16%}, %[u], %[acc]"
+      : [acc] "+v"(acc)
+      : [u] "v"(u), [s] "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
 template <int NR>
 void x16_q4k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const QuantX& x,
                   int64_t m0, float* out) {
@@ -1028,11 +1134,8 @@ void x16_q4k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const Qu
         const __m512i qhi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
         const int64_t at = b * 256 + 64 * k + 4 * c;
         for (int r = 0; r < NR; ++r) {
-          int32_t alo, ahi;
-          std::memcpy(&alo, xr[r] + at, 4);
-          std::memcpy(&ahi, xr[r] + at + 32, 4);
-          lo[r] = _mm512_dpbusd_epi32(lo[r], qlo, _mm512_set1_epi32(alo));
-          hi[r] = _mm512_dpbusd_epi32(hi[r], qhi, _mm512_set1_epi32(ahi));
+          lo[r] = dpbusd_bcast(lo[r], qlo, xr[r] + at);
+          hi[r] = dpbusd_bcast(hi[r], qhi, xr[r] + at + 32);
         }
       }
       // k_scale_words for 16 rows: scale bytes 0-3 and 4-7 of each row's lane
@@ -1112,11 +1215,9 @@ void x16_q6k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const Qu
             const __m512i l = load2x32(g0 + t + 32 * (run % 2), g1 + t + 32 * (run % 2));
             const __m512i hb = load2x32(g0 + t + 64, g1 + t + 64);
             const __m512i q = q6_codes(run < 2 ? l : _mm512_srli_epi16(l, 4), hb, run);
-            for (int r = 0; r < NR; ++r) {
-              int32_t a;
-              std::memcpy(&a, x.row(m0 + r) + b * 256 + 128 * h + 32 * run + 4 * c, 4);
-              p32[r] = _mm512_dpbusd_epi32(p32[r], q, _mm512_set1_epi32(a));
-            }
+            for (int r = 0; r < NR; ++r)
+              p32[r] = dpbusd_bcast(p32[r], q, x.row(m0 + r) + b * 256 + 128 * h + 32 * run +
+                                                   4 * c);
           }
           const __m512i scale = q6x16_scale(g0, g1, 8 * h + 2 * run + half);
           for (int r = 0; r < NR; ++r)
@@ -1215,6 +1316,35 @@ Path best_path() {
 
 const char* path_name(Path path) {
   return path == Path::kVnni ? "VNNI" : path == Path::kAvx2 ? "AVX2" : "portable";
+}
+
+// The activations quantized for `path`: its own form of the one arithmetic (the same bits).
+template <typename T>
+void quantize_x(const T* x, int64_t M, int64_t K, int64_t block, QuantX& out, Path path) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if (path != Path::kPortable) return quantize_x_avx2(x, M, K, block, out);
+#endif
+  (void)path;
+  quantize_x_portable(x, M, K, block, out);
+}
+
+// n results of one activation row as T (bf16: c10::BFloat16's rounding), vectors where the
+// path has them: with 16 weight rows a pass, the scalar conversion was ~4% of a prefill.
+template <typename T>
+inline void store_out(T* dst, const float* src, int n, Path path) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if (path != Path::kPortable && n % 8 == 0) {
+    for (int i = 0; i < n; i += 8) {
+      if constexpr (std::is_same_v<T, float>)
+        _mm256_storeu_ps(dst + i, _mm256_loadu_ps(src + i));
+      else
+        store8_bf16(dst + i, _mm256_loadu_ps(src + i));
+    }
+    return;
+  }
+#endif
+  (void)path;
+  for (int i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
 // "" for the best path built here, else one of path_name's names that is built here.
@@ -1341,8 +1471,8 @@ at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
     N += n;
   }
   const T* xp = x.data_ptr<T>();
-  if (need32) quantize_x(xp, M, K, 32, x32);
-  if (need256) quantize_x(xp, M, K, 256, x256);
+  if (need32) quantize_x(xp, M, K, 32, x32, path);
+  if (need256) quantize_x(xp, M, K, 256, x256, path);
   auto y = at::empty({M, N}, x.options());
   T* yp = y.data_ptr<T>();
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
@@ -1362,8 +1492,7 @@ at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
             else
               q.group(g, q.blocks, *q.x, m0, nr, out);
             for (int a = 0; a < nr; ++a)
-              for (int i = 0; i < n; ++i)
-                yp[(m0 + a) * N + q.begin + r + i] = static_cast<T>(out[n * a + i]);
+              store_out(yp + (m0 + a) * N + q.begin + r, out + n * a, n, path);
             r += n;
           }
         }
