@@ -14,7 +14,7 @@ from kvserve.entrypoints.cli import main
 from kvserve.layers.linear import LinearBase
 from kvserve.layers.quant import QuantizedWeight
 from kvserve.tools import ceilings, roofline
-from kvserve.tools.ceilings import Machine, StepWork
+from kvserve.tools.ceilings import Machine, StepWork, measure_compute
 from kvserve.tools.roofline import Point, WorkModel, cost_model
 
 # Round synthetic figures: no timing is measured by these tests (apart from the command's).
@@ -156,6 +156,11 @@ def test_measure_machine_reports_every_method():
     assert any(k.startswith("sum") for k in m.bandwidth) and len(m.bandwidth) >= 3
     assert all(v > 0 for methods in m.compute.values() for v in methods.values())
     assert m.read_gbs == max(m.bandwidth.values())
+    if kernels.gguf_kernels(torch.bfloat16, "cpu", [12]) is not None:  # Q4_K
+        # the kernel a GGUF model's steps run: a roof, so prefill is not drawn above it
+        assert any("gguf_linear Q4_K GEMV" in k for k in m.bandwidth)
+        int8 = measure_compute(torch.bfloat16, 1, n=256, rows=16)["int8"]
+        assert int8[next(k for k in int8 if "gguf_linear Q4_K 16x256x256" in k)] > 0
 
 
 @pytest.mark.slow

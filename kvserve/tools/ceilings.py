@@ -1,6 +1,6 @@
 """This machine's ceilings, measured: matmul rates per arithmetic (float, and the int8/int4
-kernels' tiles), read bandwidth (a streaming sum, a copy, the kernels' matrix-vector products),
-and the report lines and JSON that show them."""
+kernels' tiles and GGUF Q4_K blocks), read bandwidth (a streaming sum, a copy, the kernels'
+matrix-vector products), and the report lines and JSON that show them."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvserve import kernels
+from kvserve.layers.quant import GGML_TYPES
 
 ARITHMETIC = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
 # kvserve's quant_linear and gguf_linear: int8 x int8 dot products (int8 or int4 weights, or a
@@ -96,6 +98,35 @@ def _quant_tiles(ops, n: int, k: int, bits: int) -> torch.Tensor:
     return tile.expand(n // 16, k // 32, -1).contiguous()
 
 
+Q4_K = GGML_TYPES["Q4_K"]  # the type most of a Q4_K_M file's matrices have
+Q4_K_BLOCK = GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K][1]  # bytes per 256 weights
+
+
+def _q4k_weight(ops, n: int, k: int) -> tuple[torch.Tensor, int] | None:
+    """An [n, k] Q4_K weight of random codes and scales (its float16 d and dmin 0.01) as
+    `auto` serves it: (the tensor, its type number), interleaved 8 rows at a time where the
+    kernels have that layout. None where gguf_linear cannot read Q4_K or k is no multiple of
+    256."""
+    if k % 256 or n % 8 or not ops.gguf_supports(Q4_K):
+        return None
+    gen = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (n, k // 256, Q4_K_BLOCK), dtype=torch.uint8, generator=gen)
+    raw[:, :, :4] = torch.full((n, k // 256, 2), 0.01, dtype=torch.float16).view(torch.uint8)
+    raw = raw.view(n, -1)
+    x8 = ops.gguf_repacked_type(Q4_K)
+    if not x8:
+        return raw, Q4_K
+    out = torch.empty(n // 8, 8 * raw.shape[1], dtype=torch.uint8)
+    return ops.gguf_repack(raw, Q4_K, k, torch.empty(0, dtype=torch.long), out), x8
+
+
+def _gguf_rate(ops, x: torch.Tensor, weight: tuple[torch.Tensor, int], amount: float,
+               repeats: int) -> float:
+    w, kind = weight
+    none = [torch.empty(0, dtype=torch.long)]
+    return _rate(amount, lambda: ops.gguf_linear(x, [w], [kind], none), repeats)
+
+
 def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
     """The activations kvserve's kernels would see for a model in `dtype`."""
     return dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
@@ -105,19 +136,25 @@ def measure_compute(dtype: torch.dtype, repeats: int = 5, n: int = 2048,
                     rows: int = 512) -> dict[str, dict[str, float]]:
     """GFLOP/s per arithmetic and method: torch's n^3 matmul and kvserve's dense_linear
     (`rows` x n x n, a prefill chunk's shape) in bf16, fp32 and `dtype`; quant_linear with
-    8- and 4-bit weights at that shape for int8 (activations in `dtype` where the kernel
-    takes them)."""
+    8- and 4-bit weights and gguf_linear on Q4_K blocks at that shape for int8 (activations
+    in `dtype` where the kernel takes them)."""
     out: dict[str, dict[str, float]] = {}
     for dt in dict.fromkeys((torch.bfloat16, torch.float32, dtype)):
         out[ARITHMETIC[dt]] = _float_rates(dt, repeats, n, rows)
     act = _kernel_dtype(dtype)
+    x = torch.randn(rows, n, dtype=act)
     if (ops := kernels.quant_kernels(act, "cpu", n, n)) is not None:
-        x = torch.randn(rows, n, dtype=act)
         out[INT8] = {}
         for bits in (8, 4):
             w = _quant_tiles(ops, n, n, bits)
             out[INT8][f"kvserve quant_linear {bits}-bit weights {rows}x{n}x{n}"] = _rate(
                 2 * rows * n * n, lambda w=w: ops.quant_linear(x, w), repeats)
+    if (ops := kernels.gguf_kernels(act, "cpu", [Q4_K])) is not None and \
+            (q4k := _q4k_weight(ops, n, n)) is not None:
+        # a GGUF model's prefill runs this kernel: on an AVX-512 VNNI CPU it outran
+        # quant_linear, so without it prefill rows came out above their roof
+        out.setdefault(INT8, {})[f"kvserve gguf_linear Q4_K {rows}x{n}x{n}"] = _gguf_rate(
+            ops, x, q4k, 2 * rows * n * n, repeats)
     return out
 
 
@@ -150,6 +187,12 @@ def measure_bandwidth(dtype: torch.dtype, repeats: int = 5, read_bytes: int = 1 
         out.update([_dense_gemv_rate(act, read_bytes // 4, k, repeats)])
     if kernels.quant_kernels(act, "cpu", 16, k) is not None:
         out.update(_quant_gemv_rate(act, bits, read_bytes // 4, k, repeats) for bits in (8, 4))
+    if (ops := kernels.gguf_kernels(act, "cpu", [Q4_K])) is not None and \
+            (q4k := _q4k_weight(ops, _outputs(read_bytes // 4, Q4_K_BLOCK / 256, k),
+                                k)) is not None:
+        w = q4k[0]
+        out[f"kvserve gguf_linear Q4_K GEMV {_mib(w.nbytes)}"] = _gguf_rate(
+            ops, torch.randn(1, k, dtype=act), q4k, w.nbytes, repeats)
     return out
 
 
