@@ -117,40 +117,6 @@ def test_load_failure_is_raised(tmp_path):
     asyncio.run(run())
 
 
-def test_begun_before_the_loop_serves_the_same_tokens(tiny_llama_dir, tmp_path):
-    """begin() builds the engine with no event loop running (serve loads while it starts
-    its HTTP server); start() then waits for that build and runs the loop on the same
-    thread, giving the tokens a plain start() gives. A failed early build is raised by
-    start(), and stop() ends a thread begun but never started."""
-    early = make(tiny_llama_dir)
-    early.begin()
-    assert early._built.wait(120) and early.engine is not None
-
-    async def run(engine: AsyncEngine) -> list[int]:
-        await engine.start()
-        tokens = await _tokens(engine, "a", [5, 6, 7])
-        engine.stop()
-        return tokens
-
-    assert asyncio.run(run(early)) == asyncio.run(run(make(tiny_llama_dir)))
-    assert not early._thread.is_alive()
-
-    failed = AsyncEngine(lambda: build_engine(EngineArgs(model=str(tmp_path / "nope.gguf"))))
-    failed.begin()
-
-    async def start_failed():
-        with pytest.raises(ValueError, match="not found"):
-            await failed.start()
-
-    asyncio.run(start_failed())
-
-    idle = make(tiny_llama_dir)
-    idle.begin()
-    assert idle._built.wait(120)
-    idle.stop(timeout=30)
-    assert not idle._thread.is_alive()
-
-
 def test_readers_on_other_threads_see_only_snapshots(tiny_llama_dir):
     """While the engine thread steps a busy batch, a plain thread polls the published stats
     and the event loop asks for timelines and the dashboard between steps: every snapshot is

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from kvserve.engine.llm_engine import EngineArgs, EngineDeadError, LLMEngine, build_engine
+from kvserve.engine.llm_engine import EngineDeadError, LLMEngine
 from kvserve.engine.metrics import EngineMetrics
 from kvserve.outputs import OutputKind, RequestOutput
 from kvserve.request import Request
@@ -107,9 +107,6 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._built = threading.Event()  # the build finished (`engine` set, or `_build_error`)
-        self._attached = threading.Event()  # start() gave the event loop: the loop may run
-        self._build_error: BaseException | None = None
         self._stopping = False
         self._error: BaseException | None = None
         # Published by the engine thread after every step and read anywhere: an immutable
@@ -117,52 +114,31 @@ class AsyncEngine:
         self.stats: EngineStats | None = None
         self._queued_since_stats = 0  # engine requests queued since `stats` was taken
 
-    @classmethod
-    def of(cls, engine_args: EngineArgs,
-           max_waiting_requests: int | None = None) -> AsyncEngine:
-        """The engine of `engine_args`, not yet built (begin() or start() builds it)."""
-        return cls(lambda: build_engine(engine_args), None, max_waiting_requests)
-
     # ------------------------------------------------------------------ event-loop side
 
-    def begin(self) -> None:
-        """Start building the engine on the engine thread now, before an event loop runs:
-        `kvserve serve` loads the model while it imports and starts the HTTP server. The
-        thread then waits for start() before it steps or publishes anything.
+    async def start(self) -> LLMEngine:
+        """Build the engine on the engine thread, then run the step loop there; returns once
+        the model is loaded (raising what loading raised).
 
         Loading and stepping share one thread on purpose: with torch's OpenMP backend, a
         thread that runs parallel ops after another thread already did pays for a second
         thread team, which slowed decode steps by a third where it was measured."""
-        if self._thread is not None:
-            return
+        self._loop = asyncio.get_running_loop()
+        loaded = self._loop.create_future()
 
         def main() -> None:
             try:
                 self.engine = self._make_engine()
+                self._publish_state()
             except BaseException as e:
-                self._build_error = e
-                self._built.set()
+                self._resolve(loaded, e)
                 return
-            self._built.set()
-            self._attached.wait()
-            if self._stopping:
-                return
-            self._publish_state()
+            self._resolve(loaded, None)
             self._run()
 
         self._thread = threading.Thread(target=main, name="kvserve-engine", daemon=True)
         self._thread.start()
-
-    async def start(self) -> LLMEngine:
-        """Build the engine on the engine thread (or let begin()'s build finish), then run
-        the step loop there; returns once the model is loaded (raising what loading
-        raised)."""
-        self._loop = asyncio.get_running_loop()
-        self.begin()
-        self._attached.set()
-        await self._loop.run_in_executor(None, self._built.wait)
-        if self._build_error is not None:
-            raise self._build_error
+        await loaded
         assert self.engine is not None
         return self.engine
 
@@ -171,7 +147,6 @@ class AsyncEngine:
         (disk tier) on its own thread."""
         self._stopping = True
         self._wakeup.set()
-        self._attached.set()  # a thread begun but never started: let it end
         if self._thread is not None:
             self._thread.join(timeout)
 

@@ -68,23 +68,17 @@ def absorb_sigterm_reraise() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     engine_args = engine_args_from(args)  # first: it starts the prefault before torch loads
-    from kvserve.engine.async_engine import AsyncEngine
+    import uvicorn
+
     from kvserve.engine.startup import create_config
+    from kvserve.entrypoints.server.app import build_app
+    from kvserve.entrypoints.server.connections import server_config
     from kvserve.settings import non_defaults
 
     create_config(engine_args)  # every engine setting checked before listening, not after
     server_args = server_args_from(args)
     if server_args.enable_auto_tool_choice and server_args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    # The model loads on the engine thread from here on, while this thread imports and
-    # starts the HTTP server (the kernels run without the GIL): on the 2-core Zen 5 of
-    # benchmarks/RESULTS.md, warm starts to a healthy /health went from 2.26 to 1.79 s.
-    engine = AsyncEngine.of(engine_args, server_args.max_waiting_requests)
-    engine.begin()
-    import uvicorn
-
-    from kvserve.entrypoints.server.app import build_app
-    from kvserve.entrypoints.server.connections import server_config
     asked = non_defaults(server_args)
     log.info("server settings (those not at their defaults): %s",
              ", ".join(f"{k}={v}" for k, v in asked.items()) or "none")
@@ -94,7 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         failed.append(e)
         server.should_exit = True
 
-    app = build_app(engine_args, server_args, on_fatal, engine)
+    app = build_app(engine_args, server_args, on_fatal)
     config = server_config(app, server_args.host, server_args.port, server_args.connections,
                            log_level="info", access_log=server_args.access_log,
                            timeout_graceful_shutdown=int(server_args.shutdown_timeout))

@@ -15,7 +15,7 @@ from fastapi import APIRouter, FastAPI
 
 import kvserve
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.llm_engine import EngineArgs
+from kvserve.engine.llm_engine import EngineArgs, build_engine
 from kvserve.entrypoints.server import (
     routes_engine,
     routes_models,
@@ -42,16 +42,12 @@ ROUTERS: tuple[APIRouter, ...] = (
 
 
 def build_app(engine_args: EngineArgs, args: ServerArgs,
-              on_fatal: Callable[[BaseException], None] | None = None,
-              engine: AsyncEngine | None = None) -> FastAPI:
-    """The app; it loads the model when it starts, or takes `engine` (AsyncEngine.of, perhaps
-    already loading: begin()) and waits for it."""
+              on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
     state = ServerState(engine_args, args)
-    if engine is None:
-        engine = AsyncEngine.of(engine_args, args.max_waiting_requests)
-    engine.metrics = state.metrics
 
     async def load() -> None:
+        engine = AsyncEngine(lambda: build_engine(engine_args), state.metrics,
+                             args.max_waiting_requests)
         try:
             await engine.start()
         except Exception as e:
