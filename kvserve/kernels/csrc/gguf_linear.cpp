@@ -1427,10 +1427,13 @@ PairFn pick_pair(int64_t x8, Path path, int64_t M) {
   return nullptr;
 }
 
-// Output rows per unit of work: a unit's weights (~16 rows of a few KB) stay in cache while
-// every activation row passes over them. A unit lies in one part (and so holds whole groups
-// of an x8 part).
-constexpr int64_t kUnit = 16;
+// Output rows per unit of work: a unit's weights stay in L1/L2 while every activation row
+// passes over them (64 rows: 55-320 KB of Q4_K at 1536-8960 inputs). A unit lies in one part
+// (and so holds whole groups of an x8 part). On the Zen 5 of benchmarks/RESULTS.md, 64 rows
+// against 16 took a 500-token prefill of the 1.5B from 1219 to 1192 ms (medians of 15, builds
+// alternated) and its matrices alone 2-7% faster; decode steps, which stream each weight
+// once, kept 16 (within noise of 64: 22.9 against 23.2 ms, 10 runs each).
+int64_t unit_rows(int64_t M) { return M > kRows ? 64 : 16; }
 
 template <typename T>
 at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
@@ -1452,6 +1455,7 @@ at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
   QuantX x32, x256;
   std::vector<Part> part(P);
   std::vector<std::pair<size_t, int64_t>> units;  // (part, first row)
+  const int64_t unit = unit_rows(M);
   bool need32 = false, need256 = false;
   int64_t N = 0;
   for (size_t p = 0; p < P; ++p) {
@@ -1467,7 +1471,7 @@ at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
                x8 ? nullptr : pick(types[p], path), x8 ? pick_group(types[p], path, M) : nullptr,
                x8 ? pick_pair(types[p], path, M) : nullptr,
                info.block == 32 ? &x32 : &x256};
-    for (int64_t r = 0; r < n; r += kUnit) units.emplace_back(p, r);
+    for (int64_t r = 0; r < n; r += unit) units.emplace_back(p, r);
     N += n;
   }
   const T* xp = x.data_ptr<T>();
@@ -1479,7 +1483,7 @@ at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
     float out[kPairRows * 16];
     for (int64_t u = begin; u < end; ++u) {
       const Part& q = part[units[u].first];
-      const int64_t r0 = units[u].second, r1 = std::min(q.n, r0 + kUnit);
+      const int64_t r0 = units[u].second, r1 = std::min(q.n, r0 + unit);
       if (q.group != nullptr) {
         const int64_t pass = q.pair != nullptr ? kPairRows : kRows;
         for (int64_t m0 = 0; m0 < M; m0 += pass) {  // 2 and 3 rows were no faster
