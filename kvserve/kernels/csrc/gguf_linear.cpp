@@ -1084,11 +1084,6 @@ inline __m512 f16x16(const uint8_t* a, const uint8_t* b) {  // a's 8 halves, the
   return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
 }
 
-// Per block and sub-block pair k, the 16 rows' int32 sums of sub-blocks 2k and 2k + 1
-// (lo, hi: 8 chunks each, one vpdpbusd per chunk and activation row), times their scales
-// (vpmulld) into s; then q4x8_acc's float steps in 16 lanes (the same operations lane by
-// lane, so the same bits), with t from the activations' sub-block sums as int16 pairs
-// (QuantX::pairs, one broadcast per pair) against the rows' minimums.
 // acc += vpdpbusd(u, the 4 signed bytes at p in every lane), the bytes broadcast from memory
 // by the instruction itself ({1to16}): GCC 12 emits a vpbroadcastd and a vpdpbusd for the
 // intrinsics, twice the instructions of the kernels' inner loops. On the Zen 5 of
@@ -1105,6 +1100,11 @@ inline __m512i dpbusd_bcast(__m512i acc, __m512i u, const int8_t* p) {
   return acc;
 }
 
+// Per block and sub-block pair k, the 16 rows' int32 sums of sub-blocks 2k and 2k + 1
+// (lo, hi: 8 chunks each, one vpdpbusd per chunk and activation row), times their scales
+// (vpmulld) into s; then q4x8_acc's float steps in 16 lanes (the same operations lane by
+// lane, so the same bits), with t from the activations' sub-block sums as int16 pairs
+// (QuantX::pairs, one broadcast per pair) against the rows' minimums.
 template <int NR>
 void x16_q4k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const QuantX& x,
                   int64_t m0, float* out) {
