@@ -303,15 +303,7 @@ inline F16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 // float32).
 template <typename KV>
 inline __m256 load8(const KV* p) {
-  if constexpr (std::is_same_v<KV, float>) {
-    return _mm256_loadu_ps(p);
-  } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    if constexpr (std::is_same_v<KV, c10::Half>)
-      return _mm256_cvtph_ps(h);
-    else
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
+  return kvs::widen8(p);
 }
 template <typename KV>
 inline F16 load16(const KV* p) {

@@ -96,6 +96,53 @@ constexpr bool kAvx2 = true;
 constexpr bool kAvx2 = false;
 #endif
 
+// n float32 values -> float16 (N = c10::Half) or bf16 (c10::BFloat16), rounded to nearest
+// even as torch's .to() rounds: F16C's vcvtps2ph in round-to-nearest mode; for bf16, the
+// upper half after adding 0x7fff plus the lowest kept bit, a NaN becoming 0x7fc0
+// (c10::BFloat16's own rule). The vector and scalar forms give the same bits.
+template <typename N>
+void narrow_row(const float* src, N* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(src + i);
+    __m128i h;
+    if constexpr (std::is_same_v<N, c10::Half>) {
+      h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    } else {
+      const __m256i b = _mm256_castps_si256(x);
+      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+      __m256i r = _mm256_srli_epi32(
+          _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+      const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+      r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+      // 8 x 32-bit (each < 2^16) -> 8 x 16-bit: pack within 128-bit lanes, then gather them.
+      r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+      h = _mm256_castsi256_si128(r);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<N>(src[i]);
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+// 8 values as float32, exactly: float32 as is, float16 by F16C, bf16 (a float's top half)
+// shifted into place.
+template <typename T>
+inline __m256 widen8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (std::is_same_v<T, c10::Half>)
+      return _mm256_cvtph_ps(h);
+    else
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+#endif
+
 // Values per 32-bit "unit", the operands of one multiply-add lane: a float32 value (fmadd),
 // or a pair of bf16 values (dpbf16, which adds both products to the lane).
 template <typename T>

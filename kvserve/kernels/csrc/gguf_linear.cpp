@@ -518,13 +518,6 @@ inline float sum_lanes8(__m256 v) {
   return sum_lanes(a);
 }
 
-// 8 activations as floats (bf16: its bits are a float's top half, so widening is exact).
-inline __m256 load8_ps(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8_ps(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 // quantize_x_portable's arithmetic 8 lanes at a time, so its bits: the same float products,
 // the same clamp to +-127 (max_ps returns its second operand where the first is a NaN, as
 // std::max(-127.f, NaN) returns -127; +-inf, from a block with a subnormal amax, clamps to
@@ -546,7 +539,7 @@ void quantize_x_avx2(const T* x, int64_t M, int64_t K, int64_t block, QuantX& ou
         const T* v = x + m * K + b * block;
         __m256 mx = _mm256_setzero_ps();
         for (int64_t i = 0; i < block; i += 8)
-          mx = _mm256_max_ps(_mm256_and_ps(load8_ps(v + i), abs_mask), mx);
+          mx = _mm256_max_ps(_mm256_and_ps(kvs::widen8(v + i), abs_mask), mx);
         __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
         h = _mm_max_ps(h, _mm_movehl_ps(h, h));
         h = _mm_max_ss(h, _mm_movehdup_ps(h));
@@ -558,7 +551,7 @@ void quantize_x_avx2(const T* x, int64_t M, int64_t K, int64_t block, QuantX& ou
           __m256i c[4];
           for (int j = 0; j < 4; ++j)  // clamped before rounding: the bounds are integers
             c[j] = _mm256_cvtps_epi32(_mm256_min_ps(
-                _mm256_max_ps(_mm256_mul_ps(load8_ps(v + i + 8 * j), inv), lo), hi));
+                _mm256_max_ps(_mm256_mul_ps(kvs::widen8(v + i + 8 * j), inv), lo), hi));
           // packs interleave the 128-bit lanes: 4-byte runs of c0, c1, c2, c3, then their
           // second halves; the permute puts the 8 runs back in order
           const __m256i bytes = _mm256_permutevar8x32_epi32(
@@ -581,20 +574,6 @@ void quantize_x_avx2(const T* x, int64_t M, int64_t K, int64_t block, QuantX& ou
       }
     }
   });
-}
-
-// Floats to bf16 as c10::BFloat16 rounds them (to nearest even; a NaN to 0x7FC0), 8 at a time.
-inline void store8_bf16(c10::BFloat16* dst, __m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16),
-                                                         _mm256_set1_epi32(1)),
-                                        _mm256_set1_epi32(0x7FFF));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r),
-                                          _mm256_extracti128_si256(r, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
 }
 
 // One weight row against NR activation rows (m0 .. m0 + NR - 1): the portable path's lanes
@@ -1328,23 +1307,18 @@ void quantize_x(const T* x, int64_t M, int64_t K, int64_t block, QuantX& out, Pa
   quantize_x_portable(x, M, K, block, out);
 }
 
-// n results of one activation row as T (bf16: c10::BFloat16's rounding), vectors where the
-// path has them: with 16 weight rows a pass, the scalar conversion was ~4% of a prefill.
+// n results of one activation row as T (bf16: c10::BFloat16's rounding, kvs::narrow_row's
+// vectors off the portable path): with 16 weight rows a pass, the scalar conversion was ~4%
+// of a prefill.
 template <typename T>
 inline void store_out(T* dst, const float* src, int n, Path path) {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  if (path != Path::kPortable && n % 8 == 0) {
-    for (int i = 0; i < n; i += 8) {
-      if constexpr (std::is_same_v<T, float>)
-        _mm256_storeu_ps(dst + i, _mm256_loadu_ps(src + i));
-      else
-        store8_bf16(dst + i, _mm256_loadu_ps(src + i));
-    }
-    return;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else if (path != Path::kPortable) {
+    kvs::narrow_row(src, dst, n);
+  } else {
+    for (int i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
   }
-#endif
-  (void)path;
-  for (int i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
 // "" for the best path built here, else one of path_name's names that is built here.

@@ -86,39 +86,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-namespace {
-
-// n float32 values -> float16 (N = c10::Half) or bf16 (c10::BFloat16), rounded to nearest
-// even as torch's .to() rounds: F16C's vcvtps2ph in round-to-nearest mode; for bf16, the
-// upper half after adding 0x7fff plus the lowest kept bit, a NaN becoming 0x7fc0
-// (c10::BFloat16's own rule). The vector and scalar forms give the same bits.
-template <typename N>
-void narrow_row(const float* src, N* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX2__) && defined(__F16C__)
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(src + i);
-    __m128i h;
-    if constexpr (std::is_same_v<N, c10::Half>) {
-      h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    } else {
-      const __m256i b = _mm256_castps_si256(x);
-      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-      __m256i r = _mm256_srli_epi32(
-          _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-      const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-      r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-      // 8 x 32-bit (each < 2^16) -> 8 x 16-bit: pack within 128-bit lanes, then gather them.
-      r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-      h = _mm256_castsi256_si128(r);
-    }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
-  }
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<N>(src[i]);
-}
-
-}  // namespace
 
 // K and V rows [T, Hkv, W] (rows contiguous) into the slots of cache [2, Hkv, slots, W]: the
 // same bytes as index_copy_ from a stacked, transposed copy, moved row by row. Float32 rows
@@ -147,9 +114,9 @@ void store_kv(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor
     if (!narrow)
       std::memcpy(to, from, row);
     else if (kv == at::kHalf)
-      narrow_row(reinterpret_cast<const float*>(from), reinterpret_cast<c10::Half*>(to), W);
+      kvs::narrow_row(reinterpret_cast<const float*>(from), reinterpret_cast<c10::Half*>(to), W);
     else
-      narrow_row(reinterpret_cast<const float*>(from), reinterpret_cast<c10::BFloat16*>(to), W);
+      kvs::narrow_row(reinterpret_cast<const float*>(from), reinterpret_cast<c10::BFloat16*>(to), W);
   };
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "slot out of range");
