@@ -1170,9 +1170,11 @@ template <int NR>
 void x16_q6k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const QuantX& x,
                   int64_t m0, float* out) {
   constexpr int64_t kBytes = kX8Bytes<kQ6_K>;
-  __m512 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  // The float accumulators live in `out`, leaving the registers to the 3 x NR integer sums.
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + 16 * r, _mm512_setzero_ps());
   const uint8_t *ahead0 = g0 + kAhead, *ahead1 = g1 + kAhead;
+  const int8_t* xr[NR];
+  for (int r = 0; r < NR; ++r) xr[r] = x.row(m0 + r);
   for (int64_t b = 0; b < blocks; ++b, g0 += kBytes, g1 += kBytes) {
     for (; ahead0 < g0 + kBytes + kAhead; ahead0 += 64, ahead1 += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(ahead0), _MM_HINT_T0);
@@ -1180,28 +1182,39 @@ void x16_q6k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const Qu
     }
     __m512i s[NR];
     for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t *t0 = g0 + 144 + 768 * h, *t1 = g1 + 144 + 768 * h;
+      const int64_t at = b * 256 + 128 * h;
+      // Runs rp and rp + 2 of each chunk share ql's bytes (low and high nibbles): one load
+      // of them and of qh for both, and two sums per row (lo: run rp, hi: run rp + 2). On
+      // the Zen 5 of benchmarks/RESULTS.md a run at a time (each chunk's bytes loaded for
+      // every run) took 33.8 ms for the 1.5B's down projection at 496 rows, one thread,
+      // against 28.5 (GCC kept the shared loads alive across runs and spilled the sums).
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h)
-#pragma GCC unroll 4
-      for (int run = 0; run < 4; ++run)  // inputs 128 h + 32 run ..: ql's low nibbles first
+      for (int rp = 0; rp < 2; ++rp)
+#pragma GCC unroll 2
         for (int half = 0; half < 2; ++half) {
-          __m512i p32[NR];
-          for (int r = 0; r < NR; ++r) p32[r] = _mm512_setzero_si512();
+          __m512i lo[NR], hi[NR];
+          for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
           for (int cc = 0; cc < 4; ++cc) {
             const int c = 4 * half + cc;
-            const int64_t t = 144 + 96 * (8 * h + c);
-            const __m512i l = load2x32(g0 + t + 32 * (run % 2), g1 + t + 32 * (run % 2));
-            const __m512i hb = load2x32(g0 + t + 64, g1 + t + 64);
-            const __m512i q = q6_codes(run < 2 ? l : _mm512_srli_epi16(l, 4), hb, run);
-            for (int r = 0; r < NR; ++r)
-              p32[r] = dpbusd_bcast(p32[r], q, x.row(m0 + r) + b * 256 + 128 * h + 32 * run +
-                                                   4 * c);
+            const __m512i l = load2x32(t0 + 96 * c + 32 * rp, t1 + 96 * c + 32 * rp);
+            const __m512i hb = load2x32(t0 + 96 * c + 64, t1 + 96 * c + 64);
+            const __m512i qlo = q6_codes(l, hb, rp), qhi = q6_codes(_mm512_srli_epi16(l, 4), hb,
+                                                                      rp + 2);
+            for (int r = 0; r < NR; ++r) {
+              lo[r] = dpbusd_bcast(lo[r], qlo, xr[r] + at + 32 * rp + 4 * c);
+              hi[r] = dpbusd_bcast(hi[r], qhi, xr[r] + at + 32 * rp + 64 + 4 * c);
+            }
           }
-          const __m512i scale = q6x16_scale(g0, g1, 8 * h + 2 * run + half);
+          const __m512i slo = q6x16_scale(g0, g1, 8 * h + 2 * rp + half);
+          const __m512i shi = q6x16_scale(g0, g1, 8 * h + 2 * rp + 4 + half);
           for (int r = 0; r < NR; ++r)
-            s[r] = _mm512_add_epi32(s[r], _mm512_mullo_epi32(p32[r], scale));
+            s[r] = _mm512_add_epi32(s[r], _mm512_add_epi32(_mm512_mullo_epi32(lo[r], slo),
+                                                           _mm512_mullo_epi32(hi[r], shi)));
         }
+    }
     // q6x8_acc in 16 lanes: the same operations lane by lane, so the same bits
     __m512i pairs[8];  // scales 2k, 2k + 1 of each row as int16 pairs
     for (int k = 0; k < 8; ++k) {
@@ -1221,11 +1234,11 @@ void x16_q6k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const Qu
         c = _mm512_add_epi32(c, _mm512_madd_epi16(pairs[k], _mm512_set1_epi32(two)));
       }
       const __m512i t = _mm512_sub_epi32(s[r], _mm512_slli_epi32(c, 5));
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.scale(m0 + r, b))),
-                               _mm512_cvtepi32_ps(t), acc[r]);
+      _mm512_storeu_ps(out + 16 * r,
+                       _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.scale(m0 + r, b))),
+                                       _mm512_cvtepi32_ps(t), _mm512_loadu_ps(out + 16 * r)));
     }
   }
-  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
 template <int64_t Type, int NR>
