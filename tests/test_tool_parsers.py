@@ -19,6 +19,9 @@ from kvserve.entrypoints.server.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
     Llama3JsonToolParser,
+    MistralToolParser,
+    PythonicToolParser,
+    Qwen3CoderToolParser,
     StreamDelta,
     ToolParser,
     get_tool_parser,
@@ -71,12 +74,13 @@ def stream_tools(parser: ToolParser, pieces: list[str]) -> tuple[str, list[dict]
     return content, calls
 
 
-def check_tool_stream(cls: type[ToolParser], text: str) -> None:
-    expected = cls().parse(text)
+def check_tool_stream(cls: type[ToolParser], text: str,
+                      tool_names: list[str] | None = None) -> None:
+    expected = cls(tool_names).parse(text)
     for call in expected.tool_calls:
         assert isinstance(json.loads(call.arguments), dict)
     for pieces in all_splits(text):
-        content, calls = stream_tools(cls(), pieces)
+        content, calls = stream_tools(cls(tool_names), pieces)
         assert content == (expected.content or ""), pieces
         assert [c["name"] for c in calls] == [c.name for c in expected.tool_calls], pieces
         assert [c["arguments"] for c in calls] == [c.arguments for c in expected.tool_calls]
@@ -125,6 +129,34 @@ HERMES_CASES = {
     "partial_start_tag_at_end": ("Thinking about <tool_ca", "Thinking about <tool_ca", []),
     "whitespace_only_content": ("\n\n" + hermes_block("ping", {}) + "\n \n", None,
                                 [("ping", {})]),
+    # What small models write instead of the template's tags (issue 38's Qwen2.5 1.5B).
+    "fenced_json": ("```json\n" + call("get_weather", WEATHER) + "\n```", None,
+                    [("get_weather", WEATHER)]),
+    "prose_then_fenced": ("I'll look it up.\n```json\n" + call("get_time", TIME, "parameters")
+                          + "\n```\nOne moment.", "I'll look it up.\n\nOne moment.",
+                          [("get_time", TIME)]),
+    "fenced_tool_call_array": ("```tool_call\n[" + call("get_weather", WEATHER) + ", "
+                               + call("get_time", TIME) + "]\n```", None,
+                               [("get_weather", WEATHER), ("get_time", TIME)]),
+    "fenced_json_not_a_call": ('Here:\n```json\n{"city": "Bern"}\n```',
+                               'Here:\n```json\n{"city": "Bern"}\n```', []),
+    "fenced_cut_off": ("```json\n" + call("get_time", TIME) + "\n``", None,
+                       [("get_time", TIME)]),
+    "fenced_cut_off_midway": ('```json\n{"name": "get_time", "argu',
+                              '```json\n{"name": "get_time", "argu', []),
+    "other_fence_is_content": ("```python\nprint(1)\n```", "```python\nprint(1)\n```", []),
+    "bare_object": ("\n" + call("get_weather", WEATHER) + "\n", None,
+                    [("get_weather", WEATHER)]),
+    "bare_array": ("[" + call("get_time", TIME) + ", " + call("ping", {}) + "]", None,
+                   [("get_time", TIME), ("ping", {})]),
+    "bare_json_not_a_call": ('{"answer": 42}', '{"answer": 42}', []),
+    "bare_empty_array": ("[]", "[]", []),
+    "bare_cut_off": ('{"name": "get_time", "arguments": {"timezone": "Eu',
+                     '{"name": "get_time", "arguments": {"timezone": "Eu', []),
+    "bare_then_tagged": ('{"a": 1} ' + hermes_block("ping", {}), '{"a": 1} ', [("ping", {})]),
+    "single_quotes_stay_content": ("<tool_call>\n{'name': 'ping', 'arguments': {}}\n</tool_call>",
+                                   "<tool_call>\n{'name': 'ping', 'arguments': {}}\n</tool_call>",
+                                   []),
 }
 
 
@@ -167,9 +199,132 @@ def test_hermes_split_tag_streams_content_early() -> None:
     assert parser.finish().content == ""
 
 
-def test_hermes_unknown_tool_name_is_kept() -> None:
-    parsed = HermesToolParser(tool_names=["get_time"]).parse(hermes_block("launch", {}))
-    assert [c.name for c in parsed.tool_calls] == ["launch"]
+@pytest.mark.parametrize("text", [
+    hermes_block("launch", {}),
+    "```json\n" + call("launch", {}) + "\n```",
+    call("launch", {}),
+    "[" + call("get_time", TIME) + ", " + call("launch", {}) + "]",
+])
+def test_hermes_unknown_tool_name_stays_content(text: str) -> None:
+    """A call of a function the request did not declare is the model's prose: all of its
+    block (one unknown name among several included) is content, whole and streamed."""
+    parsed = HermesToolParser(tool_names=["get_time"]).parse(text)
+    assert parsed.tool_calls == [] and parsed.content == text
+    check_tool_stream(HermesToolParser, text, ["get_time"])
+    known = HermesToolParser(tool_names=["get_time", "launch"]).parse(text)
+    assert known.content is None and known.tool_calls
+
+
+def test_hermes_fence_streams_prose_at_once_and_holds_the_block() -> None:
+    parser = HermesToolParser(["get_time"])
+    assert parser.feed("Checking.\n``").content == "Checking.\n"  # may open a fence: held
+    assert parser.feed("`js").content == ""
+    d = parser.feed("on\n" + call("get_time", TIME) + "\n``")
+    assert d.content == "" and d.tool_calls == []
+    d = parser.feed("`\nDone ```")
+    assert [t.name for t in d.tool_calls] == ["get_time"] and d.content == "\nDone "
+    assert parser.feed("py").content == "```py"  # no call's fence: prose again
+    assert parser.feed("thon\nx = 1\n```").content == "thon\nx = 1\n"
+    assert parser.finish().content == "```"
+
+
+def xml_block(name: str, params: dict[str, str]) -> str:
+    inner = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{inner}</function>\n</tool_call>"
+
+
+SCHEMAS = {"get_weather": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "hourly": {"type": "boolean"},
+    "where": {"type": "object"}, "tags": {"type": "array"}, "code": {"type": "string"}}}}
+
+# parser -> case -> (text, expected content, expected [(name, arguments)])
+FAMILY_CASES: dict[type[ToolParser], dict[str, tuple[str, str | None, list]]] = {
+    Qwen3CoderToolParser: {
+        "typed": (xml_block("get_weather", {"city": "Zürich", "days": "3", "hourly": "false",
+                                            "where": '{"lat": 47.4}', "tags": '["a", 1]',
+                                            "code": "42"}), None,
+                  [("get_weather", {"city": "Zürich", "days": 3, "hourly": False,
+                                    "where": {"lat": 47.4}, "tags": ["a", 1], "code": "42"})]),
+        "multiline_string_and_prose": (
+            "Let me see.\n" + xml_block("get_weather", {"city": "line 1\nline 2"}) + "\nOK",
+            "Let me see.\n\nOK", [("get_weather", {"city": "line 1\nline 2"})]),
+        "wrong_type_stays_text": (xml_block("get_weather", {"days": "three"}), None,
+                                  [("get_weather", {"days": "three"})]),
+        "two_calls": (xml_block("get_time", {"timezone": "UTC"}) + "\n"
+                      + xml_block("get_weather", {"city": "Bern"}), None,
+                      [("get_time", {"timezone": "UTC"}), ("get_weather", {"city": "Bern"})]),
+        "hermes_json_inside": (hermes_block("get_time", TIME), None, [("get_time", TIME)]),
+        "cut_off": ("<tool_call>\n<function=get_time>\n<parameter=timezone>\nUT",
+                    "<tool_call>\n<function=get_time>\n<parameter=timezone>\nUT", []),
+        "no_closing_tag_at_eos": (
+            "<tool_call>\n<function=get_time>\n<parameter=timezone>\nUTC\n</parameter>\n"
+            "</function>\n", None, [("get_time", {"timezone": "UTC"})]),
+        "junk_between_parameters": (
+            "<tool_call>\n<function=f>\nhello<parameter=a>\n1\n</parameter>\n</function>\n"
+            "</tool_call>", "<tool_call>\n<function=f>\nhello<parameter=a>\n1\n</parameter>"
+            "\n</function>\n</tool_call>", []),
+    },
+    MistralToolParser: {
+        "v3_array": ("[TOOL_CALLS][" + call("get_weather", WEATHER) + ", "
+                     + call("get_time", TIME) + "]", None,
+                     [("get_weather", WEATHER), ("get_time", TIME)]),
+        "v11_args": ("Sure.[TOOL_CALLS]get_weather[ARGS]" + json.dumps(WEATHER)
+                     + "[TOOL_CALLS]get_time[ARGS]" + json.dumps(TIME), "Sure.",
+                     [("get_weather", WEATHER), ("get_time", TIME)]),
+        "v11_call_id": ("[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]" + json.dumps(TIME),
+                        None, [("get_time", TIME)]),
+        "content_only": ("No tools needed [TOOL", "No tools needed [TOOL", []),
+        "cut_off": ('[TOOL_CALLS]get_time[ARGS]{"timezone": "Eu',
+                    '[TOOL_CALLS]get_time[ARGS]{"timezone": "Eu', []),
+        "not_calls": ("[TOOL_CALLS] never mind", "[TOOL_CALLS] never mind", []),
+    },
+    PythonicToolParser: {
+        "two_calls": ('[get_weather(city="Zürich", unit="celsius"), '
+                      'get_time(timezone="Europe/Paris")]', None,
+                      [("get_weather", WEATHER), ("get_time", TIME)]),
+        "python_tag_and_literals": ('<|python_tag|>[f(a=[1, 2.5], b={"k": None}, c=True, '
+                                    "d=false)]", None,
+                                    [("f", {"a": [1, 2.5], "b": {"k": None}, "c": True,
+                                            "d": False})]),
+        "no_arguments": ("[ping()]", None, [("ping", {})]),
+        "prose": ("The answer is [1, 2].", "The answer is [1, 2].", []),
+        "list_not_calls": ("[1, 2]", "[1, 2]", []),
+        "positional_refused": ('[f("x")]', '[f("x")]', []),
+        "code_refused": ("[__import__('os').system('x')]", "[__import__('os').system('x')]",
+                         []),
+        "cut_off": ('[get_time(timezone="Eu', '[get_time(timezone="Eu', []),
+        "expression_refused": ("[f(a=1 + 2)]", "[f(a=1 + 2)]", []),
+    },
+}
+
+
+@pytest.mark.parametrize(("cls", "case"), [(cls, case) for cls, cases in FAMILY_CASES.items()
+                                           for case in sorted(cases)])
+def test_family_forms(cls: type[ToolParser], case: str) -> None:
+    """Each family's forms, whole and streamed in every chunking."""
+    text, content, expected = FAMILY_CASES[cls][case]
+    parsed = cls(schemas=SCHEMAS).parse(text)
+    assert parsed.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == expected
+    check_tool_stream(cls, text)
+    names = sorted({name for name, _ in expected})
+    if names:  # declared: the same calls; one not declared: its text is content
+        assert [c.name for c in cls(names, SCHEMAS).parse(text).tool_calls] == \
+            [name for name, _ in expected]
+        partial = cls(names[1:], SCHEMAS).parse(text)
+        assert names[0] not in [c.name for c in partial.tool_calls]
+        assert names[0] in (partial.content or "")
+        check_tool_stream(cls, text, names[1:])
+
+
+def test_qwen3_coder_streams_prose_and_types_by_schema() -> None:
+    parser = Qwen3CoderToolParser(["get_weather"], SCHEMAS)
+    assert parser.feed("Checking <tool").content == "Checking "
+    assert parser.feed("_call>\n<function=get_weather>\n<parameter=days>\n2\n").content == ""
+    d = parser.feed("</parameter>\n</function>\n</tool_call> ok")
+    assert [(t.name, json.loads(t.arguments)) for t in d.tool_calls] == [
+        ("get_weather", {"days": 2})]
+    assert d.content == " ok"
 
 
 def test_feed_after_finish_raises() -> None:
@@ -345,6 +500,9 @@ def test_get_reasoning_parser() -> None:
 # --- mixed fragments: the streaming contract on texts nobody wrote by hand ----------------------
 
 FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "<think>", "</think>", "</thi", "<",
+             "```json", "```", "``", "```tool_call", "[", "]", ", ", "[TOOL_CALLS]", "[TOOL",
+             "f[ARGS]", "f(a=1)", 'g(b="x")', "<function=f>", "</function>", "<parameter=a>",
+             "</parameter>", "<parame",
              "<|python_tag|>", "\n", "\n\n", " ", "hi", ";", '{"name": "f", "arguments": {}}',
              '{"name": "g", "parameters": {"a": 1}}', "{", "}", '"x"']
 
@@ -355,5 +513,6 @@ def test_stream_matches_parse_on_random_texts(seed: int) -> None:
     text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(2, 14)))
     for cls in TOOL_PARSERS.values():
         check_tool_stream(cls, text)
+        check_tool_stream(cls, text, ["f"])  # "g" is not declared: its calls are content
     for rcls in REASONING_PARSERS.values():
         check_reasoning_stream(rcls, text)

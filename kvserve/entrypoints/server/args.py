@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from kvserve.entrypoints.server.limits import RequestLimits
+from kvserve.entrypoints.server.tool_parsers import TOOL_PARSERS
 from kvserve.settings import add_fields_as_flags, fields_from_flags, setting, size_arg
 
 
@@ -62,7 +63,9 @@ class ServerArgs:
                "--tool-call-parser")
     tool_call_parser: str | None = setting(
         None, "the model's tool-call format, for tool_choice auto: hermes (Qwen 2.5/3, "
-              "Hermes), llama3_json (Llama 3.1/3.2)", choices=["hermes", "llama3_json"])
+              "Hermes; also fenced or bare JSON calls), qwen3_coder (Qwen3-Coder's XML), "
+              "llama3_json (Llama 3.1/3.2), pythonic (Llama 3.2/4 Python-style lists), "
+              "mistral ([TOOL_CALLS])", choices=sorted(TOOL_PARSERS))
     reasoning_parser: str | None = setting(
         None, "split <think>...</think> into reasoning_content",
         choices=["deepseek_r1", "qwen3"])

@@ -7,7 +7,8 @@ ask of the engine, and how a choice's generated text becomes the message sent ba
   required call's output is a JSON array of {"name", "parameters"} objects (one item when
   parallel_tool_calls is false).
 - `auto` needs `--enable-auto-tool-choice` and a `--tool-call-parser` for the model's own
-  format (hermes, llama3_json); its output is parsed, not constrained.
+  format (tool_parsers.TOOL_PARSERS: the forms each family writes); its output is parsed, not
+  constrained. Text that would call an undeclared function stays content.
 
 With a `--reasoning-parser`, the text up to the end of the thinking goes to
 `reasoning_content` first and only the rest is read for content and tool calls; a constraint
@@ -112,6 +113,8 @@ class ChatPlan:
     tool_parser: str | None  # auto: the format to parse
     reasoning_parser: str | None
     tool_names: list[str]
+    # Each tool's parameters schema: parsers of forms with text arguments type them by it.
+    tool_schemas: dict[str, dict] = dataclasses.field(default_factory=dict)
     echo: str = ""  # vLLM's echo: the last (assistant) message's text, which this continues
 
     def parser(self) -> ToolParser | None:
@@ -122,7 +125,7 @@ class ChatPlan:
             return RequiredToolParser(self.tool_names)
         if self.mode == "auto":
             assert self.tool_parser is not None
-            return get_tool_parser(self.tool_parser)(self.tool_names)
+            return get_tool_parser(self.tool_parser)(self.tool_names, self.tool_schemas)
         return None
 
     def reasoning(self) -> ReasoningParser | None:
@@ -185,7 +188,8 @@ def plan_chat(body: ChatCompletionRequest, constraint: StructuredOutputs | None,
         template_tools = [{"type": "function", "function": t.function.model_dump(
             exclude_none=True)} for t in tools]
     return ChatPlan(template_tools, mode, function, constraint, constraint_field,
-                    auto_tool_parser if mode == "auto" else None, reasoning_parser, names)
+                    auto_tool_parser if mode == "auto" else None, reasoning_parser, names,
+                    {t.function.name: _parameters(t) for t in tools})
 
 
 def _call_json(call: ToolCall) -> dict:

@@ -8,7 +8,9 @@ new one per request.
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -137,16 +139,20 @@ class ToolParser(ABC):
     first delta of an index carries its id and name and later ones carry neither; once
     finish() has returned, tool_calls() lists every call streamed, with those same ids.
 
-    `tool_names` (the request's declared functions) is kept for subclasses and callers, but a
-    call naming an unknown function is still returned: the caller decides what to do with it.
+    `tool_names` (the request's declared functions; None: any) decides what is a call: text
+    that would be a call of another function stays content, since a model that names a tool it
+    was not given is writing prose (or an example), and a client cannot run it anyway.
 
     The default feed() holds everything back and finish() parses the whole text; subclasses
     override them to stream earlier."""
 
     name: ClassVar[str]
 
-    def __init__(self, tool_names: list[str] | None = None) -> None:
+    def __init__(self, tool_names: list[str] | None = None,
+                 schemas: dict[str, dict] | None = None) -> None:
         self.tool_names = list(tool_names) if tool_names is not None else None
+        # Each declared function's parameters schema, for forms whose arguments are text (XML).
+        self.schemas = dict(schemas) if schemas is not None else {}
         self._buffer = ""
         self._calls: list[ToolCall] = []
         self._content = _ContentChannel()
@@ -190,111 +196,135 @@ class ToolParser(ABC):
         return ToolCallDelta(index=index, id=call.id, name=call.name, arguments=call.arguments)
 
 
-class HermesToolParser(ToolParser):
-    """Qwen 2.5 / Qwen 3 / Hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
-    possibly several, possibly after some plain text.
+def decode_calls(text: str, keys: tuple[str, ...], tool_names: list[str] | None
+                 ) -> list[ToolCall] | None:
+    """`text` as calls: one `{"name", <keys[0]>: {...}}` object or a non-empty JSON array of
+    them, whitespace around; None when it is anything else, or when `tool_names` is given and
+    a call names a function not among them (such text is the model's prose, not a call)."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    items = obj if isinstance(obj, list) else [obj]
+    calls = [call_from_object(item, keys) for item in items]
+    if not calls or any(c is None for c in calls):
+        return None
+    if tool_names is not None and any(c.name not in tool_names for c in calls):
+        return None
+    return calls  # type: ignore[return-value]  # no None left
 
-    A block whose JSON does not decode to a call stays in the content verbatim, tags included.
-    An unterminated last block (generation cut off) is a call if its JSON decodes anyway."""
+
+class HermesToolParser(ToolParser):
+    """Qwen 2.5 / Qwen 3 / Hermes, in the forms these models write:
+
+    - `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, possibly several,
+      possibly after some plain text, the last one possibly cut off before its end tag;
+    - a fenced ```` ```json ```` or ```` ```tool_call ```` block holding such an object (or a
+      JSON array of them), which small models write when they answer in markdown;
+    - such an object, or an array of them, as the whole answer.
+
+    `arguments` may be `parameters`, and may be a string holding the JSON object. A block that
+    does not decode to calls of declared functions (`tool_names`; any name when None) stays in
+    the content verbatim, its tags or fences included, as does a whole answer that is JSON but
+    no call.
+
+    Streaming: text outside blocks is sent at once, except a tail that may be the start of an
+    opening tag or fence; a block is held until it closes, then sent as calls or as content. An
+    answer whose first non-blank character is `{` or `[` is held whole until finish(), since
+    only its end tells a call from a JSON answer. parse() is this scan run over the whole
+    text, so a stream and a parse agree on every input, malformed ones included."""
 
     name: ClassVar[str] = "hermes"
 
     START: ClassVar[str] = "<tool_call>"
     END: ClassVar[str] = "</tool_call>"
+    # (opening, closing) of the blocks that may hold calls, in the text.
+    BLOCKS: ClassVar[tuple[tuple[str, str], ...]] = (
+        (START, END), ("```json", "```"), ("```tool_call", "```"))
     _ARG_KEYS: ClassVar[tuple[str, ...]] = ("arguments", "parameters")
 
-    def __init__(self, tool_names: list[str] | None = None) -> None:
-        super().__init__(tool_names)
-        self._in_call = False
+    BARE: ClassVar[bool] = True  # whether an answer that is JSON may be calls
 
-    def _closed_block(self, body: str) -> ToolCall | None:
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
-            return None
-        return call_from_object(obj, self._ARG_KEYS)
+    def __init__(self, tool_names: list[str] | None = None,
+                 schemas: dict[str, dict] | None = None) -> None:
+        super().__init__(tool_names, schemas)
+        self._block: tuple[str, str] | None = None  # the block being held, if any
+        # Whether the answer is held whole (None: not known yet).
+        self._bare: bool | None = None if self.BARE else False
 
-    def _open_block(self, body: str) -> ToolCall | None:
-        # A cut-off generation may end partway through the end tag; that part is not JSON.
-        cut = partial_suffix_len(body, self.END)
-        return self._closed_block(body[: len(body) - cut])
+    def _decode(self, body: str) -> list[ToolCall] | None:
+        return decode_calls(body, self._ARG_KEYS, self.tool_names)
 
     def parse(self, text: str) -> ParsedMessage:
-        # The same scan as _drain() (first start tag, then first end tag after it), so streaming
-        # and whole parsing agree on every input, malformed ones included.
-        parts: list[str] = []
-        calls: list[ToolCall] = []
-        pos = 0
-        while True:
-            i = text.find(self.START, pos)
-            if i < 0:
-                parts.append(text[pos:])
-                break
-            parts.append(text[pos:i])
-            body_start = i + len(self.START)
-            j = text.find(self.END, body_start)
-            if j < 0:
-                body = text[body_start:]
-                call = self._open_block(body)
-                if call is not None:
-                    calls.append(call)
-                else:
-                    parts.append(self.START + body)
-                break
-            body = text[body_start:j]
-            call = self._closed_block(body)
-            if call is not None:
-                calls.append(call)
-            else:
-                parts.append(self.START + body + self.END)
-            pos = j + len(self.END)
-        return ParsedMessage(content=_content_or_none("".join(parts)), tool_calls=calls)
+        scan = type(self)(self.tool_names, self.schemas)
+        out = scan.feed(text)
+        last = scan.finish()
+        return ParsedMessage(content=_content_or_none(out.content + last.content),
+                             tool_calls=scan.tool_calls())
 
     def feed(self, delta: str) -> StreamDelta:
         self._check_open()
         self._buffer += delta
+        if self._bare is None:
+            start = self._buffer.lstrip()
+            if not start:
+                return StreamDelta()
+            self._bare = start[0] in "{["
+        if self._bare:
+            return StreamDelta()
         return self._drain(final=False)
 
     def finish(self) -> StreamDelta:
         self._check_open()
         self._finished = True
+        if self._bare:
+            calls = self._decode(self._buffer)
+            if calls is not None:
+                self._buffer = ""
+                return StreamDelta(content=self._content.close(),
+                                   tool_calls=[self._emit_call(c) for c in calls])
         return self._drain(final=True)
 
     def _drain(self, final: bool) -> StreamDelta:
         """Emit everything the buffer settles. Outside a block the buffer holds at most a
-        partial start tag; inside one it holds the block's text since the start tag."""
+        partial opening; inside one it holds the block's text since its opening."""
         out = StreamDelta()
         while True:
-            if not self._in_call:
-                i = self._buffer.find(self.START)
-                if i < 0:
-                    keep = 0 if final else partial_suffix_len(self._buffer, self.START)
+            if self._block is None:
+                found = [(i, block) for block in self.BLOCKS
+                         if (i := self._buffer.find(block[0])) >= 0]
+                if not found:
+                    keep = 0 if final else max(partial_suffix_len(self._buffer, opening)
+                                               for opening, _ in self.BLOCKS)
                     text = self._buffer[: len(self._buffer) - keep]
                     self._buffer = self._buffer[len(text):]
                     out.content += self._content.push(text)
                     break
+                i, self._block = min(found, key=lambda f: f[0])
                 out.content += self._content.push(self._buffer[:i])
-                self._buffer = self._buffer[i + len(self.START):]
-                self._in_call = True
+                self._buffer = self._buffer[i + len(self._block[0]):]
                 continue
-            j = self._buffer.find(self.END)
+            opening, closing = self._block
+            j = self._buffer.find(closing)
             if j < 0:
                 if final:
+                    # Cut off: a call if its text decodes without the partial closing.
                     body, self._buffer = self._buffer, ""
-                    self._in_call = False
-                    self._settle(out, self._open_block(body), self.START + body)
+                    self._block = None
+                    cut = partial_suffix_len(body, closing)
+                    self._settle(out, self._decode(body[: len(body) - cut]), opening + body)
                 break
             body = self._buffer[:j]
-            self._buffer = self._buffer[j + len(self.END):]
-            self._in_call = False
-            self._settle(out, self._closed_block(body), self.START + body + self.END)
+            self._buffer = self._buffer[j + len(closing):]
+            self._block = None
+            self._settle(out, self._decode(body), opening + body + closing)
         if final:
             out.content += self._content.close()
         return out
 
-    def _settle(self, out: StreamDelta, call: ToolCall | None, raw: str) -> None:
-        if call is not None:
-            out.tool_calls.append(self._emit_call(call))
+    def _settle(self, out: StreamDelta, calls: list[ToolCall] | None, raw: str) -> None:
+        if calls is not None:
+            out.tool_calls.extend(self._emit_call(c) for c in calls)
         else:
             out.content += self._content.push(raw)
 
@@ -311,9 +341,11 @@ class Llama3JsonToolParser(ToolParser):
 
     PYTHON_TAG: ClassVar[str] = "<|python_tag|>"
     _ARG_KEYS: ClassVar[tuple[str, ...]] = ("parameters", "arguments")
+    _OPEN: ClassVar[str] = "{"  # how output that may be calls starts
 
-    def __init__(self, tool_names: list[str] | None = None) -> None:
-        super().__init__(tool_names)
+    def __init__(self, tool_names: list[str] | None = None,
+                 schemas: dict[str, dict] | None = None) -> None:
+        super().__init__(tool_names, schemas)
         # None: undecided; "content": streaming plain text; "json": holding until finish().
         self._mode: str | None = None
 
@@ -343,7 +375,7 @@ class Llama3JsonToolParser(ToolParser):
             except json.JSONDecodeError:
                 return None
             call = call_from_object(obj, self._ARG_KEYS)
-            if call is None:
+            if call is None or (self.tool_names is not None and call.name not in self.tool_names):
                 return None
             calls.append(call)
             while pos < len(s) and s[pos].isspace():
@@ -372,7 +404,7 @@ class Llama3JsonToolParser(ToolParser):
         if self._mode is None:
             start = self._json_start(self._buffer)
             if start is not None:
-                self._mode = "json" if start.startswith("{") else "content"
+                self._mode = "json" if start.startswith(self._OPEN) else "content"
             if self._mode == "content":
                 text, self._buffer = self._buffer, ""
                 return StreamDelta(content=self._content.push(text))
@@ -387,9 +419,213 @@ class Llama3JsonToolParser(ToolParser):
         return super().finish()
 
 
+def _typed_value(text: str, schema: Any) -> Any:
+    """An XML parameter's text as its schema's type says: strings as written (less the
+    newline after the opening tag and before the closing one), numbers, booleans, objects and
+    arrays decoded from JSON; text that does not decode as its type stays a string, which the
+    client's own validation then sees."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind == "string":
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    if kind is None or (isinstance(kind, list)):
+        return value
+    fits = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+            "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+            "boolean": lambda v: isinstance(v, bool), "object": lambda v: isinstance(v, dict),
+            "array": lambda v: isinstance(v, list), "null": lambda v: v is None}
+    check = fits.get(kind)
+    return value if check is None or check(value) else text
+
+
+class Qwen3CoderToolParser(HermesToolParser):
+    """Qwen3-Coder: `<tool_call>` blocks holding XML rather than JSON,
+
+        <tool_call>
+        <function=get_weather>
+        <parameter=city>
+        Zürich
+        </parameter>
+        </function>
+        </tool_call>
+
+    each parameter's text typed by the declared function's schema (`_typed_value`). A block
+    holding Hermes JSON is read as Hermes reads it. The scan, the streaming and what stays
+    content are HermesToolParser's (no fenced or bare forms: this family writes its tags)."""
+
+    name: ClassVar[str] = "qwen3_coder"
+
+    BLOCKS: ClassVar[tuple[tuple[str, str], ...]] = ((HermesToolParser.START,
+                                                      HermesToolParser.END),)
+    BARE: ClassVar[bool] = False
+
+    _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?\Z", re.S)
+    _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+    def _decode(self, body: str) -> list[ToolCall] | None:
+        m = self._FUNCTION.match(body)
+        if m is None:
+            return super()._decode(body)
+        name, inner = m.group(1).strip(), m.group(2)
+        if self.tool_names is not None and name not in self.tool_names:
+            return None
+        props = (self.schemas.get(name) or {}).get("properties") or {}
+        arguments: dict[str, Any] = {}
+        pos = 0
+        for p in self._PARAMETER.finditer(inner):
+            if inner[pos:p.start()].strip():
+                return None  # text between parameters: not this form
+            key = p.group(1).strip()
+            arguments[key] = _typed_value(p.group(2), props.get(key))
+            pos = p.end()
+        if inner[pos:].strip():
+            return None
+        return [ToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))]
+
+
+class MistralToolParser(ToolParser):
+    """Mistral: text, then `[TOOL_CALLS]` and the calls, either as a JSON array of
+    `{"name", "arguments"}` (v0.3 tokenizers) or as `name[ARGS]{...}`, repeated after further
+    `[TOOL_CALLS]` markers (v11 and later; a `[CALL_ID]id` before `[ARGS]` is skipped).
+
+    Text before the first marker streams at once (less a tail that may be the marker's
+    start); what follows it is held until finish(), and is content, marker included, unless
+    all of it reads as calls of declared functions."""
+
+    name: ClassVar[str] = "mistral"
+
+    MARKER: ClassVar[str] = "[TOOL_CALLS]"
+    _ARGS: ClassVar[str] = "[ARGS]"
+    _CALL_ID: ClassVar[str] = "[CALL_ID]"
+    _ARG_KEYS: ClassVar[tuple[str, ...]] = ("arguments", "parameters")
+
+    def __init__(self, tool_names: list[str] | None = None,
+                 schemas: dict[str, dict] | None = None) -> None:
+        super().__init__(tool_names, schemas)
+        self._held = False  # past the first marker
+
+    def _decode(self, tail: str) -> list[ToolCall] | None:
+        if tail.lstrip().startswith("["):
+            return decode_calls(tail, self._ARG_KEYS, self.tool_names)
+        calls: list[ToolCall] = []
+        for part in tail.split(self.MARKER):
+            if not part.strip():
+                continue
+            name, sep, raw = part.partition(self._ARGS)
+            name = name.split(self._CALL_ID)[0].strip()
+            if not sep or not name or (self.tool_names is not None and
+                                       name not in self.tool_names):
+                return None
+            arguments = normalize_arguments(raw.strip()) if raw.strip().startswith("{") else None
+            if arguments is None:
+                return None
+            calls.append(ToolCall(name=name, arguments=arguments))
+        return calls or None
+
+    def _split(self, text: str) -> tuple[str, str | None]:
+        i = text.find(self.MARKER)
+        return (text, None) if i < 0 else (text[:i], text[i + len(self.MARKER):])
+
+    def parse(self, text: str) -> ParsedMessage:
+        before, tail = self._split(text)
+        calls = self._decode(tail) if tail is not None else None
+        if calls is None:
+            return ParsedMessage(content=_content_or_none(text), tool_calls=[])
+        return ParsedMessage(content=_content_or_none(before), tool_calls=calls)
+
+    def feed(self, delta: str) -> StreamDelta:
+        self._check_open()
+        self._buffer += delta
+        if self._held:
+            return StreamDelta()
+        before, tail = self._split(self._buffer)
+        if tail is not None:
+            self._held = True
+            self._buffer = self.MARKER + tail
+            return StreamDelta(content=self._content.push(before))
+        keep = partial_suffix_len(self._buffer, self.MARKER)
+        text = self._buffer[: len(self._buffer) - keep]
+        self._buffer = self._buffer[len(text):]
+        return StreamDelta(content=self._content.push(text))
+
+    def finish(self) -> StreamDelta:
+        self._check_open()
+        self._finished = True
+        text, self._buffer = self._buffer, ""
+        out = StreamDelta()
+        calls = self._decode(text[len(self.MARKER):]) if self._held else None
+        if calls is None:
+            out.content += self._content.push(text)
+        else:
+            out.tool_calls.extend(self._emit_call(c) for c in calls)
+        out.content += self._content.close()
+        return out
+
+
+class _PythonicCall(Exception):
+    """The text is not a list of calls with literal keyword arguments."""
+
+
+def _literal(node: ast.AST) -> Any:
+    """A keyword argument's value: a Python literal, or JSON's true/false/null (as models
+    write them in calls too)."""
+    if isinstance(node, ast.Name) and node.id in ("true", "false", "null"):
+        return {"true": True, "false": False, "null": None}[node.id]
+    if isinstance(node, ast.List):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise _PythonicCall  # a ** expansion
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values, strict=True)}
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as e:
+        raise _PythonicCall from e
+
+
+class PythonicToolParser(Llama3JsonToolParser):
+    """Llama 3.2 / Llama 4 pythonic calls: the whole output (after an optional
+    `<|python_tag|>`) is a Python list of calls with keyword arguments,
+    `[get_weather(city="Zürich"), get_time(timezone="Europe/Paris")]`. It is read with `ast`,
+    never evaluated. Output that does not start with `[` streams as content at once; output
+    that does is held until finish(), and is content unless it is all such calls of declared
+    functions."""
+
+    name: ClassVar[str] = "pythonic"
+
+    _OPEN: ClassVar[str] = "["
+
+    def _decode_calls(self, text: str) -> list[ToolCall] | None:
+        s = text.strip()
+        if s.startswith(self.PYTHON_TAG):
+            s = s[len(self.PYTHON_TAG):].strip()
+        if not s.startswith("["):
+            return None
+        try:
+            tree = ast.parse(s, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return None
+            calls = []
+            for node in tree.elts:
+                if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or \
+                        node.args or any(k.arg is None for k in node.keywords):
+                    return None
+                if self.tool_names is not None and node.func.id not in self.tool_names:
+                    return None
+                arguments = {k.arg: _literal(k.value) for k in node.keywords}
+                calls.append(ToolCall(name=node.func.id,
+                                      arguments=json.dumps(arguments, ensure_ascii=False)))
+            return calls
+        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError, _PythonicCall):
+            return None
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    HermesToolParser.name: HermesToolParser,
-    Llama3JsonToolParser.name: Llama3JsonToolParser,
+    cls.name: cls for cls in (HermesToolParser, Qwen3CoderToolParser, Llama3JsonToolParser,
+                              PythonicToolParser, MistralToolParser)
 }
 
 
