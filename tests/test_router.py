@@ -99,6 +99,12 @@ def test_round_robin_and_streaming(replicas):
         assert complete(router.url, "x").json()["object"] == "text_completion"
         bad = httpx.post(f"{router.url}/v1/completions", content=b"{nope", timeout=10)
         assert bad.status_code == 400 and "error" in bad.json()
+        body = {"max_tokens": 5, "temperature": 0,
+                "messages": [{"role": "user", "content": "hi"}]}
+        via = httpx.post(f"{router.url}/v1/messages", json=body, timeout=60)
+        assert via.status_code == 200, via.text
+        direct_msg = httpx.post(f"{replicas[0].url}/v1/messages", json=body, timeout=60)
+        assert via.json()["content"] == direct_msg.json()["content"]
     finally:
         router.stop()
 

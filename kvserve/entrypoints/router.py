@@ -1,4 +1,5 @@
-"""`kvserve router`: one OpenAI-compatible endpoint in front of N `kvserve serve` replicas.
+"""`kvserve router`: one OpenAI-compatible endpoint (and Anthropic's /v1/messages) in front of
+N `kvserve serve` replicas.
 
 Each request goes to one healthy replica, chosen by the policy:
 - round-robin: in turn;
@@ -233,7 +234,7 @@ class RouterState:
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object")
         headers = {k: v for k, v in request.headers.items()
-                   if k.lower() in ("authorization", "content-type", "accept")}
+                   if k.lower() in ("authorization", "x-api-key", "content-type", "accept")}
         t0 = time.perf_counter()
         sent = await self._send(body, raw, path, headers)
         if sent is None:
@@ -278,6 +279,16 @@ async def completions(request: Request, state: State) -> Response:
 @routes.post("/v1/chat/completions")
 async def chat(request: Request, state: State) -> Response:
     return await state.forward(request, "/v1/chat/completions")
+
+
+@routes.post("/v1/messages")
+async def messages(request: Request, state: State) -> Response:
+    return await state.forward(request, "/v1/messages")
+
+
+@routes.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request, state: State) -> Response:
+    return await state.forward(request, "/v1/messages/count_tokens")
 
 
 @routes.get("/v1/models")

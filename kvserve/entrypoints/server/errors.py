@@ -1,5 +1,5 @@
-"""OpenAI-style errors, and the ASGI guards that run before a body is parsed: API key and
-request size."""
+"""Errors in each API's own shape (OpenAI's; Anthropic's under /v1/messages), and the ASGI
+guards that run before a body is parsed: API key and request size."""
 
 from __future__ import annotations
 
@@ -32,9 +32,30 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
                       "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None,
+# Anthropic's routes, whose errors take its shape: {"type": "error", "error": {type, message}}.
+ANTHROPIC_PATHS = ("/v1/messages",)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"),
+                                       "message": message}}
+
+
+def error_body_for(path: str, status: int, message: str, param: str | None = None) -> dict:
+    """The error body of the API that `path` belongs to."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return anthropic_error_body(status, message)
+    return error_body(status, message, param)
+
+
+def error_response(path: str, status: int, message: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+    return JSONResponse(error_body_for(path, status, message, param), status_code=status,
+                        headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -54,30 +75,32 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.headers)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(request.url.path, exc.status, exc.message, exc.param,
+                              exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(400, message, param)
+        return error_response(request.url.path, 400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if isinstance(exc.__cause__, BodyTooLarge):  # FastAPI wraps body-read errors
-            return error_response(413, str(exc.__cause__))
-        return error_response(exc.status_code, str(exc.detail), None,
+            return error_response(request.url.path, 413, str(exc.__cause__))
+        return error_response(request.url.path, exc.status_code, str(exc.detail), None,
                               getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        return error_response(request.url.path, 500,
+                              f"internal error: {type(exc).__name__}: {exc}")
 
 
-async def _send_error(send: Send, status: int, message: str,
+async def _send_error(send: Send, path: str, status: int, message: str,
                       headers: dict[str, str] | None = None) -> None:
-    body = json.dumps(error_body(status, message)).encode()
+    body = json.dumps(error_body_for(path, status, message)).encode()
     raw_headers = [(b"content-type", b"application/json"),
                    (b"content-length", str(len(body)).encode())]
     raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -89,7 +112,8 @@ class GuardMiddleware:
     """Rejects, before any parsing: a missing or wrong API key on protected paths (401,
     compared in constant time; /metrics only with its own key, aggregates being public as in
     vLLM), and bodies over `max_body_bytes` (413), whether announced by Content-Length or
-    discovered while streaming in."""
+    discovered while streaming in. The key comes as `Authorization: Bearer KEY` (OpenAI's
+    clients) or `x-api-key: KEY` (Anthropic's)."""
 
     PROTECTED = ("/v1", "/tokenize", "/detokenize")
 
@@ -110,15 +134,16 @@ class GuardMiddleware:
             self.metrics_api_key if path == "/metrics" else None
         if key is not None:
             auth = headers.get(b"authorization", b"")
-            token = auth[7:] if auth[:7].lower() == b"bearer " else b""
+            token = auth[7:] if auth[:7].lower() == b"bearer " else \
+                headers.get(b"x-api-key", b"")
             if not hmac.compare_digest(token, key):
-                await _send_error(send, 401, "missing or invalid API key",
+                await _send_error(send, path, 401, "missing or invalid API key",
                                   {"www-authenticate": "Bearer"})
                 return
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await _send_error(send, 413, f"request body of {int(length)} bytes exceeds the "
-                              f"limit of {self.max_body_bytes}")
+            await _send_error(send, path, 413, f"request body of {int(length)} bytes exceeds "
+                              f"the limit of {self.max_body_bytes}")
             return
         seen = 0
         started = False
@@ -143,7 +168,7 @@ class GuardMiddleware:
             await self.app(scope, guarded_receive, tracking_send)
         except BodyTooLarge as e:
             if not started:
-                await _send_error(send, 413, str(e))
+                await _send_error(send, path, 413, str(e))
 
 
 class BodyTooLarge(Exception):

@@ -10,10 +10,10 @@ object forbids fields it does not name, so a misspelt field fails as surely as a
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 from pydantic.json_schema import models_json_schema
 
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
@@ -247,9 +247,135 @@ class Detokenized(_Body):
     prompt: str
 
 
-# The models of the streams' `data:` events, by the route that streams them.
-STREAMS: dict[str, type[BaseModel]] = {"/v1/completions": CompletionChunk,
-                                       "/v1/chat/completions": ChatCompletionChunk}
+# ------------------------------------------------------------- Anthropic's Messages API
+
+class AnthropicErrorDetail(_Body):
+    type: str
+    message: str
+
+
+class AnthropicError(_Body):
+    """Every error of /v1/messages, in Anthropic's shape; also its streams' error event."""
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class MessageUsage(_Body):
+    """input_tokens are those computed for this request; a prompt's cached prefix is
+    cache_read_input_tokens, as Anthropic counts them."""
+    input_tokens: int
+    output_tokens: int
+    cache_read_input_tokens: int | None = None
+
+
+class MessageTextBlock(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class MessageToolUseBlock(_Body):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class MessageThinkingBlock(_Body):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
+MessageBlock = Annotated[MessageTextBlock | MessageToolUseBlock | MessageThinkingBlock,
+                         Field(discriminator="type")]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+class Message(_Body):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[MessageBlock]
+    stop_reason: StopReason | None
+    stop_sequence: str | None
+    usage: MessageUsage
+
+
+class MessageStart(_Body):
+    type: Literal["message_start"]
+    message: Message
+
+
+class ContentBlockStart(_Body):
+    type: Literal["content_block_start"]
+    index: int
+    content_block: MessageBlock
+
+
+class TextDelta(_Body):
+    type: Literal["text_delta"]
+    text: str
+
+
+class InputJSONDelta(_Body):
+    type: Literal["input_json_delta"]
+    partial_json: str
+
+
+class ThinkingDelta(_Body):
+    type: Literal["thinking_delta"]
+    thinking: str
+
+
+class ContentBlockDelta(_Body):
+    type: Literal["content_block_delta"]
+    index: int
+    delta: Annotated[TextDelta | InputJSONDelta | ThinkingDelta, Field(discriminator="type")]
+
+
+class ContentBlockStop(_Body):
+    type: Literal["content_block_stop"]
+    index: int
+
+
+class MessageDeltaBody(_Body):
+    stop_reason: StopReason | None
+    stop_sequence: str | None
+
+
+class MessageDeltaUsage(_Body):
+    output_tokens: int
+    input_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+
+
+class MessageDelta(_Body):
+    type: Literal["message_delta"]
+    delta: MessageDeltaBody
+    usage: MessageDeltaUsage
+
+
+class MessageStop(_Body):
+    type: Literal["message_stop"]
+
+
+class MessageStreamEvent(RootModel[Annotated[
+        MessageStart | ContentBlockStart | ContentBlockDelta | ContentBlockStop | MessageDelta
+        | MessageStop, Field(discriminator="type")]]):
+    """One event of a /v1/messages stream (its `data:`; the `event:` line names its type)."""
+
+
+class TokenCount(_Body):
+    input_tokens: int
+
+
+# The models of the streams' `data:` events, by the route that streams them, and of the
+# error event a stream may end with.
+STREAMS: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
+    "/v1/completions": (CompletionChunk, ErrorResponse),
+    "/v1/chat/completions": (ChatCompletionChunk, ErrorResponse),
+    "/v1/messages": (MessageStreamEvent, AnthropicError)}
 
 # Every error, by range (OpenAPI's "4XX"/"5XX"): 400 invalid request (a malformed body
 # included: never FastAPI's 422), 401 API key, 404 unknown model, 413 body too large, 429
@@ -257,11 +383,15 @@ STREAMS: dict[str, type[BaseModel]] = {"/v1/completions": CompletionChunk,
 ERRORS: dict[int | str, dict[str, Any]] = {
     "4XX": {"model": ErrorResponse, "description": "the request is refused"},
     "5XX": {"model": ErrorResponse, "description": "the server failed it"}}
+# The same statuses on Anthropic's routes, in its error shape.
+ANTHROPIC_ERRORS: dict[int | str, dict[str, Any]] = {
+    k: {**v, "model": AnthropicError} for k, v in ERRORS.items()}
 
 
-def responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    """The `responses=` of a route answering `model` on 200 (and ERRORS otherwise)."""
-    return {200: {"model": model}, **ERRORS}
+def responses(model: type[BaseModel], errors: dict[int | str, dict[str, Any]] = ERRORS
+              ) -> dict[int | str, dict[str, Any]]:
+    """The `responses=` of a route answering `model` on 200 (and `errors` otherwise)."""
+    return {200: {"model": model}, **errors}
 
 
 def publish_streams(app: FastAPI) -> None:
@@ -274,16 +404,17 @@ def publish_streams(app: FastAPI) -> None:
         if app.openapi_schema is not None:
             return app.openapi_schema
         doc = build()
-        _, defs = models_json_schema([(m, "serialization") for m in STREAMS.values()],
+        models = {m for pair in STREAMS.values() for m in pair}
+        _, defs = models_json_schema([(m, "serialization") for m in models],
                                      ref_template="#/components/schemas/{model}")
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         for name, schema in defs.get("$defs", {}).items():
             schemas.setdefault(name, schema)
-        for path, model in STREAMS.items():
+        for path, (model, error) in STREAMS.items():
             ok = doc["paths"][path]["post"]["responses"]["200"]
             ok.setdefault("content", {})["text/event-stream"] = {"schema": {"oneOf": [
                 {"$ref": f"#/components/schemas/{model.__name__}"},
-                {"$ref": "#/components/schemas/ErrorResponse"}]}}
+                {"$ref": f"#/components/schemas/{error.__name__}"}]}}
         app.openapi_schema = doc
         return doc
 

@@ -18,6 +18,7 @@ from kvserve.entrypoints.server.protocol import ChatCompletionRequest
 from kvserve.entrypoints.server.responses import Formatter, sse, usage
 from kvserve.entrypoints.server.serving import (
     ClientGone,
+    ServerState,
     State,
     add_requests,
     check_stream_options,
@@ -36,31 +37,13 @@ log = logging.getLogger("kvserve.entrypoints.server")
 @router.post("/v1/chat/completions", response_model=None,
              responses=schemas.responses(schemas.ChatCompletion))
 async def chat(state: State, body: ChatCompletionRequest, raw: Request) -> Response:
-    state.check_model(body.model)
-    engine = state.ready()
-    check_stream_options(body.stream, body.stream_options)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", "top_logprobs")
-    tok = state.tokenizer
-    state.args.limits.check(body)
-    spec, spec_field = body.structured()
-    auto = state.args.tool_call_parser if state.args.enable_auto_tool_choice else None
-    plan = plan_chat(body, spec, spec_field, auto, state.args.reasoning_parser)
-    ids = encode_chat(state.processor, body.messages, body.add_generation_prompt,
-                       plan.tools, body.chat_template_kwargs, body.continue_final_message)
-    state.args.limits.check_prompt_tokens(len(ids), "messages")
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
-        else body.max_tokens
-    top = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params_for(body, max_tokens, top, plan.constraint, body.prompt_logprobs)
     rid = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-    log.debug("request %s user %s", rid, body.user)
-    fmt = Formatter(tok, rid, state.model_name, body.n, body.return_tokens_as_token_ids,
+    plan, stream, _ = await submit_chat(state, body, rid)
+    fmt = Formatter(state.tokenizer, rid, state.model_name, body.n,
+                    body.return_tokens_as_token_ids,
                     prompt_logprobs=body.prompt_logprobs is not None)
-    last = body.messages[-1]
-    plan.echo = last.text() if body.echo and last.role == "assistant" else ""
-    (stream,) = await add_requests(engine, rid, [ids], params, body.cache_salt, body.stream,
-                           plan.constraint_field)
     if body.stream:
         opts = body.stream_options
         return StreamingResponse(_chat_stream(
@@ -72,6 +55,34 @@ async def chat(state: State, body: ChatCompletionRequest, raw: Request) -> Respo
         return Response(status_code=499)
     raise_failed([out])
     return JSONResponse(fmt.chat(out, plan))
+
+
+async def submit_chat(state: ServerState, body: ChatCompletionRequest, rid: str
+                      ) -> tuple[ChatPlan, RequestStream, int]:
+    """A chat request checked, rendered by the chat template and queued as engine request
+    `rid`, with its prompt's length: what every chat-shaped API (chat completions,
+    Anthropic's messages) shares. Bad input is an APIError naming the chat field it came
+    from."""
+    state.check_model(body.model)
+    engine = state.ready()
+    check_stream_options(body.stream, body.stream_options)
+    state.args.limits.check(body)
+    spec, spec_field = body.structured()
+    auto = state.args.tool_call_parser if state.args.enable_auto_tool_choice else None
+    plan = plan_chat(body, spec, spec_field, auto, state.args.reasoning_parser)
+    ids = encode_chat(state.processor, body.messages, body.add_generation_prompt,
+                       plan.tools, body.chat_template_kwargs, body.continue_final_message)
+    state.args.limits.check_prompt_tokens(len(ids), "messages")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params_for(body, max_tokens, top, plan.constraint, body.prompt_logprobs)
+    log.debug("request %s user %s", rid, body.user)
+    last = body.messages[-1]
+    plan.echo = last.text() if body.echo and last.role == "assistant" else ""
+    (stream,) = await add_requests(engine, rid, [ids], params, body.cache_salt, body.stream,
+                                   plan.constraint_field)
+    return plan, stream, len(ids)
 
 
 def merged_delta(deltas: list[dict]) -> dict:

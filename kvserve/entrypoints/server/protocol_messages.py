@@ -1,0 +1,216 @@
+"""Anthropic Messages API request bodies (`POST /v1/messages`, `/v1/messages/count_tokens`),
+and their translation into the chat request the engine path already serves.
+
+Unknown fields are refused (extra="forbid"), as on the OpenAI routes: a feature kvserve does
+not implement is a 400 naming it. What is accepted and has no effect here, and why:
+`cache_control` (kvserve caches every prompt prefix, without being asked), `metadata.user_id`
+(logged), `thinking: {"type": "disabled"}`. Anthropic's client no longer sends `temperature`,
+`top_p` or `top_k`; they are taken when a request has them (default temperature 1).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvserve.entrypoints.server.errors import APIError
+from kvserve.entrypoints.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCall,
+    FunctionDefinition,
+    JSONSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    ToolCallItem,
+)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CacheControl(_Strict):
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+    citations: None = None
+
+
+class ToolUseBlock(_Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+    # What Anthropic's client keeps of an answer's block when it is sent back (unused here).
+    caller: dict[str, Any] | None = None
+    toolset_name: str | None = None
+
+
+class ToolResultBlock(_Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+    cache_control: CacheControl | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else \
+            "".join(b.text for b in self.content)
+
+
+class ThinkingBlock(_Strict):
+    """An earlier answer's thinking, sent back with its turn (kvserve's signature is empty)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+                         Field(discriminator="type")]
+
+
+class MessageParam(_Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class ToolDefinition(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None
+
+
+class ToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(_Strict):
+    type: Literal["disabled"]
+
+
+class Metadata(_Strict):
+    user_id: str | None = None
+
+
+class JSONOutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+
+
+class OutputConfig(_Strict):
+    """Anthropic's structured outputs: the answer is JSON valid against `format.schema`."""
+
+    format: JSONOutputFormat | None = None
+
+
+class CountTokensRequest(_Strict):
+    model: str | None = None
+    messages: Annotated[list[MessageParam], Field(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+    def chat_messages(self) -> list[ChatMessage]:
+        """The conversation as chat messages: the system prompt first; a user turn's tool
+        results as tool messages (before its text, as they answer the turn before); an
+        assistant turn's tool_use blocks as its tool calls, its thinking as reasoning."""
+        out: list[ChatMessage] = []
+        if self.system:
+            system = self.system if isinstance(self.system, str) else \
+                "".join(b.text for b in self.system)
+            out.append(ChatMessage(role="system", content=system))
+        for i, m in enumerate(self.messages):
+            blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) \
+                else m.content
+            text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+            if m.role == "user":
+                for b in blocks:
+                    if isinstance(b, ToolResultBlock):
+                        out.append(ChatMessage(role="tool", tool_call_id=b.tool_use_id,
+                                               content=b.text()))
+                    elif not isinstance(b, TextBlock):
+                        raise APIError(400, f"a user turn cannot hold a {b.type} block",
+                                       f"messages.{i}.content")
+                if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+                    out.append(ChatMessage(role="user", content=text))
+                continue
+            calls = [ToolCallItem(id=b.id, function=FunctionCall(
+                name=b.name, arguments=json.dumps(b.input, ensure_ascii=False)))
+                for b in blocks if isinstance(b, ToolUseBlock)]
+            if any(isinstance(b, ToolResultBlock) for b in blocks):
+                raise APIError(400, "an assistant turn cannot hold a tool_result block",
+                               f"messages.{i}.content")
+            thinking = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
+            out.append(ChatMessage(role="assistant", content=text, tool_calls=calls or None,
+                                   reasoning_content=thinking or None))
+        return out
+
+    def chat_tools(self) -> tuple[list[Tool] | None, Any, bool | None]:
+        """`tools`, `tool_choice` and `parallel_tool_calls` as the chat request has them:
+        auto -> "auto", any -> "required", tool -> the named function, none -> "none"."""
+        tools = [Tool(type="function", function=FunctionDefinition(
+            name=t.name, description=t.description, parameters=t.input_schema))
+            for t in self.tools or []] or None
+        c = self.tool_choice
+        if c is None:
+            return tools, None, None
+        if c.type == "tool":
+            if not c.name:
+                raise APIError(400, 'tool_choice of type "tool" needs its name',
+                               "tool_choice.name")
+            choice: Any = NamedToolChoice(type="function", function=NamedFunction(name=c.name))
+        else:
+            if c.name is not None:
+                raise APIError(400, f'tool_choice of type "{c.type}" takes no name',
+                               "tool_choice.name")
+            choice = {"auto": "auto", "any": "required", "none": "none"}[c.type]
+        parallel = None if c.disable_parallel_tool_use is None else \
+            not c.disable_parallel_tool_use
+        return tools, choice, parallel
+
+
+class MessagesRequest(CountTokensRequest):
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)]
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    metadata: Metadata | None = None
+    output_config: OutputConfig | None = None
+    cache_control: CacheControl | None = None
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The chat request this is: the same template, tools, limits and engine path. A last
+        assistant turn is a prefill, continued (Anthropic's API): the answer is what follows
+        it."""
+        tools, choice, parallel = self.chat_tools()
+        prefill = self.messages[-1].role == "assistant"
+        fmt = self.output_config.format if self.output_config else None
+        return ChatCompletionRequest(
+            model=self.model, messages=self.chat_messages(), max_tokens=self.max_tokens,
+            add_generation_prompt=not prefill, continue_final_message=prefill,
+            stop=self.stop_sequences, stream=self.stream, temperature=self.temperature,
+            top_p=self.top_p, top_k=self.top_k, tools=tools, tool_choice=choice,
+            parallel_tool_calls=parallel,
+            user=self.metadata.user_id if self.metadata else None,
+            response_format=None if fmt is None else ResponseFormat(
+                type="json_schema", json_schema=JSONSchemaFormat(schema=fmt.schema_)))
