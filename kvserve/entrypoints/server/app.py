@@ -24,6 +24,7 @@ from kvserve.entrypoints.server import (
     serving_completions,
     serving_embeddings,
     serving_messages,
+    serving_responses,
 )
 from kvserve.entrypoints.server.args import ServerArgs
 from kvserve.entrypoints.server.errors import GuardMiddleware, install_error_handlers
@@ -39,6 +40,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     serving_completions.router,  # /v1/completions
     serving_embeddings.router,  # /v1/embeddings
     serving_chat.router,  # /v1/chat/completions
+    serving_responses.router,  # /v1/responses (OpenAI's Responses API)
     serving_messages.router,  # /v1/messages, /v1/messages/count_tokens (Anthropic's API)
 )
 

@@ -48,7 +48,8 @@ class ServerArgs:
     served_model_name: str | None = setting(
         None, "model name clients use (default: the model's name)")
     api_key: str | None = setting(
-        None, "require 'Authorization: Bearer KEY' (default: $KVSERVE_API_KEY)", secret=True)
+        None, "require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: "
+              "$KVSERVE_API_KEY)", secret=True)
     max_waiting_requests: int | None = setting(
         None, "answer 429 when this many requests wait (default: unbounded)")
     max_request_bytes: int = setting(4 << 20, "largest request body, e.g. 4MiB (else 413)",
@@ -66,6 +67,9 @@ class ServerArgs:
               "Hermes; also fenced or bare JSON calls), qwen3_coder (Qwen3-Coder's XML), "
               "llama3_json (Llama 3.1/3.2), pythonic (Llama 3.2/4 Python-style lists), "
               "mistral ([TOOL_CALLS])", choices=sorted(TOOL_PARSERS))
+    responses_store_size: int = setting(
+        1000, "/v1/responses: the conversations kept for previous_response_id, the least "
+              "recently used dropped first (0: none kept)")
     reasoning_parser: str | None = setting(
         None, "split <think>...</think> into reasoning_content",
         choices=["deepseek_r1", "qwen3"])
@@ -77,6 +81,10 @@ class ServerArgs:
         secret=True)
     limits: RequestLimits = field(default_factory=RequestLimits)
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+
+    def __post_init__(self) -> None:
+        if self.responses_store_size < 0:
+            raise ValueError("--responses-store-size must be >= 0")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -370,11 +370,218 @@ class TokenCount(_Body):
     input_tokens: int
 
 
+# ------------------------------------------------------------ OpenAI's Responses API
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class ResponseOutputText(_Body):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class ResponseReasoningText(_Body):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ResponseMessageItem(_Body):
+    type: Literal["message"]
+    id: str
+    status: ItemStatus
+    role: Literal["assistant"]
+    content: list[ResponseOutputText]
+
+
+class ResponseReasoningItem(_Body):
+    type: Literal["reasoning"]
+    id: str
+    summary: list[Any]
+    content: list[ResponseReasoningText]
+    status: ItemStatus
+
+
+class ResponseFunctionCallItem(_Body):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: ItemStatus
+
+
+OutputItem = Annotated[ResponseMessageItem | ResponseReasoningItem | ResponseFunctionCallItem,
+                       Field(discriminator="type")]
+ContentPart = Annotated[ResponseOutputText | ResponseReasoningText, Field(discriminator="type")]
+
+
+class ResponseInputTokensDetails(_Body):
+    cached_tokens: int
+    cache_write_tokens: int
+
+
+class ResponseOutputTokensDetails(_Body):
+    reasoning_tokens: int
+
+
+class ResponseUsage(_Body):
+    input_tokens: int
+    input_tokens_details: ResponseInputTokensDetails
+    output_tokens: int
+    output_tokens_details: ResponseOutputTokensDetails
+    total_tokens: int
+
+
+class ResponseIncompleteDetails(_Body):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseFunctionTool(_Body):
+    type: Literal["function"]
+    name: str
+    description: str | None
+    parameters: dict[str, Any] | None
+    strict: bool | None
+
+
+class ResponseFunctionChoice(_Body):
+    type: Literal["function"]
+    name: str
+
+
+class ResponseTextConfig(_Body):
+    format: dict[str, Any]  # the request's text.format, as it came ({"type": "text"} if none)
+
+
+class ResponseObject(_Body):
+    """A /v1/responses answer, and the `response` of its streams' lifecycle events."""
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    model: str
+    output: list[OutputItem]
+    error: None
+    incomplete_details: ResponseIncompleteDetails | None
+    instructions: str | None
+    max_output_tokens: int | None
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    store: bool
+    temperature: float
+    top_p: float
+    tool_choice: Literal["none", "auto", "required"] | ResponseFunctionChoice
+    tools: list[ResponseFunctionTool]
+    text: ResponseTextConfig
+    truncation: Literal["disabled"]
+    metadata: dict[str, str]
+    user: str | None
+    usage: ResponseUsage | None
+
+
+class ResponseLifecycleEvent(_Body):
+    type: Literal["response.created", "response.in_progress", "response.completed",
+                  "response.incomplete"]
+    sequence_number: int
+    response: ResponseObject
+
+
+class ResponseOutputItemEvent(_Body):
+    type: Literal["response.output_item.added", "response.output_item.done"]
+    sequence_number: int
+    output_index: int
+    item: OutputItem
+
+
+class ResponseContentPartEvent(_Body):
+    type: Literal["response.content_part.added", "response.content_part.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    part: ContentPart
+
+
+class ResponseTextDeltaEvent(_Body):
+    type: Literal["response.output_text.delta"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[Any]
+
+
+class ResponseTextDoneEvent(_Body):
+    type: Literal["response.output_text.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[Any]
+
+
+class ResponseReasoningDeltaEvent(_Body):
+    type: Literal["response.reasoning_text.delta"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ResponseReasoningDoneEvent(_Body):
+    type: Literal["response.reasoning_text.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+
+
+class ResponseArgumentsDeltaEvent(_Body):
+    type: Literal["response.function_call_arguments.delta"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class ResponseArgumentsDoneEvent(_Body):
+    type: Literal["response.function_call_arguments.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
+
+
+class ResponseStreamEvent(RootModel[Annotated[
+        ResponseLifecycleEvent | ResponseOutputItemEvent | ResponseContentPartEvent
+        | ResponseTextDeltaEvent | ResponseTextDoneEvent | ResponseReasoningDeltaEvent
+        | ResponseReasoningDoneEvent | ResponseArgumentsDeltaEvent
+        | ResponseArgumentsDoneEvent, Field(discriminator="type")]]):
+    """One event of a /v1/responses stream (its `data:`; the `event:` line names its type)."""
+
+
+class ResponseErrorEvent(_Body):
+    """The event a /v1/responses stream ends with when the request fails."""
+    type: Literal["error"]
+    sequence_number: int
+    code: str | None
+    message: str
+    param: str | None
+
+
 # The models of the streams' `data:` events, by the route that streams them, and of the
 # error event a stream may end with.
 STREAMS: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/v1/completions": (CompletionChunk, ErrorResponse),
     "/v1/chat/completions": (ChatCompletionChunk, ErrorResponse),
+    "/v1/responses": (ResponseStreamEvent, ResponseErrorEvent),
     "/v1/messages": (MessageStreamEvent, AnthropicError)}
 
 # Every error, by range (OpenAPI's "4XX"/"5XX"): 400 invalid request (a malformed body

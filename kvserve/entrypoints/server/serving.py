@@ -26,6 +26,7 @@ from kvserve.engine.processor import OutputProcessor
 from kvserve.entrypoints.server.args import ServerArgs
 from kvserve.entrypoints.server.errors import APIError
 from kvserve.entrypoints.server.history import HistoryRecorder
+from kvserve.entrypoints.server.protocol_responses import ResponseStore
 from kvserve.models.paths import DEFAULT_MODEL, resolve_model
 from kvserve.outputs import LATE_REFUSAL, OutputKind, RequestOutput
 from kvserve.sample.structured import StructuredOutputError
@@ -50,6 +51,7 @@ class ServerState:
         self.load_error: str | None = None
         # the dashboard's time series, recorded while the app runs (build_app's lifespan)
         self.recorder = HistoryRecorder(self.metrics, lambda: self.engine)
+        self.responses = ResponseStore(args.responses_store_size)  # previous_response_id
 
     def ready(self) -> AsyncEngine:
         if self.engine is None:
