@@ -53,8 +53,13 @@ def test_modes_and_their_constraints():
     required = plan(tools=[ADD, MUL], tool_choice="required", parallel_tool_calls=False)
     schema = json.loads(required.constraint.json)
     assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
-    auto = plan("hermes", tools=[ADD])
-    assert auto.mode == "auto" and auto.constraint is None and auto.tools
+    auto = plan("hermes", tools=[ADD])  # the lazy grammar: a call, once opened, is valid
+    assert auto.mode == "auto" and auto.tools and auto.constraint_field == "tools"
+    assert auto.constraint.grammar.startswith("start: call* TEXT")
+    assert '"const": "add"' in auto.constraint.grammar
+    assert plan("qwen3_coder", tools=[ADD]).constraint is None  # a form without one
+    own = plan("hermes", tools=[ADD], response_format={"type": "json_object"})
+    assert own.constraint.json_object  # the request's own constraint wins
     assert plan(tools=[ADD], tool_choice="none").tools is None
     thinking = plan(reasoning="qwen3", response_format={"type": "json_object"})
     assert thinking.constraint.reasoning_end == "</think>"

@@ -7,8 +7,11 @@ ask of the engine, and how a choice's generated text becomes the message sent ba
   required call's output is a JSON array of {"name", "parameters"} objects (one item when
   parallel_tool_calls is false).
 - `auto` needs `--enable-auto-tool-choice` and a `--tool-call-parser` for the model's own
-  format (tool_parsers.TOOL_PARSERS: the forms each family writes); its output is parsed, not
-  constrained. Text that would call an undeclared function stays content.
+  format (tool_parsers.TOOL_PARSERS: the forms each family writes); its output is parsed.
+  Where the format has a lazy grammar (tool_call_grammar) and the request no other
+  constraint, the output is free until the model opens a call, and the call is then held to
+  the declared functions and their schemas. Text that would call an undeclared function
+  stays content.
 
 With a `--reasoning-parser`, the text up to the end of the thinking goes to
 `reasoning_content` first and only the rest is read for content and tool calls; a constraint
@@ -35,6 +38,7 @@ from kvserve.entrypoints.server.tool_parsers import (
     normalize_arguments,
 )
 from kvserve.sample.sampling_params import StructuredOutputs
+from kvserve.sample.structured import JSON_OPTIONS
 
 
 class NamedToolParser(ToolParser):
@@ -183,6 +187,11 @@ def plan_chat(body: ChatCompletionRequest, constraint: StructuredOutputs | None,
             constraint = dataclasses.replace(constraint, reasoning_end=THINK_END)
         except ValueError as e:
             raise APIError(400, f"{constraint_field}: {e}", constraint_field) from e
+    if mode == "auto" and constraint is None:
+        assert auto_tool_parser is not None
+        lazy = tool_call_grammar(get_tool_parser(auto_tool_parser), tools)
+        if lazy is not None:
+            constraint, constraint_field = StructuredOutputs(grammar=lazy), "tools"
     template_tools = None
     if mode != "none":
         template_tools = [{"type": "function", "function": t.function.model_dump(
@@ -190,6 +199,21 @@ def plan_chat(body: ChatCompletionRequest, constraint: StructuredOutputs | None,
     return ChatPlan(template_tools, mode, function, constraint, constraint_field,
                     auto_tool_parser if mode == "auto" else None, reasoning_parser, names,
                     {t.function.name: _parameters(t) for t in tools})
+
+
+def tool_call_grammar(parser: type[ToolParser], tools: list) -> str | None:
+    """tool_choice auto's grammar (llguidance's Lark): `parser`'s lazy grammar, its tool_json
+    one call of a declared function with arguments valid against its schema, written as
+    json.dumps writes it (structured.JSON_OPTIONS). None when the form has no grammar."""
+    frame = parser.lazy_grammar()
+    if frame is None:
+        return None
+    key = parser.ARGUMENTS
+    schema = {"anyOf": [{"type": "object", "properties": {
+        "name": {"const": t.function.name}, key: _parameters(t)},
+        "required": ["name", key], "additionalProperties": False} for t in tools],
+        "x-guidance": JSON_OPTIONS}
+    return frame + "tool_json: %json " + json.dumps(schema) + "\n"
 
 
 def _call_json(call: ToolCall) -> dict:

@@ -186,6 +186,18 @@ class ToolParser(ABC):
         """The calls seen so far in the stream (after finish: all)."""
         return list(self._calls)
 
+    # The name of the arguments in this form's JSON calls (a call is {"name", ARGUMENTS}).
+    ARGUMENTS: ClassVar[str] = "arguments"
+
+    @classmethod
+    def lazy_grammar(cls) -> str | None:
+        """A Lark grammar (llguidance's) for tool_choice auto, or None where this form has
+        none: the output is free until the model opens a call in one of this form's ways,
+        and from there the call is held to the rule tool_json, which the caller appends (a
+        `%json` of the declared functions' calls). The model still decides whether to call;
+        when it does, the call parses and its arguments fit their schema."""
+        return None
+
     def _check_open(self) -> None:
         if self._finished:
             raise RuntimeError(f"{type(self).__name__}: stream already finished")
@@ -254,6 +266,22 @@ class HermesToolParser(ToolParser):
 
     def _decode(self, body: str) -> list[ToolCall] | None:
         return decode_calls(body, self._ARG_KEYS, self.tool_names)
+
+    @classmethod
+    def lazy_grammar(cls) -> str | None:
+        # Free text, then any number of calls each opened by the tag or a fence (lazy: the
+        # shortest text before an opening), then free text. One call a block, written as
+        # the chat template shows it (a newline after the opening and before the closing).
+        # TEXT is any bytes, valid UTF-8 or not (the negation's half), so that text without
+        # a call is exactly what the model would write unconstrained.
+        return (
+            "start: call* TEXT\n"
+            "TEXT: /(?s:.*)/ | ~/(?s:.*)/\n"
+            "call: tag_call | fence_call\n"
+            f"tag_open[lazy]: TEXT {json.dumps(cls.START)}\n"
+            f"tag_call: tag_open \"\\n\" tool_json \"\\n{cls.END}\"\n"
+            "fence_open[lazy]: TEXT /```(json|tool_call)/\n"
+            "fence_call: fence_open \"\\n\" tool_json \"\\n```\"\n")
 
     def parse(self, text: str) -> ParsedMessage:
         scan = type(self)(self.tool_names, self.schemas)
@@ -341,7 +369,16 @@ class Llama3JsonToolParser(ToolParser):
 
     PYTHON_TAG: ClassVar[str] = "<|python_tag|>"
     _ARG_KEYS: ClassVar[tuple[str, ...]] = ("parameters", "arguments")
+    ARGUMENTS: ClassVar[str] = "parameters"
     _OPEN: ClassVar[str] = "{"  # how output that may be calls starts
+
+    @classmethod
+    def lazy_grammar(cls) -> str | None:
+        # Any bytes that do not start with a brace, or one call. (<|python_tag|> is a special
+        # token, which the grammar's text does not include: Llama 3.1 writes custom tools'
+        # calls without it.)
+        return ("start: TEXT | tool_json\n"
+                "TEXT: ~BRACED\nBRACED: \"{\" BYTES\nBYTES: /(?s:.*)/ | ~/(?s:.*)/\n")
 
     def __init__(self, tool_names: list[str] | None = None,
                  schemas: dict[str, dict] | None = None) -> None:
@@ -461,6 +498,10 @@ class Qwen3CoderToolParser(HermesToolParser):
     BLOCKS: ClassVar[tuple[tuple[str, str], ...]] = ((HermesToolParser.START,
                                                       HermesToolParser.END),)
     BARE: ClassVar[bool] = False
+
+    @classmethod
+    def lazy_grammar(cls) -> str | None:
+        return None  # its parameters are text, typed afterwards: no JSON to hold them to
 
     _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?\Z", re.S)
     _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
@@ -597,6 +638,10 @@ class PythonicToolParser(Llama3JsonToolParser):
     name: ClassVar[str] = "pythonic"
 
     _OPEN: ClassVar[str] = "["
+
+    @classmethod
+    def lazy_grammar(cls) -> str | None:
+        return None  # Python call syntax: not held to a grammar here
 
     def _decode_calls(self, text: str) -> list[ToolCall] | None:
         s = text.strip()

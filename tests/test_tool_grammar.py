@@ -1,0 +1,172 @@
+"""tool_choice auto's lazy grammar (chat_tools.tool_call_grammar): the output is free until the
+model opens a call, and a call once opened is always a call of a declared function whose
+arguments fit its schema. Checked on a byte-level tokenizer by walking the grammar's masks at
+random (any sampler's path is one such walk) with hypothesis-drawn tools, and on a tiny
+random model: the free text is the unconstrained text, alone, batched and speculated."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from kvserve.entrypoints.server.chat_tools import tool_call_grammar
+from kvserve.entrypoints.server.protocol import FunctionDefinition, Tool
+from kvserve.entrypoints.server.tool_parsers import (
+    TOOL_PARSERS,
+    HermesToolParser,
+    Llama3JsonToolParser,
+)
+from kvserve.sample.sampling_params import SamplingParams, StructuredOutputs
+from kvserve.sample.structured import Grammar, GrammarCompiler, new_bitmask
+from tests.conftest import byte_level_tokenizer_json, make_llm
+
+_BYTES = Tokenizer.from_str(byte_level_tokenizer_json())
+EOS = 1
+BYTE_FF = _BYTES.token_to_id("\u00ff")  # the byte-level alphabet's character for byte 0xFF
+
+
+def ids(text: str) -> list[int]:
+    return _BYTES.encode(text, add_special_tokens=False).ids
+
+
+def text_of(tokens: list[int]) -> str:
+    return _BYTES.decode(tokens)
+
+
+def allowed(g: Grammar) -> list[int]:
+    row = new_bitmask(1, 320)[0]
+    g.fill(row)
+    bits = (row.unsqueeze(-1) >> torch.arange(32)) & 1
+    return bits.flatten()[:320].nonzero().flatten().tolist()
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    return GrammarCompiler(byte_level_tokenizer_json(), 320, [EOS])
+
+
+def tools_of(declared: list[tuple[str, dict]]) -> list[Tool]:
+    return [Tool(type="function", function=FunctionDefinition(name=n, parameters=s))
+            for n, s in declared]
+
+
+_VALUE = st.one_of(
+    st.just({"type": "boolean"}),
+    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+              st.integers(-50, 50), st.integers(0, 99)),
+    st.lists(st.sampled_from(["red", "green", "a b", 'q"t']), min_size=1, max_size=3,
+             unique=True).map(lambda e: {"enum": e}),
+    st.integers(1, 5).map(lambda n: {"type": "string", "pattern": f"^[a-z]{{1,{n}}}$"}),
+)
+_SCHEMA = st.dictionaries(st.from_regex(r"[a-z]{1,6}", fullmatch=True), _VALUE,
+                          max_size=3).map(
+    lambda props: {"type": "object", "properties": props, "required": sorted(props),
+                   "additionalProperties": False})
+_TOOLS = st.lists(st.tuples(st.from_regex(r"[a-z][a-z_]{0,9}", fullmatch=True), _SCHEMA),
+                  min_size=1, max_size=3, unique_by=lambda t: t[0])
+_PROSE = st.text(alphabet="abc xyz.,!\n", max_size=24)
+
+
+def walk(g: Grammar, rng: random.Random, until: str, limit: int = 600) -> str:
+    """Tokens drawn at random from what the grammar allows, until `until` is written or
+    the grammar allows the end; the text generated."""
+    out: list[int] = []
+    for _ in range(limit):
+        tok = rng.choice(allowed(g))
+        if tok == EOS:
+            break
+        g.accept(tok)
+        out.append(tok)
+        if until in text_of(out):
+            break
+    return text_of(out)
+
+
+@settings(max_examples=40, deadline=None)
+@given(declared=_TOOLS, prose=_PROSE, fence=st.booleans(), seed=st.integers(0, 2**16))
+def test_a_hermes_call_once_opened_is_always_valid(compiler, declared, prose, fence, seed):
+    schemas = dict(declared)
+    g = compiler.compile(StructuredOutputs(
+        grammar=tool_call_grammar(HermesToolParser, tools_of(declared))))
+    # free text first: every token, the end included, but <s> (no text) and byte 0xFF
+    # (never in UTF-8; llguidance marks special tokens with it)
+    assert set(allowed(g)) >= set(range(1, 320)) - {BYTE_FF}
+    opening, closing = ("```json", "\n```") if fence else ("<tool_call>", "\n</tool_call>")
+    for t in ids(prose + opening):
+        g.accept(t)
+    assert EOS not in allowed(g)  # an opened call must be finished
+    text = walk(g, random.Random(seed), closing)
+    assert text.startswith("\n") and text.endswith(closing), text
+    call = json.loads(text[1:-len(closing)])
+    assert call["name"] in schemas
+    jsonschema.validate(call["arguments"], schemas[call["name"]])
+    parsed = HermesToolParser(list(schemas)).parse(prose + opening + text)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == \
+        [(call["name"], call["arguments"])]
+
+
+@settings(max_examples=25, deadline=None)
+@given(declared=_TOOLS, seed=st.integers(0, 2**16))
+def test_a_llama3_answer_that_opens_a_brace_is_a_valid_call(compiler, declared, seed):
+    schemas = dict(declared)
+    g = compiler.compile(StructuredOutputs(
+        grammar=tool_call_grammar(Llama3JsonToolParser, tools_of(declared))))
+    assert set(allowed(g)) >= set(range(1, 320)) - {BYTE_FF}
+    g.accept(ids("{")[0])
+    rng = random.Random(seed)
+    text = "{" + walk(g, rng, "\0")
+    call = json.loads(text)
+    jsonschema.validate(call["parameters"], schemas[call["name"]])
+    assert Llama3JsonToolParser(list(schemas)).parse(text).tool_calls[0].name == call["name"]
+
+
+def test_forms_without_a_grammar_say_so():
+    with_grammar = {n for n, cls in TOOL_PARSERS.items() if cls.lazy_grammar() is not None}
+    assert with_grammar == {"hermes", "llama3_json"}
+    assert tool_call_grammar(TOOL_PARSERS["qwen3_coder"], tools_of([("f", {})])) is None
+
+
+def test_free_text_is_the_unconstrained_text(tiny_llama_dir):
+    """Before a call opens, the lazy grammar masks only what it cannot write as text (here
+    the byte 0xFF; with Qwen2.5's vocabulary, that one token and nothing else): a greedy
+    answer is the same tokens with and without it. Under it, a seeded sample and a greedy
+    answer are the same tokens alone, batched among others and with n-gram speculation
+    (whose drafts the grammar checks). (A random model does not open a call: that is
+    asserted, so the comparisons cover whole outputs.)"""
+    tools = tools_of([("get_weather", {"type": "object", "properties": {
+        "city": {"type": "string"}}, "required": ["city"]})])
+    lazy = StructuredOutputs(grammar=tool_call_grammar(HermesToolParser, tools))
+    prompts = [[7, 8, 9, 7, 8, 9, 7, 8], [40, 41, 42], [100, 101]]
+
+    def params(constraint):
+        return [SamplingParams(temperature=0.9, seed=5, max_tokens=60,
+                               structured_outputs=constraint),
+                *[SamplingParams(temperature=0, max_tokens=60,
+                                 structured_outputs=constraint)] * 2]
+
+    free = make_llm(tiny_llama_dir).generate(prompts, params(None))
+    alone = make_llm(tiny_llama_dir).generate(prompts, params(lazy))
+    for o in free + alone:
+        assert "<tool_call>" not in o.outputs[0].text and "```" not in o.outputs[0].text
+    greedy_free = [o.outputs[0].token_ids for o in free[1:]]
+    assert all(BYTE_FF not in t for t in greedy_free)
+    assert [o.outputs[0].token_ids for o in alone[1:]] == greedy_free
+    want = [o.outputs[0].token_ids for o in alone]
+    others = [[i, i + 1, i + 2] * 5 for i in range(20, 24)]
+    busy = make_llm(tiny_llama_dir, max_num_batched_tokens=16).generate(
+        [*others[:2], *prompts, *others[2:]],
+        [SamplingParams(temperature=1.0, max_tokens=30)] * 2 + params(lazy)
+        + [SamplingParams(temperature=1.0, max_tokens=30)] * 2)
+    spec = make_llm(tiny_llama_dir, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    speculated = spec.generate(prompts, params(lazy))
+    assert [o.outputs[0].token_ids for o in busy[2:5]] == want
+    assert [o.outputs[0].token_ids for o in speculated] == want
+    spec.engine.check_integrity()
