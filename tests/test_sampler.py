@@ -508,3 +508,52 @@ def test_top_p_candidate_search_equals_full_sort(rows, candidates):
         sampler_mod.TOP_P_CANDIDATES = saved
     assert torch.equal(got.isinf(), expected.isinf())
     assert torch.equal(got[~got.isinf()], expected[~expected.isinf()])
+
+
+# --- grammar masks --------------------------------------------------------------------------
+
+
+def _reference_mask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor
+                    ) -> torch.Tensor:
+    """Every forbidden token set to -inf, one at a time."""
+    out = logits.clone()
+    for i, r in enumerate(rows):
+        for t in range(logits.shape[1]):
+            if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
+                out[r, t] = float("-inf")
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(vocab=st.integers(1, 100), batch=st.integers(1, 6), holes=st.integers(0, 400),
+       seed=st.integers(0, 2**16), greedy=st.booleans())
+def test_grammar_masks_sparse_or_dense_and_greedy_agree(vocab, batch, holes, seed, greedy):
+    """apply_bitmask gives the token-by-token result whether it sets the few forbidden tokens
+    (a lazy grammar before its call) or adds a bias to whole rows; greedy rows whose only
+    processing is a mask take the argmax and remask only rows whose choice is forbidden:
+    the same tokens as masking a float32 copy of every row."""
+    from kvserve.sample.structured import apply_bitmask, new_bitmask
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, vocab, generator=gen)
+    logits[:, : vocab // 3] = logits[:, : vocab // 3].round()  # ties between tokens
+    rows = sorted(torch.randperm(batch, generator=gen)[: max(1, batch // 2)].tolist())
+    bitmask = new_bitmask(len(rows), vocab)
+    for _ in range(holes):
+        i = int(torch.randint(len(rows), (1,), generator=gen))
+        t = int(torch.randint(vocab, (1,), generator=gen))
+        bitmask[i, t // 32] &= ~(1 << (t % 32))
+    for i in range(len(rows)):  # at least one token allowed a row
+        if all(not (int(bitmask[i, t // 32]) >> (t % 32)) & 1 for t in range(vocab)):
+            bitmask[i, 0] |= 1
+    want = _reference_mask(logits, rows, bitmask)
+    got = logits.clone()
+    apply_bitmask(got, torch.tensor(rows), bitmask)
+    assert torch.equal(got, want)
+    sampled = [row(temperature=0.0 if greedy else 0.7, seed=seed) for _ in range(batch)]
+    meta = SamplingMetadata.build(sampled, vocab, CPU, (rows, bitmask))
+    out = Sampler()(logits, meta).token_ids
+    if greedy:
+        assert out == want.argmax(-1).tolist()
+    for i, r in enumerate(rows):
+        assert (int(bitmask[i, out[r] // 32]) >> (out[r] % 32)) & 1

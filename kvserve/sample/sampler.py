@@ -71,10 +71,33 @@ class Sampler:
         if meta.all_greedy and not meta.needs_processing:
             # Upcasting is exact, so the argmax in the model's own dtype is the same token.
             tokens = logits.argmax(dim=-1)
+        elif meta.all_greedy and meta.bias_index is None and meta.ban_index is None and \
+                meta.penalties is None:
+            tokens = self._greedy_masked(logits, meta)
         else:
             # A private float32 copy: the caller's logits are never modified.
             tokens = self._sample(logits.to(torch.float32, copy=True), meta)
         return self.to_output(logits, tokens, meta)
+
+    def _greedy_masked(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Greedy rows whose only processing is a grammar mask: the argmax, and only for the
+        rows whose argmax the mask forbids, the argmax of a masked float32 copy. The same
+        tokens as masking every row (the first allowed maximum is the first maximum when
+        that is allowed), without copying and masking a batch whose grammars forbid almost
+        nothing (tool_choice auto before a call: ~a third of its steps' sampling time)."""
+        assert meta.grammar_rows is not None and meta.grammar_bitmask is not None
+        tokens = logits.argmax(dim=-1)
+        rows = meta.grammar_rows.to(tokens.device)
+        chosen = tokens.index_select(0, rows)
+        words = meta.grammar_bitmask.to(tokens.device).gather(1, (chosen // 32).unsqueeze(1))
+        refused = ((words.squeeze(1) >> (chosen % 32)) & 1) == 0
+        if bool(refused.any()):
+            bad = refused.nonzero().flatten()
+            sub = logits.index_select(0, rows[bad]).to(torch.float32)
+            apply_bitmask(sub, torch.arange(bad.numel(), device=sub.device),
+                          meta.grammar_bitmask.to(sub.device).index_select(0, bad))
+            tokens[rows[bad]] = sub.argmax(dim=-1)
+        return tokens
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Sample from ``logits`` (a private float32 copy, modified in place); ids [B]."""

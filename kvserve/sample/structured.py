@@ -233,10 +233,27 @@ _BIAS = torch.zeros(256, 8).masked_fill_(
     ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1) == 0, float("-inf"))
 
 
+# A step's masks with at most this many words holding a forbidden token, a row, are applied
+# token by token: tool_choice auto's lazy grammar forbids almost nothing before a call (a
+# raw 0xFF byte), and expanding 32 rows of a 49k vocabulary to a bias cost its server ~25% of
+# its c=32 throughput on the default model (Zen 5).
+SPARSE_WORDS = 8
+
+
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set to -inf, in rows `rows` of `logits` [B, V] (float32), every token whose bit in
     `bitmask` [len(rows), ceil(V / 32)] is 0 (bit i of word w is token 32 w + i)."""
     vocab = logits.shape[-1]
+    holes = (bitmask != -1).nonzero()  # (mask row, word) of every word with a 0 bit
+    if holes.shape[0] <= SPARSE_WORDS * bitmask.shape[0]:
+        words = bitmask[holes[:, 0], holes[:, 1]].to(torch.int64)
+        hole, bit = (((words.unsqueeze(1) >> torch.arange(32)) & 1) == 0).nonzero(
+            as_tuple=True)
+        tokens = holes[hole, 1] * 32 + bit
+        inside = tokens < vocab
+        at = rows.to(torch.int64)[holes[hole, 0]]
+        logits[at[inside].to(logits.device), tokens[inside].to(logits.device)] = float("-inf")
+        return
     # Little-endian bytes: byte j of a row holds the bits of tokens 8 j .. 8 j + 7.
     codes = bitmask.contiguous().view(torch.uint8).view(-1).to(logits.device, torch.int32)
     bias = _BIAS.to(logits.device).index_select(0, codes).view(bitmask.shape[0], -1)
@@ -251,12 +268,22 @@ def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tenso
 _executor: llguidance.LLExecutor | None = None
 
 
+def _spare_cores() -> bool:
+    """Whether cores are left beside torch's threads for llguidance's pool. Where there are
+    none, the pool's threads fight the forward's (still spinning at the end of their
+    parallel regions): on the 2-core Zen 5 of benchmarks/RESULTS.md, 32 masks a step took
+    0.92 ms in the pool against 0.45 ms one after the other (tool_choice auto's lazy
+    grammar), and 2.5 against 1.6 ms for a JSON schema."""
+    return (os.cpu_count() or 1) > torch.get_num_threads() + 1
+
+
 def fill_bitmasks(items: Sequence[tuple[int, Grammar, Sequence[int]]], vocab_size: int
                   ) -> tuple[list[int], torch.Tensor]:
     """The masks of a step's constrained rows: `items` holds, per constrained request, the
     index of its first row of logits, its grammar and its drafts (a row per draft and one
     more). Returns the row indices and their bitmasks, in that order. Rows without drafts
-    are filled in parallel by llguidance's thread pool."""
+    are filled in parallel by llguidance's thread pool where cores are spare (_spare_cores),
+    else one after the other."""
     global _executor
     rows: list[int] = []
     for offset, _, drafts in items:
@@ -270,9 +297,9 @@ def fill_bitmasks(items: Sequence[tuple[int, Grammar, Sequence[int]]], vocab_siz
         else:
             plain.append((grammar, i))
         i += len(drafts) + 1
-    if len(plain) == 1:
-        grammar, i = plain[0]
-        grammar.fill(bitmask[i])
+    if len(plain) == 1 or not _spare_cores():
+        for grammar, i in plain:
+            grammar.fill(bitmask[i])
     elif plain:
         if _executor is None:
             _executor = llguidance.LLExecutor(min(4, os.cpu_count() or 1))
