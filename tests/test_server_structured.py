@@ -7,6 +7,7 @@ import json
 
 import httpx
 import jsonschema
+import openai
 import pydantic
 import pytest
 
@@ -248,3 +249,23 @@ def test_grammar_phase_in_the_step_profile(server, client):
     text = httpx.get(f"{server[0]}/metrics").text
     assert 'kvserve:engine_step_seconds_count{model_name="SmolLM2-135M-Instruct",' \
            'phase="grammar"}' in text
+
+
+def test_tool_call_parser_auto_reads_the_template(real_model_path):
+    """--tool-call-parser auto takes the form the chat template shows: SmolLM2's shows none,
+    so tool_choice auto is a 400 that says so (and required still works, by grammar)."""
+    args = EngineArgs(model=str(real_model_path), kv_cache_memory="256MiB")
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"]}}}
+    with run_server(args, enable_auto_tool_choice=True, tool_call_parser="auto") as (url, _):
+        client = openai_client(f"{url}/v1")
+        with pytest.raises(openai.BadRequestError, match="found no tool-call form") as e:
+            client.chat.completions.create(model=MODEL, messages=ask("Weather in Oslo?"),
+                                           tools=[weather], max_tokens=8)
+        assert e.value.param == "tool_choice"
+        r = client.chat.completions.create(model=MODEL, messages=ask("Weather in Oslo?"),
+                                           tools=[weather], tool_choice="required",
+                                           max_tokens=100, temperature=0)
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        assert r.choices[0].message.tool_calls[0].function.name == "get_weather"

@@ -24,6 +24,7 @@ from kvserve.entrypoints.server.tool_parsers import (
     Qwen3CoderToolParser,
     StreamDelta,
     ToolParser,
+    detect_tool_parser,
     get_tool_parser,
 )
 
@@ -516,3 +517,18 @@ def test_stream_matches_parse_on_random_texts(seed: int) -> None:
         check_tool_stream(cls, text, ["f"])  # "g" is not declared: its calls are content
     for rcls in REASONING_PARSERS.values():
         check_reasoning_stream(rcls, text)
+
+
+@pytest.mark.parametrize(("template", "parser"), [
+    ("{{ '<tool_call>\\n' }}{{ tool_call | tojson }}{{ '\\n</tool_call>' }}", "hermes"),
+    ("<tool_call>\n<function={{ name }}>\n<parameter={{ k }}>", "qwen3_coder"),
+    ("{{ '[TOOL_CALLS]' }}{{ calls | tojson }}", "mistral"),
+    ('Respond in the format {"name": function name, "parameters": dictionary of argument '
+     "name and its value}", "llama3_json"),
+    ("{{- '<|python_tag|>' }}", "llama3_json"),
+    ("[func_name1(params_name1=params_value1, params_name2=params_value2...)]", "pythonic"),
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", None),
+    (None, None),
+])
+def test_detect_tool_parser_from_the_template(template, parser):
+    assert detect_tool_parser(template) == parser

@@ -29,6 +29,7 @@ from kvserve.entrypoints.server import (
 from kvserve.entrypoints.server.args import ServerArgs
 from kvserve.entrypoints.server.errors import GuardMiddleware, install_error_handlers
 from kvserve.entrypoints.server.serving import ServerState
+from kvserve.entrypoints.server.tool_parsers import detect_tool_parser
 
 log = logging.getLogger("kvserve.entrypoints.server")
 
@@ -61,6 +62,9 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
                 on_fatal(e)
             return
         state.engine = engine
+        if args.enable_auto_tool_choice and args.tool_call_parser == "auto":
+            log.info("tool_choice auto: --tool-call-parser auto reads %s from the chat template",
+                     detect_tool_parser(state.tokenizer.chat_template) or "no tool-call form")
         log.info("ready: serving %s at http://%s:%d/v1", state.model_name, args.host, args.port)
 
     @asynccontextmanager

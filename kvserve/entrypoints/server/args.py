@@ -66,7 +66,8 @@ class ServerArgs:
         None, "the model's tool-call format, for tool_choice auto: hermes (Qwen 2.5/3, "
               "Hermes; also fenced or bare JSON calls), qwen3_coder (Qwen3-Coder's XML), "
               "llama3_json (Llama 3.1/3.2), pythonic (Llama 3.2/4 Python-style lists), "
-              "mistral ([TOOL_CALLS])", choices=sorted(TOOL_PARSERS))
+              "mistral ([TOOL_CALLS]); auto: the one the chat template's markers show",
+        choices=[*sorted(TOOL_PARSERS), "auto"])
     responses_store_size: int = setting(
         1000, "/v1/responses: the conversations kept for previous_response_id, the least "
               "recently used dropped first (0: none kept)")

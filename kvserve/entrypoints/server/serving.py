@@ -27,6 +27,7 @@ from kvserve.entrypoints.server.args import ServerArgs
 from kvserve.entrypoints.server.errors import APIError
 from kvserve.entrypoints.server.history import HistoryRecorder
 from kvserve.entrypoints.server.protocol_responses import ResponseStore
+from kvserve.entrypoints.server.tool_parsers import TOOL_PARSERS, detect_tool_parser
 from kvserve.models.paths import DEFAULT_MODEL, resolve_model
 from kvserve.outputs import LATE_REFUSAL, OutputKind, RequestOutput
 from kvserve.sample.structured import StructuredOutputError
@@ -77,6 +78,22 @@ class ServerState:
     @property
     def max_model_len(self) -> int:
         return self.llm_engine.max_model_len
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """tool_choice auto's parser: --tool-call-parser, or with `auto` the one the chat
+        template's markers show (APIError 400 when they show none); None without
+        --enable-auto-tool-choice."""
+        name = self.args.tool_call_parser if self.args.enable_auto_tool_choice else None
+        if name != "auto":
+            return name
+        found = detect_tool_parser(self.tokenizer.chat_template)
+        if found is None:
+            raise APIError(400, 'tool_choice "auto": --tool-call-parser auto found no tool-call '
+                           "form in this model's chat template; start the server with one of "
+                           f"{sorted(TOOL_PARSERS)}, or send tool_choice \"required\"",
+                           "tool_choice")
+        return found
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

@@ -68,7 +68,8 @@ async def submit_chat(state: ServerState, body: ChatCompletionRequest, rid: str
     check_stream_options(body.stream, body.stream_options)
     state.args.limits.check(body)
     spec, spec_field = body.structured()
-    auto = state.args.tool_call_parser if state.args.enable_auto_tool_choice else None
+    auto = state.auto_tool_parser if body.tools and body.tool_choice in (None, "auto") \
+        else None
     plan = plan_chat(body, spec, spec_field, auto, state.args.reasoning_parser)
     ids = encode_chat(state.processor, body.messages, body.add_generation_prompt,
                        plan.tools, body.chat_template_kwargs, body.continue_final_message)

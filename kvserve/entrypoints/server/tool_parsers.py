@@ -674,6 +674,23 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 }
 
 
+def detect_tool_parser(chat_template: str | None) -> str | None:
+    """The parser of the tool-call form a chat template writes or asks for (what
+    `--tool-call-parser auto` picks), from its own markers; None when it shows none."""
+    t = chat_template or ""
+    if "<function=" in t and "<parameter=" in t:
+        return Qwen3CoderToolParser.name
+    if HermesToolParser.START in t:
+        return HermesToolParser.name
+    if MistralToolParser.MARKER in t:
+        return MistralToolParser.name
+    if re.search(r"\[func_name\d*\(", t):
+        return PythonicToolParser.name
+    if Llama3JsonToolParser.PYTHON_TAG in t or '"parameters": dictionary' in t:
+        return Llama3JsonToolParser.name
+    return None
+
+
 def get_tool_parser(name: str) -> type[ToolParser]:
     """The parser class registered as `name`; ValueError naming the known ones otherwise."""
     try:
