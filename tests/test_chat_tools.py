@@ -112,3 +112,20 @@ def test_required_output_cut_short_is_content():
     p = plan(tools=[ADD], tool_choice="required")
     message, has_calls = chat_message(p, '[{"name": "add", "param')
     assert not has_calls and message["content"] == '[{"name": "add", "param'
+
+
+def test_a_call_after_the_thinking():
+    """With a reasoning parser, the thinking goes to reasoning_content and a call after
+    </think> is a call, whole and streamed."""
+    p = plan("hermes", reasoning="qwen3", tools=[ADD])
+    text = ('<think>I should add.</think>\n<tool_call>\n{"name": "add", "arguments": '
+            '{"a": 1, "b": 2}}\n</tool_call>')
+    message, has_calls = chat_message(p, text)
+    assert has_calls and message["reasoning_content"] == "I should add."
+    assert message["tool_calls"][0]["function"]["name"] == "add"
+    stream = ChoiceStream(p)
+    deltas = [d for i in range(0, len(text), 5)
+              for d in stream.feed(text[i:i + 5], i + 5 >= len(text))]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "I should add."
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "add" and stream.has_calls

@@ -95,6 +95,30 @@ def test_stream_events_build_the_same_message(client):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_agent_loop_of_three_tool_turns(client, stream):
+    """tool_use -> tool_result -> tool_use -> tool_result -> answer, each answer's blocks
+    sent back as the client holds them."""
+    turns: list = ask("Compare the weather in Paris and Rome.")
+    for result in ("Paris: sunny", "Rome: rain"):
+        kw = {"model": MODEL, "max_tokens": 60, **T0, "tools": [WEATHER], "messages": turns,
+              "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}
+        if stream:
+            with client.messages.stream(**kw) as s:
+                msg = s.get_final_message()
+        else:
+            msg = client.messages.create(**kw)
+        (use,) = [b for b in msg.content if b.type == "tool_use"]
+        assert msg.stop_reason == "tool_use" and use.name == "get_weather"
+        turns = [*turns, {"role": "assistant", "content": msg.content},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                               "content": result}]}]
+    answer = client.messages.create(model=MODEL, max_tokens=30, **T0, tools=[WEATHER],
+                                    tool_choice={"type": "none"}, messages=turns)
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+    assert all(b.type == "text" for b in answer.content)
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_tool_use_turn_and_tool_result(client, stream):
     """tool_choice any (a grammar: any model calls), the call as a tool_use block, then a
     tool_result turn answered in text, as an agent loop sends them."""

@@ -269,3 +269,31 @@ def test_tool_call_parser_auto_reads_the_template(real_model_path):
                                            max_tokens=100, temperature=0)
         assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
         assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_agent_loop_of_three_tool_turns(client, stream):
+    """call -> result -> call -> result -> answer through chat completions, the calls forced
+    one at a time (required, parallel_tool_calls false), whole and streamed."""
+    messages = ask("Add 2 and 3, then add 10 to the result.")
+    for result in ("5", "15"):
+        kw = {"model": MODEL, "messages": messages, "tools": [ADD], "tool_choice": "required",
+              "parallel_tool_calls": False, "max_tokens": 60, "temperature": 0}
+        if stream:
+            args, call_id, name = "", None, None
+            for chunk in client.chat.completions.create(**kw, stream=True):
+                for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                    call_id, name = tc.id or call_id, tc.function.name or name
+                    args += tc.function.arguments or ""
+        else:
+            (call,) = client.chat.completions.create(**kw).choices[0].message.tool_calls
+            call_id, name, args = call.id, call.function.name, call.function.arguments
+        assert name == "add" and call_id
+        jsonschema.validate(json.loads(args), ADD["function"]["parameters"])
+        messages = [*messages, {"role": "assistant", "content": None, "tool_calls": [{
+            "id": call_id, "type": "function", "function": {"name": name, "arguments": args}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": result}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[ADD],
+                                       tool_choice="none", max_tokens=20, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.choices[0].message.tool_calls is None
