@@ -12,30 +12,32 @@ from kvserve.entrypoints.server.errors import APIError
 from kvserve.sample.sampling_params import SamplingParams, StructuredOutputs
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
+    """A request body (or a part of one) that refuses fields it does not name."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
-class JSONSchemaFormat(_Strict):
+class JSONSchemaFormat(Strict):
     name: str = "response"
     description: str | None = None
     schema_: Annotated[dict[str, Any] | bool | None, Field(alias="schema")] = None
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     """OpenAI's response_format: text, any JSON object, or JSON matching a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
 
-class StructuredOutputsField(_Strict):
+class StructuredOutputsField(Strict):
     """vLLM's structured_outputs extra field: exactly one constraint."""
 
     json_: Annotated[dict[str, Any] | str | bool | None, Field(alias="json")] = None
@@ -45,7 +47,7 @@ class StructuredOutputsField(_Strict):
     json_object: bool | None = None
 
 
-class SamplingFields(_Strict):
+class SamplingFields(Strict):
     """Fields shared by completions and chat: OpenAI's, plus vLLM's sampling extras."""
 
     model: str | None = None
@@ -174,23 +176,23 @@ class CompletionRequest(SamplingFields):
     suffix: None = None  # insertion is not supported; any value is rejected
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Strict):
     name: str
     arguments: str  # a JSON object as text, as OpenAI sends it
 
 
-class ToolCallItem(_Strict):
+class ToolCallItem(Strict):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -229,23 +231,23 @@ class ChatMessage(_Strict):
         return item
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(Strict):
     name: Annotated[str, Field(min_length=1, max_length=64)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Strict):
+class NamedFunction(Strict):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: NamedFunction
 
@@ -265,7 +267,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(Strict):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -274,7 +276,7 @@ class EmbeddingRequest(_Strict):
     truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -282,6 +284,6 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[int]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from kvserve.entrypoints.server.errors import APIError
 from kvserve.entrypoints.server.protocol import (
@@ -25,28 +25,25 @@ from kvserve.entrypoints.server.protocol import (
     NamedFunction,
     NamedToolChoice,
     ResponseFormat,
+    Strict,
     Tool,
     ToolCallItem,
 )
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class CacheControl(_Strict):
+class CacheControl(Strict):
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
 
 
-class TextBlock(_Strict):
+class TextBlock(Strict):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
     citations: None = None
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(Strict):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -57,7 +54,7 @@ class ToolUseBlock(_Strict):
     toolset_name: str | None = None
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(Strict):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] = ""
@@ -69,7 +66,7 @@ class ToolResultBlock(_Strict):
             "".join(b.text for b in self.content)
 
 
-class ThinkingBlock(_Strict):
+class ThinkingBlock(Strict):
     """An earlier answer's thinking, sent back with its turn (kvserve's signature is empty)."""
 
     type: Literal["thinking"]
@@ -81,12 +78,12 @@ ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBl
                          Field(discriminator="type")]
 
 
-class MessageParam(_Strict):
+class MessageParam(Strict):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 
 
-class ToolDefinition(_Strict):
+class ToolDefinition(Strict):
     name: Annotated[str, Field(min_length=1, max_length=64)]
     description: str | None = None
     input_schema: dict[str, Any]
@@ -94,32 +91,32 @@ class ToolDefinition(_Strict):
     cache_control: CacheControl | None = None
 
 
-class ToolChoice(_Strict):
+class ToolChoice(Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class Thinking(_Strict):
+class Thinking(Strict):
     type: Literal["disabled"]
 
 
-class Metadata(_Strict):
+class Metadata(Strict):
     user_id: str | None = None
 
 
-class JSONOutputFormat(_Strict):
+class JSONOutputFormat(Strict):
     type: Literal["json_schema"]
     schema_: Annotated[dict[str, Any], Field(alias="schema")]
 
 
-class OutputConfig(_Strict):
+class OutputConfig(Strict):
     """Anthropic's structured outputs: the answer is JSON valid against `format.schema`."""
 
     format: JSONOutputFormat | None = None
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(Strict):
     model: str | None = None
     messages: Annotated[list[MessageParam], Field(min_length=1)]
     system: str | list[TextBlock] | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag
 
 from kvserve.entrypoints.server.errors import APIError
 from kvserve.entrypoints.server.protocol import (
@@ -24,21 +24,18 @@ from kvserve.entrypoints.server.protocol import (
     NamedFunction,
     NamedToolChoice,
     ResponseFormat,
+    Strict,
     Tool,
     ToolCallItem,
 )
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class InputText(_Strict):
+class InputText(Strict):
     type: Literal["input_text"]
     text: str
 
 
-class OutputText(_Strict):
+class OutputText(Strict):
     """An earlier answer's text, sent back in a conversation."""
 
     type: Literal["output_text"]
@@ -47,7 +44,7 @@ class OutputText(_Strict):
     logprobs: list[Any] | None = None
 
 
-class MessageItem(_Strict):
+class MessageItem(Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[Annotated[InputText | OutputText, Field(discriminator="type")]]
@@ -59,7 +56,7 @@ class MessageItem(_Strict):
             "".join(p.text for p in self.content)
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(Strict):
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -68,7 +65,7 @@ class FunctionCallItem(_Strict):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(Strict):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[InputText]
@@ -80,12 +77,12 @@ class FunctionCallOutputItem(_Strict):
             "".join(p.text for p in self.output)
 
 
-class ReasoningText(_Strict):
+class ReasoningText(Strict):
     type: Literal["reasoning_text"]
     text: str
 
 
-class ReasoningItem(_Strict):
+class ReasoningItem(Strict):
     """An earlier answer's reasoning, sent back with its turn."""
 
     type: Literal["reasoning"]
@@ -108,7 +105,7 @@ InputItem = Annotated[
     | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_type)]
 
 
-class FunctionTool(_Strict):
+class FunctionTool(Strict):
     type: Literal["function"]
     name: Annotated[str, Field(min_length=1, max_length=64)]
     description: str | None = None
@@ -116,12 +113,12 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
 
-class FunctionChoice(_Strict):
+class FunctionChoice(Strict):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Strict):
+class TextFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
@@ -129,11 +126,11 @@ class TextFormat(_Strict):
     strict: bool | None = None
 
 
-class TextConfig(_Strict):
+class TextConfig(Strict):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(Strict):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
