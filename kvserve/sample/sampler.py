@@ -84,7 +84,9 @@ class Sampler:
         rows whose argmax the mask forbids, the argmax of a masked float32 copy. The same
         tokens as masking every row (the first allowed maximum is the first maximum when
         that is allowed), without copying and masking a batch whose grammars forbid almost
-        nothing (tool_choice auto before a call: ~a third of its steps' sampling time)."""
+        nothing: with tool_choice auto's lazy grammar at 32 rows (the default model, 128
+        steps, Zen 5) the sample phase took 0.93 s, against 0.49 s this way and 0.45 s
+        unconstrained."""
         assert meta.grammar_rows is not None and meta.grammar_bitmask is not None
         tokens = logits.argmax(dim=-1)
         rows = meta.grammar_rows.to(tokens.device)
