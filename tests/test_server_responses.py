@@ -96,6 +96,28 @@ def test_previous_response_id_continues_the_conversation(client):
         client.responses.create(model=MODEL, input="hi", previous_response_id=unstored.id)
 
 
+def test_retrieve_and_delete_a_stored_response(client):
+    r = client.responses.create(model=MODEL, input="Name a fruit.", max_output_tokens=8,
+                                temperature=0)
+    again = client.responses.retrieve(r.id)
+    assert again.model_dump() == r.model_dump()
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL, input="x", previous_response_id=r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(r.id)
+    streamed = list(client.responses.create(model=MODEL, input="Name a fruit.",
+                                            max_output_tokens=8, temperature=0,
+                                            stream=True))[-1].response
+    assert client.responses.retrieve(streamed.id).model_dump() == streamed.model_dump()
+    unstored = client.responses.create(model=MODEL, input="hi", max_output_tokens=2,
+                                       store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
 def test_store_keeps_the_most_recent(client):
     """--responses-store-size 4 here: the oldest conversation is dropped first."""
     ids = [client.responses.create(model=MODEL, input=f"hi {i}", max_output_tokens=1).id

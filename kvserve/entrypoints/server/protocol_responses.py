@@ -221,31 +221,45 @@ def answer_message(text: str, calls: list[dict], reasoning: str | None) -> ChatM
 
 
 class ResponseStore:
-    """Each stored response's conversation (its history and input, then its answer), for
-    `previous_response_id`; at most `capacity` of them, the least recently used dropped."""
+    """Each stored response: its body (GET /v1/responses/{id}) and its conversation (its
+    history and input, then its answer) for `previous_response_id`; at most `capacity` of
+    them, the least recently used dropped first."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[str, list[ChatMessage]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[list[ChatMessage], dict]] = OrderedDict()
 
     def history(self, response_id: str | None) -> list[ChatMessage]:
         if response_id is None:
             return []
-        messages = self._items.get(response_id)
-        if messages is None:
+        item = self._items.get(response_id)
+        if item is None:
             raise APIError(400, f"previous response {response_id!r} not found: it was not "
                            "stored, or it is older than the last "
                            f"{self.capacity} (--responses-store-size)", "previous_response_id")
         self._items.move_to_end(response_id)
-        return list(messages)
+        return list(item[0])
 
-    def put(self, response_id: str, messages: list[ChatMessage]) -> None:
+    def body(self, response_id: str) -> dict:
+        """A stored response as it was answered; APIError 404 when it is not stored."""
+        item = self._items.get(response_id)
+        if item is None:
+            raise APIError(404, f"response {response_id!r} not found: it was not stored, was "
+                           "deleted, or is older than the last "
+                           f"{self.capacity} (--responses-store-size)", "response_id")
+        return item[1]
+
+    def put(self, response_id: str, messages: list[ChatMessage], body: dict) -> None:
         if self.capacity <= 0:
             return
-        self._items[response_id] = messages
+        self._items[response_id] = (messages, body)
         self._items.move_to_end(response_id)
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
+
+    def delete(self, response_id: str) -> None:
+        self.body(response_id)  # 404 when absent
+        del self._items[response_id]
 
     def __len__(self) -> int:
         return len(self._items)

@@ -481,6 +481,12 @@ class ResponseObject(_Body):
     usage: ResponseUsage | None
 
 
+class ResponseDeleted(_Body):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool
+
+
 class ResponseLifecycleEvent(_Body):
     type: Literal["response.created", "response.in_progress", "response.completed",
                   "response.incomplete"]

@@ -59,8 +59,24 @@ async def responses(state: State, body: ResponsesRequest, raw: Request) -> Respo
     raise_failed([out])
     c = out.outputs[0]
     items = _items(plan, c.text)
-    _store(state, body, rid, conversation, items)
-    return JSONResponse(shell.body(items, c, out))
+    answer = shell.body(items, c, out)
+    _store(state, body, rid, conversation, items, answer)
+    return JSONResponse(answer)
+
+
+@router.get("/v1/responses/{response_id}", response_model=None,
+            responses=schemas.responses(schemas.ResponseObject))
+async def retrieve(state: State, response_id: str) -> Response:
+    """A stored response, as it was answered (store: true, the default)."""
+    return JSONResponse(state.responses.body(response_id))
+
+
+@router.delete("/v1/responses/{response_id}", response_model=None,
+               responses=schemas.responses(schemas.ResponseDeleted))
+async def delete(state: State, response_id: str) -> Response:
+    """Forget a stored response: it can no longer be retrieved or continued."""
+    state.responses.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
 class _Shell:
@@ -142,15 +158,16 @@ def _items(plan: ChatPlan, text: str) -> list[dict]:
 
 
 def _store(state: ServerState, body: ResponsesRequest, rid: str,
-           conversation: list[ChatMessage], items: list[dict]) -> None:
-    """Keep the conversation with its answer for a later previous_response_id."""
+           conversation: list[ChatMessage], items: list[dict], answer: dict) -> None:
+    """Keep the response (`answer`, its body) and the conversation with its answer, for a
+    later GET and previous_response_id."""
     if not body.store:
         return
     text = "".join(p["text"] for i in items if i["type"] == "message" for p in i["content"])
     reasoning = "".join(p["text"] for i in items if i["type"] == "reasoning"
                         for p in i["content"]) or None
     calls = [i for i in items if i["type"] == "function_call"]
-    state.responses.put(rid, [*conversation, answer_message(text, calls, reasoning)])
+    state.responses.put(rid, [*conversation, answer_message(text, calls, reasoning)], answer)
 
 
 class _ItemStream:
@@ -266,8 +283,8 @@ async def _events(shell: _Shell, plan: ChatPlan, stream: RequestStream, state: S
             if c.finished:
                 for event in items.close():
                     yield event
-                _store(state, shell.request, shell.id, conversation, items.items)
                 body = shell.body(items.items, c, out)
+                _store(state, shell.request, shell.id, conversation, items.items, body)
                 kind = "response.incomplete" if body["status"] == "incomplete" else \
                     "response.completed"
                 yield items.event({"type": kind, "response": body})
