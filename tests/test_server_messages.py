@@ -199,6 +199,8 @@ def test_assistant_prefill_is_continued(client, server):
         extra_body={"continue_final_message": True, "add_generation_prompt": False})
     assert msg.content[0].text == chat.choices[0].message.content
     assert not msg.content[0].text.startswith("The sky is")
+    count = client.messages.count_tokens(model=MODEL, messages=turns)
+    assert count.input_tokens == chat.usage.prompt_tokens  # counted as it is rendered
 
 
 def test_output_config_json_schema(client):

@@ -29,7 +29,6 @@ from kvserve.entrypoints.server import (
 from kvserve.entrypoints.server.args import ServerArgs
 from kvserve.entrypoints.server.errors import GuardMiddleware, install_error_handlers
 from kvserve.entrypoints.server.serving import ServerState
-from kvserve.entrypoints.server.tool_parsers import detect_tool_parser
 
 log = logging.getLogger("kvserve.entrypoints.server")
 
@@ -64,7 +63,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         state.engine = engine
         if args.enable_auto_tool_choice and args.tool_call_parser == "auto":
             log.info("tool_choice auto: --tool-call-parser auto reads %s from the chat template",
-                     detect_tool_parser(state.tokenizer.chat_template) or "no tool-call form")
+                     state.detected_tool_parser or "no tool-call form")
         log.info("ready: serving %s at http://%s:%d/v1", state.model_name, args.host, args.port)
 
     @asynccontextmanager

@@ -192,13 +192,16 @@ def plan_chat(body: ChatCompletionRequest, constraint: StructuredOutputs | None,
         lazy = tool_call_grammar(get_tool_parser(auto_tool_parser), tools)
         if lazy is not None:
             constraint, constraint_field = StructuredOutputs(grammar=lazy), "tools"
-    template_tools = None
-    if mode != "none":
-        template_tools = [{"type": "function", "function": t.function.model_dump(
-            exclude_none=True)} for t in tools]
-    return ChatPlan(template_tools, mode, function, constraint, constraint_field,
+    return ChatPlan(template_tools(tools) if mode != "none" else None, mode, function,
+                    constraint, constraint_field,
                     auto_tool_parser if mode == "auto" else None, reasoning_parser, names,
                     {t.function.name: _parameters(t) for t in tools})
+
+
+def template_tools(tools: list) -> list[dict] | None:
+    """The tools as chat templates read them (None: none, or hidden by tool_choice none)."""
+    return [{"type": "function", "function": t.function.model_dump(exclude_none=True)}
+            for t in tools] or None
 
 
 def tool_call_grammar(parser: type[ToolParser], tools: list) -> str | None:

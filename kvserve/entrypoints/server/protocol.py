@@ -176,6 +176,11 @@ class CompletionRequest(SamplingFields):
     suffix: None = None  # insertion is not supported; any value is rejected
 
 
+def join_text(content: str | list) -> str:
+    """Content given as text or as a list of parts that each hold `text`, as one text."""
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
 class TextPart(Strict):
     type: Literal["text"]
     text: str
@@ -201,11 +206,7 @@ class ChatMessage(Strict):
     reasoning_content: str | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+        return "" if self.content is None else join_text(self.content)
 
     def for_template(self) -> dict[str, Any]:
         """The message as Hugging Face chat templates read it: tool calls' arguments as

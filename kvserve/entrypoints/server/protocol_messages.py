@@ -28,6 +28,7 @@ from kvserve.entrypoints.server.protocol import (
     Strict,
     Tool,
     ToolCallItem,
+    join_text,
 )
 
 
@@ -62,8 +63,7 @@ class ToolResultBlock(Strict):
     cache_control: CacheControl | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else \
-            "".join(b.text for b in self.content)
+        return join_text(self.content)
 
 
 class ThinkingBlock(Strict):
@@ -124,15 +124,18 @@ class CountTokensRequest(Strict):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
 
+    @property
+    def prefill(self) -> bool:
+        """A last assistant turn is a prefill, which the answer continues."""
+        return self.messages[-1].role == "assistant"
+
     def chat_messages(self) -> list[ChatMessage]:
         """The conversation as chat messages: the system prompt first; a user turn's tool
         results as tool messages (before its text, as they answer the turn before); an
         assistant turn's tool_use blocks as its tool calls, its thinking as reasoning."""
         out: list[ChatMessage] = []
         if self.system:
-            system = self.system if isinstance(self.system, str) else \
-                "".join(b.text for b in self.system)
-            out.append(ChatMessage(role="system", content=system))
+            out.append(ChatMessage(role="system", content=join_text(self.system)))
         for i, m in enumerate(self.messages):
             blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) \
                 else m.content
@@ -200,7 +203,7 @@ class MessagesRequest(CountTokensRequest):
         assistant turn is a prefill, continued (Anthropic's API): the answer is what follows
         it."""
         tools, choice, parallel = self.chat_tools()
-        prefill = self.messages[-1].role == "assistant"
+        prefill = self.prefill
         fmt = self.output_config.format if self.output_config else None
         return ChatCompletionRequest(
             model=self.model, messages=self.chat_messages(), max_tokens=self.max_tokens,

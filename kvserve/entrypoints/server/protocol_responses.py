@@ -27,6 +27,7 @@ from kvserve.entrypoints.server.protocol import (
     Strict,
     Tool,
     ToolCallItem,
+    join_text,
 )
 
 
@@ -52,8 +53,7 @@ class MessageItem(Strict):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else \
-            "".join(p.text for p in self.content)
+        return join_text(self.content)
 
 
 class FunctionCallItem(Strict):
@@ -73,8 +73,7 @@ class FunctionCallOutputItem(Strict):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else \
-            "".join(p.text for p in self.output)
+        return join_text(self.output)
 
 
 class ReasoningText(Strict):

@@ -8,6 +8,7 @@ Every request that reaches the engine is closed in a `finally`, so a client that
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -79,6 +80,12 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.llm_engine.max_model_len
 
+    @functools.cached_property
+    def detected_tool_parser(self) -> str | None:
+        """The tool-call form the loaded model's chat template shows (detect_tool_parser),
+        read once: the template does not change after the load."""
+        return detect_tool_parser(self.tokenizer.chat_template)
+
     @property
     def auto_tool_parser(self) -> str | None:
         """tool_choice auto's parser: --tool-call-parser, or with `auto` the one the chat
@@ -87,7 +94,7 @@ class ServerState:
         name = self.args.tool_call_parser if self.args.enable_auto_tool_choice else None
         if name != "auto":
             return name
-        found = detect_tool_parser(self.tokenizer.chat_template)
+        found = self.detected_tool_parser
         if found is None:
             raise APIError(400, 'tool_choice "auto": --tool-call-parser auto found no tool-call '
                            "form in this model's chat template; start the server with one of "

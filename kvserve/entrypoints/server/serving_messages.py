@@ -19,7 +19,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.async_engine import EngineDeadError, RequestStream
 from kvserve.entrypoints.server import schemas
-from kvserve.entrypoints.server.chat_tools import ChatPlan, ChoiceStream, chat_message
+from kvserve.entrypoints.server.chat_tools import (
+    ChatPlan,
+    ChoiceStream,
+    chat_message,
+    template_tools,
+)
 from kvserve.entrypoints.server.errors import anthropic_error_body
 from kvserve.entrypoints.server.protocol_messages import CountTokensRequest, MessagesRequest
 from kvserve.entrypoints.server.serving import (
@@ -65,11 +70,10 @@ async def count_tokens(state: State, body: CountTokensRequest) -> Response:
     state.check_model(body.model)
     state.ready()
     tools, _, _ = body.chat_tools()
-    template_tools = None if tools is None or (body.tool_choice is not None and
-                                               body.tool_choice.type == "none") else \
-        [{"type": "function", "function": t.function.model_dump(exclude_none=True)}
-         for t in tools]
-    ids = encode_chat(state.processor, body.chat_messages(), True, template_tools)
+    hidden = body.tool_choice is not None and body.tool_choice.type == "none"
+    ids = encode_chat(state.processor, body.chat_messages(), not body.prefill,
+                      None if hidden else template_tools(tools or []),
+                      continue_final_message=body.prefill)
     return JSONResponse({"input_tokens": len(ids)})
 
 
