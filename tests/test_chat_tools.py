@@ -57,7 +57,8 @@ def test_modes_and_their_constraints():
     assert auto.mode == "auto" and auto.tools and auto.constraint_field == "tools"
     assert auto.constraint.grammar.startswith("start: call* TEXT")
     assert '"const": "add"' in auto.constraint.grammar
-    assert plan("qwen3_coder", tools=[ADD]).constraint is None  # a form without one
+    assert "<function=add>" in plan("qwen3_coder", tools=[ADD]).constraint.grammar
+    assert plan("pythonic", tools=[ADD]).constraint is None  # a form without one
     own = plan("hermes", tools=[ADD], response_format={"type": "json_object"})
     assert own.constraint.json_object  # the request's own constraint wins
     assert plan(tools=[ADD], tool_choice="none").tools is None
@@ -101,8 +102,9 @@ def test_messages_and_streams_agree(size):
         assert s["content"] == (message["content"] or "")
         assert s["reasoning_content"] == (message.get("reasoning_content") or "")
         calls = message.get("tool_calls", [])
-        assert [(c["name"], json.loads(c["arguments"])) for c in s["calls"].values()] == \
-            [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+        # The same strings: the model's own text of the arguments, whole and streamed.
+        assert [(c["name"], c["arguments"]) for c in s["calls"].values()] == \
+            [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
         assert has_calls == s["has_calls"] == bool(calls)
         assert finish_reason("stop", has_calls) == ("tool_calls" if calls else "stop")
         assert finish_reason("length", has_calls) == "length"
@@ -112,6 +114,40 @@ def test_required_output_cut_short_is_content():
     p = plan(tools=[ADD], tool_choice="required")
     message, has_calls = chat_message(p, '[{"name": "add", "param')
     assert not has_calls and message["content"] == '[{"name": "add", "param'
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_required_and_auto_stream_arguments_piece_by_piece(tool_choice):
+    """In required and auto (as for a named function) a call's arguments leave as the model
+    writes them: fed a character at a time, one tool-call delta a character, the first with
+    the call's id and name."""
+    p = plan("hermes", tools=[ADD, MUL], tool_choice=tool_choice)
+    args = '{"a": 12, "b": [3, {"c": "}"}]}'
+    text = ('[{"name": "mul", "parameters": ' + args + '}, {"name": "add", "parameters": {}}]'
+            if tool_choice == "required" else
+            'On it.\n<tool_call>\n{"name": "mul", "arguments": ' + args + '}\n</tool_call>')
+    cs = ChoiceStream(p)
+    pieces = [tc for i, ch in enumerate(text) for d in cs.feed(ch, i == len(text) - 1)
+              for tc in d.get("tool_calls", [])]
+    first = [tc for tc in pieces if tc["index"] == 0]
+    assert first[0]["function"]["name"] == "mul" and first[0]["id"].startswith("call_")
+    assert all("id" not in tc for tc in first[1:])
+    assert "".join(tc["function"]["arguments"] for tc in first) == args
+    assert len([tc for tc in first if tc["function"]["arguments"]]) == len(args)
+    message, _ = chat_message(p, text)
+    assert message["tool_calls"][0]["function"]["arguments"] == args
+    assert cs.tools is not None and cs.tools.broken == []
+
+
+def test_required_stream_cut_short_marks_its_calls_broken():
+    p = plan(tools=[ADD], tool_choice="required")
+    text = '[{"name": "add", "parameters": {"a": 1}}, {"name": "add", "parameters": {"a'
+    s = streamed(p, text, 3)
+    assert s["content"] == "" and [c["arguments"] for c in s["calls"].values()] == \
+        ['{"a": 1}', '{"a']
+    cs = ChoiceStream(p)
+    cs.feed(text, True)
+    assert cs.tools is not None and cs.tools.broken == [0, 1]
 
 
 def test_a_call_after_the_thinking():

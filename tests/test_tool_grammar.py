@@ -22,6 +22,7 @@ from kvserve.entrypoints.server.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
     Llama3JsonToolParser,
+    Qwen3CoderToolParser,
 )
 from kvserve.sample.sampling_params import SamplingParams, StructuredOutputs
 from kvserve.sample.structured import Grammar, GrammarCompiler, new_bitmask
@@ -127,10 +128,55 @@ def test_a_llama3_answer_that_opens_a_brace_is_a_valid_call(compiler, declared, 
     assert Llama3JsonToolParser(list(schemas)).parse(text).tool_calls[0].name == call["name"]
 
 
+@settings(max_examples=25, deadline=None)
+@given(declared=_TOOLS, seed=st.integers(0, 2**16), pick=st.integers(0, 2))
+def test_a_hermes_answer_that_opens_a_bare_call_is_a_valid_call(compiler, declared, seed,
+                                                                 pick):
+    """`{"name": "<declared>"` at the start opens a bare call, held like a tagged one; a JSON
+    answer naming anything else stays free."""
+    schemas = dict(declared)
+    name = list(schemas)[pick % len(schemas)]
+    grammar = tool_call_grammar(HermesToolParser, tools_of(declared))
+    g = compiler.compile(StructuredOutputs(grammar=grammar))
+    opening = '\n{"name": ' + json.dumps(name)
+    for t in ids(opening):
+        g.accept(t)
+    text = opening + walk(g, random.Random(seed), "\0")
+    call = json.loads(text)
+    assert call["name"] == name
+    jsonschema.validate(call["arguments"], schemas[name])
+    parsed = HermesToolParser(list(schemas)).parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == \
+        [(name, call["arguments"])]
+    free = compiler.compile(StructuredOutputs(grammar=grammar))
+    for t in ids('{"name": "' + "Q" * 11 + '", "age": '):
+        free.accept(t)
+    assert set(allowed(free)) >= set(range(1, 320)) - {BYTE_FF}
+
+
+@settings(max_examples=40, deadline=None)
+@given(declared=_TOOLS, prose=_PROSE, seed=st.integers(0, 2**16))
+def test_a_qwen3_coder_call_once_opened_is_always_valid(compiler, declared, prose, seed):
+    """The XML form: a declared function, its parameters in the schema's order, each value
+    of its schema's type; the parser types them back into arguments that fit the schema."""
+    schemas = dict(declared)
+    g = compiler.compile(StructuredOutputs(
+        grammar=tool_call_grammar(Qwen3CoderToolParser, tools_of(declared))))
+    assert set(allowed(g)) >= set(range(1, 320)) - {BYTE_FF}
+    for t in ids(prose + "<tool_call>"):
+        g.accept(t)
+    assert EOS not in allowed(g)
+    text = walk(g, random.Random(seed), "</tool_call>")
+    assert text.startswith("\n<function=") and text.endswith("</function>\n</tool_call>")
+    parsed = Qwen3CoderToolParser(list(schemas), schemas).parse(prose + "<tool_call>" + text)
+    (c,) = parsed.tool_calls
+    jsonschema.validate(json.loads(c.arguments), schemas[c.name])
+
+
 def test_forms_without_a_grammar_say_so():
-    with_grammar = {n for n, cls in TOOL_PARSERS.items() if cls.lazy_grammar() is not None}
-    assert with_grammar == {"hermes", "llama3_json"}
-    assert tool_call_grammar(TOOL_PARSERS["qwen3_coder"], tools_of([("f", {})])) is None
+    with_grammar = {n for n, cls in TOOL_PARSERS.items() if cls.lazy_grammar({}) is not None}
+    assert with_grammar == {"hermes", "llama3_json", "qwen3_coder"}
+    assert tool_call_grammar(TOOL_PARSERS["pythonic"], tools_of([("f", {})])) is None
 
 
 def test_free_text_is_the_unconstrained_text(tiny_llama_dir):

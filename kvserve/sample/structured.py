@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import llguidance
 import torch
 
-from kvserve.sample.sampling_params import StructuredOutputs
+from kvserve.sample.sampling_params import JSON_OPTIONS, StructuredOutputs
 
 # Parser limits (llguidance's fuel): they bound the work of compiling a grammar and of each
 # mask, so a pathological schema is refused rather than stalling every step.
@@ -39,11 +39,6 @@ _LIMITS = llguidance.LLParserLimits(
     max_grammar_size=200_000,
 )
 COMPILE_CACHE_SIZE = 256
-# JSON is written as json.dumps writes it: ", " and ": ", no other whitespace. llguidance's
-# own default allows any whitespace anywhere, and small models then fill max_tokens with
-# newlines (measured here: 9 of 12 SmolLM2 outputs). A schema may still ask for more with its
-# "x-guidance" options (e.g. {"whitespace_flexible": true}), which override these.
-JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
 class StructuredOutputError(ValueError):

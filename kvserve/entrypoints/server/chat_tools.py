@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from kvserve.entrypoints.server.call_scan import CallScan, Scan
 from kvserve.entrypoints.server.errors import APIError
 from kvserve.entrypoints.server.protocol import ChatCompletionRequest, NamedToolChoice
 from kvserve.entrypoints.server.reasoning import THINK_END, ReasoningParser, get_reasoning_parser
@@ -35,10 +36,8 @@ from kvserve.entrypoints.server.tool_parsers import (
     ToolCallDelta,
     ToolParser,
     get_tool_parser,
-    normalize_arguments,
 )
 from kvserve.sample.sampling_params import StructuredOutputs
-from kvserve.sample.structured import JSON_OPTIONS
 
 
 class NamedToolParser(ToolParser):
@@ -80,24 +79,95 @@ class NamedToolParser(ToolParser):
 
 class RequiredToolParser(ToolParser):
     """tool_choice "required": the (grammar-constrained) output is a JSON array of
-    {"name", "parameters"}; calls are sent once the array is complete. Text that is not such
-    an array (cut off by max_tokens) is content."""
+    {"name", "parameters"}. Each call is sent once its name is read, and its arguments as they
+    come (the model's own text of them). Text that is not such an array is content; in a
+    stream, calls already sent when the array breaks (cut off by max_tokens) are `broken`."""
 
     name: ClassVar[str] = "required"
 
+    _KEYS: ClassVar[tuple[str, ...]] = ("parameters",)
+
+    def __init__(self, tool_names: list[str] | None = None,
+                 schemas: dict[str, dict] | None = None, stream_arguments: bool = True) -> None:
+        super().__init__(tool_names, schemas)
+        self._stream_arguments = stream_arguments
+        self._pos = 0  # how far the buffer is read
+        self._expect = "["  # "[", "item", ", or ]", "end", or "" once it is not the array
+        self._scan: CallScan | None = None
+        self._scan_from = 0  # where the current item starts in the buffer
+        self._done: list[ToolCall] = []  # complete calls (all of them when held)
+
     def parse(self, text: str) -> ParsedMessage:
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError:
-            return ParsedMessage(text or None, [])
-        calls = []
-        for item in items if isinstance(items, list) else []:
-            args = normalize_arguments(item.get("parameters")) if isinstance(item, dict) \
-                else None
-            if args is None or not isinstance(item.get("name"), str):
-                return ParsedMessage(text or None, [])
-            calls.append(ToolCall(item["name"], args))
+        scan = RequiredToolParser(self.tool_names, self.schemas, stream_arguments=False)
+        scan.feed(text)
+        scan.finish()
+        calls = scan.tool_calls()
         return ParsedMessage(None, calls) if calls else ParsedMessage(text or None, [])
+
+    def feed(self, delta: str) -> StreamDelta:
+        self._check_open()
+        self._buffer += delta
+        out = StreamDelta()
+        while self._expect and self._step(out):
+            pass
+        return out
+
+    def _step(self, out: StreamDelta) -> bool:
+        """Read one piece of the array; False when it needs more text (or it is no array)."""
+        b = self._buffer
+        if self._expect != "item":
+            while self._pos < len(b) and b[self._pos].isspace():
+                self._pos += 1
+            if self._pos == len(b):
+                return False
+            c = b[self._pos]
+            ok = {"[": "[", ", or ]": ",]", "end": ""}[self._expect]
+            if c not in ok:
+                self._expect = ""
+                return False
+            self._pos += 1
+            self._expect = "end" if c == "]" else "item"
+            self._scan, self._scan_from = None, self._pos
+            return True
+        if self._scan is None:
+            self._scan = CallScan(self._KEYS, self.tool_names)
+        scan = self._scan
+        piece = scan.feed(b[self._pos:])
+        self._pos = len(b)
+        if scan.status in (Scan.HEAD, Scan.OTHER, Scan.BROKEN):
+            if scan.status is not Scan.HEAD:
+                self._expect = ""
+            return False
+        assert scan.name is not None
+        if self._stream_arguments:
+            if len(self._calls) == len(self._done):
+                call = ToolCall(scan.name, "")
+                self._calls.append(call)
+                out.tool_calls.append(ToolCallDelta(len(self._calls) - 1, call.id, call.name))
+            if piece:
+                self._calls[-1].arguments += piece
+                out.tool_calls.append(ToolCallDelta(len(self._calls) - 1, arguments=piece))
+        if scan.status is not Scan.DONE:
+            return False
+        self._done.append(self._calls[-1] if self._stream_arguments
+                          else ToolCall(scan.name, scan.arguments))
+        self._pos = self._scan_from + scan.end
+        self._expect = ", or ]"
+        return True
+
+    def finish(self) -> StreamDelta:
+        self._check_open()
+        self._finished = True
+        whole = self._expect == "end" and not self._buffer[self._pos:].strip()
+        if whole and not self._stream_arguments:
+            self._calls = list(self._done)
+            return StreamDelta()
+        if whole:
+            return StreamDelta()
+        if self._calls:  # sent, but the array never ended
+            self.broken = list(range(len(self._calls)))
+            return StreamDelta()
+        return StreamDelta(content=self._buffer)
 
 
 def _parameters(tool) -> dict[str, Any]:
@@ -205,18 +275,10 @@ def template_tools(tools: list) -> list[dict] | None:
 
 
 def tool_call_grammar(parser: type[ToolParser], tools: list) -> str | None:
-    """tool_choice auto's grammar (llguidance's Lark): `parser`'s lazy grammar, its tool_json
-    one call of a declared function with arguments valid against its schema, written as
-    json.dumps writes it (structured.JSON_OPTIONS). None when the form has no grammar."""
-    frame = parser.lazy_grammar()
-    if frame is None:
-        return None
-    key = parser.ARGUMENTS
-    schema = {"anyOf": [{"type": "object", "properties": {
-        "name": {"const": t.function.name}, key: _parameters(t)},
-        "required": ["name", key], "additionalProperties": False} for t in tools],
-        "x-guidance": JSON_OPTIONS}
-    return frame + "tool_json: %json " + json.dumps(schema) + "\n"
+    """tool_choice auto's grammar (llguidance's Lark) for `tools` in `parser`'s form: free
+    text until a call opens, then a call of a declared function with arguments valid
+    against its schema. None when the form has no grammar."""
+    return parser.lazy_grammar({t.function.name: _parameters(t) for t in tools})
 
 
 def _call_json(call: ToolCall) -> dict:

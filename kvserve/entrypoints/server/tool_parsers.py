@@ -16,6 +16,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from kvserve.entrypoints.server.call_scan import CallScan, Scan, scan_whole
+from kvserve.sample.sampling_params import JSON_OPTIONS
+
 
 @dataclass
 class ToolCall:
@@ -62,6 +65,34 @@ def partial_suffix_len(text: str, tag: str) -> int:
         if text.endswith(tag[:k]):
             return k
     return 0
+
+
+def lark_string(text: str) -> str:
+    """`text` as a Lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def regex_literal(text: str) -> str:
+    """`text` as a regex (for a Lark /.../ terminal) matching exactly it."""
+    return "".join(c if c.isascii() and (c.isalnum() or c == "_") else f"\\x{{{ord(c):x}}}"
+                   for c in text)
+
+
+def _object(schema: dict) -> dict:
+    """A parameters schema that says no type held to objects (what a call's arguments are)."""
+    return schema if "type" in schema else {**schema, "type": "object"}
+
+
+def json_call_rule(key: str, functions: dict[str, dict]) -> str:
+    """Rule tool_json: one `{"name": ..., <key>: {...}}` call of a declared function, its
+    arguments valid against the function's schema, written as json.dumps writes it
+    (structured.JSON_OPTIONS), so that a lazy grammar's calls are what templates show."""
+    schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": name},
+                                                          key: _object(params)},
+                         "required": ["name", key], "additionalProperties": False}
+                        for name, params in functions.items()],
+              "x-guidance": JSON_OPTIONS}
+    return "tool_json: %json " + json.dumps(schema) + "\n"
 
 
 def normalize_arguments(raw: Any) -> str | None:
@@ -133,7 +164,10 @@ class ToolParser(ABC):
     order then finish(); the concatenated StreamDelta.content equals parse(full).content (or ""
     when that is None), and, per index, the concatenated ToolCallDelta.arguments equal
     parse(full).tool_calls[i].arguments exactly, names equal, ids consistent (the same id a
-    streaming call used may differ from a separate parse() call; that's fine).
+    streaming call used may differ from a separate parse() call; that's fine). The one
+    exception: a call whose arguments a parser streams before the call ends is sent even if
+    its text then breaks (cut off by max_tokens, or not JSON after all); such calls are listed
+    in `broken`, and only a stream with broken calls may differ from parse().
 
     Invariants: indexes start at 0 and increase by one per call, in the order of the text; the
     first delta of an index carries its id and name and later ones carry neither; once
@@ -157,6 +191,10 @@ class ToolParser(ABC):
         self._calls: list[ToolCall] = []
         self._content = _ContentChannel()
         self._finished = False
+        # Indexes of streamed calls whose text broke after their arguments began to stream
+        # (cut off, or not JSON in the end): sent as they were, unlike parse(), which
+        # reports such a call's text as content.
+        self.broken: list[int] = []
 
     @abstractmethod
     def parse(self, text: str) -> ParsedMessage:
@@ -190,12 +228,12 @@ class ToolParser(ABC):
     ARGUMENTS: ClassVar[str] = "arguments"
 
     @classmethod
-    def lazy_grammar(cls) -> str | None:
-        """A Lark grammar (llguidance's) for tool_choice auto, or None where this form has
-        none: the output is free until the model opens a call in one of this form's ways,
-        and from there the call is held to the rule tool_json, which the caller appends (a
-        `%json` of the declared functions' calls). The model still decides whether to call;
-        when it does, the call parses and its arguments fit their schema."""
+    def lazy_grammar(cls, functions: dict[str, dict]) -> str | None:
+        """A Lark grammar (llguidance's) for tool_choice auto over the declared `functions`
+        (name: parameters schema), or None where this form has none: the output is free
+        until the model opens a call in one of this form's ways, and from there the call is
+        held to a declared function with arguments that fit its schema. The model still
+        decides whether to call; when it does, the call parses."""
         return None
 
     def _check_open(self) -> None:
@@ -258,33 +296,52 @@ class HermesToolParser(ToolParser):
     BARE: ClassVar[bool] = True  # whether an answer that is JSON may be calls
 
     def __init__(self, tool_names: list[str] | None = None,
-                 schemas: dict[str, dict] | None = None) -> None:
+                 schemas: dict[str, dict] | None = None, stream_arguments: bool = True) -> None:
         super().__init__(tool_names, schemas)
         self._block: tuple[str, str] | None = None  # the block being held, if any
         # Whether the answer is held whole (None: not known yet).
         self._bare: bool | None = None if self.BARE else False
+        # Streaming the arguments of a call in a block as they come (parse() holds blocks).
+        self._stream_arguments = stream_arguments
+        self._scan: CallScan | None = None  # the block's call, read as it arrives
+        self._scanned = 0  # how much of the block's text the scan has had
+        self._streaming: ToolCall | None = None  # the call whose arguments are streaming
+        self._dropping = False  # a streamed call broke: its block's text up to the closing
 
     def _decode(self, body: str) -> list[ToolCall] | None:
+        whole = scan_whole(body, self._ARG_KEYS, self.tool_names)
+        if whole is not None:
+            return [ToolCall(name=whole[0], arguments=whole[1])]
         return decode_calls(body, self._ARG_KEYS, self.tool_names)
 
     @classmethod
-    def lazy_grammar(cls) -> str | None:
+    def lazy_grammar(cls, functions: dict[str, dict]) -> str | None:
         # Free text, then any number of calls each opened by the tag or a fence (lazy: the
-        # shortest text before an opening), then free text. One call a block, written as
-        # the chat template shows it (a newline after the opening and before the closing).
-        # TEXT is any bytes, valid UTF-8 or not (the negation's half), so that text without
-        # a call is exactly what the model would write unconstrained.
-        return (
-            "start: call* TEXT\n"
-            "TEXT: /(?s:.*)/ | ~/(?s:.*)/\n"
-            "call: tag_call | fence_call\n"
-            f"tag_open[lazy]: TEXT {json.dumps(cls.START)}\n"
-            f"tag_call: tag_open \"\\n\" tool_json \"\\n{cls.END}\"\n"
-            "fence_open[lazy]: TEXT /```(json|tool_call)/\n"
-            "fence_call: fence_open \"\\n\" tool_json \"\\n```\"\n")
+        # shortest text before an opening), then free text; or the whole answer one bare call,
+        # opened by `{"name": "<declared name>"` (a JSON answer naming anything else stays
+        # free). One call a block, written as the chat template shows it (a newline after the
+        # opening and before the closing). TEXT is any bytes, valid UTF-8 or not (the
+        # negation's half), so that text without a call is what the model would write
+        # unconstrained.
+        lines = ["start: call* TEXT | bare", "TEXT: /(?s:.*)/ | ~/(?s:.*)/",
+                 "call: tag_call | fence_call",
+                 f"tag_open[lazy]: TEXT {lark_string(cls.START)}",
+                 f"tag_call: tag_open \"\\n\" tool_json \"\\n{cls.END}\"",
+                 "fence_open[lazy]: TEXT /```(json|tool_call)/",
+                 "fence_call: fence_open \"\\n\" tool_json \"\\n```\"",
+                 "bare: " + " | ".join(f"bare{i}" for i in range(len(functions))),
+                 "BLANK: /[ \\t\\r\\n]+/"]
+        key = lark_string(f", {lark_string(cls.ARGUMENTS)}: ")
+        for i, (name, params) in enumerate(functions.items()):
+            opening = regex_literal('{"name": ' + lark_string(name))
+            lines += [f"bare{i}_open[lazy]: /[ \\t\\r\\n]*{opening}/",
+                      f"bare{i}: bare{i}_open {key} bare{i}_args \"}}\" BLANK?",
+                      f"bare{i}_args: %json " + json.dumps(
+                          {**_object(params), "x-guidance": JSON_OPTIONS})]
+        return "\n".join(lines) + "\n" + json_call_rule(cls.ARGUMENTS, functions)
 
     def parse(self, text: str) -> ParsedMessage:
-        scan = type(self)(self.tool_names, self.schemas)
+        scan = type(self)(self.tool_names, self.schemas, stream_arguments=False)
         out = scan.feed(text)
         last = scan.finish()
         return ParsedMessage(content=_content_or_none(out.content + last.content),
@@ -331,24 +388,99 @@ class HermesToolParser(ToolParser):
                 i, self._block = min(found, key=lambda f: f[0])
                 out.content += self._content.push(self._buffer[:i])
                 self._buffer = self._buffer[i + len(self._block[0]):]
+                self._scan, self._scanned = CallScan(self._ARG_KEYS, self.tool_names), 0
                 continue
-            opening, closing = self._block
-            j = self._buffer.find(closing)
-            if j < 0:
-                if final:
-                    # Cut off: a call if its text decodes without the partial closing.
-                    body, self._buffer = self._buffer, ""
-                    self._block = None
-                    cut = partial_suffix_len(body, closing)
-                    self._settle(out, self._decode(body[: len(body) - cut]), opening + body)
+            if not self._in_block(out, final):
                 break
-            body = self._buffer[:j]
-            self._buffer = self._buffer[j + len(closing):]
-            self._block = None
-            self._settle(out, self._decode(body), opening + body + closing)
         if final:
             out.content += self._content.close()
         return out
+
+    def _in_block(self, out: StreamDelta, final: bool) -> bool:
+        """Settle the block being held if its text allows; False when it needs more text."""
+        opening, closing = self._block  # type: ignore[misc]  # set by the caller
+        if self._dropping:
+            j = self._buffer.find(closing)
+            if j < 0:
+                self._buffer = self._buffer[len(self._buffer) - partial_suffix_len(
+                    self._buffer, closing):] if not final else ""
+                if final:
+                    self._end_block()
+                return False
+            self._buffer = self._buffer[j + len(closing):]
+            self._end_block()
+            return True
+        scan = self._scan
+        if scan is not None and scan.status is not Scan.OTHER:
+            piece = scan.feed(self._buffer[self._scanned:])
+            self._scanned = len(self._buffer)
+            if scan.status is Scan.HEAD and not final:
+                return False
+            if scan.status in (Scan.ARGS, Scan.REST, Scan.DONE, Scan.BROKEN):
+                if self._stream_arguments:
+                    self._stream_piece(out, scan, piece)
+                if scan.status in (Scan.ARGS, Scan.REST) and not final:
+                    return False
+                settled = self._after_call(out, scan, closing, final)
+                if settled is not None:
+                    return settled
+        # Not the streamed form (or a held call that did not end well): the whole block.
+        j = self._buffer.find(closing)
+        if j < 0:
+            if final:
+                # Cut off: a call if its text decodes without the partial closing.
+                body, self._buffer = self._buffer, ""
+                cut = partial_suffix_len(body, closing)
+                self._end_block()
+                self._settle(out, self._decode(body[: len(body) - cut]), opening + body)
+            return False
+        body = self._buffer[:j]
+        self._buffer = self._buffer[j + len(closing):]
+        self._end_block()
+        self._settle(out, self._decode(body), opening + body + closing)
+        return True
+
+    def _stream_piece(self, out: StreamDelta, scan: CallScan, piece: str) -> None:
+        if self._streaming is None:
+            assert scan.name is not None
+            self._streaming = ToolCall(name=scan.name, arguments="")
+            index = len(self._calls)
+            self._calls.append(self._streaming)
+            out.tool_calls.append(ToolCallDelta(index, self._streaming.id, scan.name, piece))
+        elif piece:
+            out.tool_calls.append(ToolCallDelta(len(self._calls) - 1, arguments=piece))
+        self._streaming.arguments += piece
+
+    def _after_call(self, out: StreamDelta, scan: CallScan, closing: str, final: bool
+                    ) -> bool | None:
+        """The block's call has ended (or the text has): settle the block if its closing
+        follows. True: settled; False: needs more text; None: read the block whole."""
+        rest = self._buffer[scan.end:] if scan.status is Scan.DONE else None
+        if rest is not None:
+            tail = rest.lstrip()
+            if tail.startswith(closing) or (final and closing.startswith(tail)):
+                cut = len(rest) - len(tail) + min(len(closing), len(tail))
+                self._buffer = rest[cut:]
+                if not self._stream_arguments:
+                    assert scan.name is not None
+                    out.tool_calls.append(self._emit_call(
+                        ToolCall(name=scan.name, arguments=scan.arguments)))
+                self._end_block()
+                return True
+            if not final and closing.startswith(tail):
+                return False
+        if not self._stream_arguments:
+            return None
+        # A call already streamed broke (cut off, not JSON, or text before its closing): it
+        # stays sent (finish_reason tells a cut), and the rest of its block is dropped.
+        self.broken.append(len(self._calls) - 1)
+        self._dropping = True
+        self._buffer = self._buffer[scan.end:] if scan.status is not Scan.ARGS and \
+            scan.status is not Scan.REST else ""
+        return self._in_block(out, final)
+
+    def _end_block(self) -> None:
+        self._block, self._scan, self._streaming, self._dropping = None, None, None, False
 
     def _settle(self, out: StreamDelta, calls: list[ToolCall] | None, raw: str) -> None:
         if calls is not None:
@@ -373,12 +505,13 @@ class Llama3JsonToolParser(ToolParser):
     _OPEN: ClassVar[str] = "{"  # how output that may be calls starts
 
     @classmethod
-    def lazy_grammar(cls) -> str | None:
+    def lazy_grammar(cls, functions: dict[str, dict]) -> str | None:
         # Any bytes that do not start with a brace, or one call. (<|python_tag|> is a special
         # token, which the grammar's text does not include: Llama 3.1 writes custom tools'
         # calls without it.)
         return ("start: TEXT | tool_json\n"
-                "TEXT: ~BRACED\nBRACED: \"{\" BYTES\nBYTES: /(?s:.*)/ | ~/(?s:.*)/\n")
+                "TEXT: ~BRACED\nBRACED: \"{\" BYTES\nBYTES: /(?s:.*)/ | ~/(?s:.*)/\n"
+                + json_call_rule(cls.ARGUMENTS, functions))
 
     def __init__(self, tool_names: list[str] | None = None,
                  schemas: dict[str, dict] | None = None) -> None:
@@ -478,6 +611,30 @@ def _typed_value(text: str, schema: Any) -> Any:
     return value if check is None or check(value) else text
 
 
+def _xml_value(rule: str, schema: Any) -> list[str]:
+    """Grammar lines for an XML parameter's value and its closing tag, as _typed_value reads
+    it back: a string as text (its enum's or pattern's where it has one), any other type as
+    its JSON held to its schema, and anything where the schema says nothing."""
+    closing = lark_string("\n</parameter>")
+    schema = schema if isinstance(schema, dict) else {}
+    kind = schema.get("type")
+    if "enum" in schema or "const" in schema:
+        values = schema["enum"] if "enum" in schema else [schema["const"]]
+        texts = [v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+                 for v in values]
+        return [f"{rule}: (" + " | ".join(lark_string(t) for t in texts) + f") {closing}"]
+    if kind == "string":
+        pattern = schema.get("pattern")
+        if isinstance(pattern, str) and pattern.startswith("^") and pattern.endswith("$"):
+            body = pattern[1:-1].replace("/", "\\/")
+            return [f"{rule}: /{body}/ {closing}"]
+        return [f"{rule}[lazy]: /(?s:.*)/ {closing}"]
+    if kind is None or isinstance(kind, list):
+        return [f"{rule}[lazy]: /(?s:.*)/ {closing}"]
+    return [f"{rule}: {rule}_json {closing}",
+            f"{rule}_json: %json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})]
+
+
 class Qwen3CoderToolParser(HermesToolParser):
     """Qwen3-Coder: `<tool_call>` blocks holding XML rather than JSON,
 
@@ -500,8 +657,27 @@ class Qwen3CoderToolParser(HermesToolParser):
     BARE: ClassVar[bool] = False
 
     @classmethod
-    def lazy_grammar(cls) -> str | None:
-        return None  # its parameters are text, typed afterwards: no JSON to hold them to
+    def lazy_grammar(cls, functions: dict[str, dict]) -> str | None:
+        # Free text, then calls opened by the tag, as the template writes them: a declared
+        # function, then its declared parameters in the schema's order (the required ones
+        # always), each value held to its schema (_xml_value), then free text.
+        lines = ["start: call* TEXT", "TEXT: /(?s:.*)/ | ~/(?s:.*)/",
+                 f"tag_open[lazy]: TEXT {lark_string(cls.START)}",
+                 f"call: tag_open \"\\n\" function \"\\n{cls.END}\"",
+                 "function: " + " | ".join(f"f{i}" for i in range(len(functions)))]
+        for i, (name, params) in enumerate(functions.items()):
+            props = params.get("properties") or {}
+            required = set(params.get("required") or [])
+            parts = []
+            for j, (key, schema) in enumerate(props.items()):
+                rule = f"p{i}_{j}"
+                lines.append(f"{rule}: {lark_string(f'<parameter={key}>' + chr(10))} "
+                             f"v{i}_{j} \"\\n\"")
+                lines.extend(_xml_value(f"v{i}_{j}", schema))
+                parts.append(rule if key in required else f"{rule}?")
+            lines.append(f"f{i}: {lark_string(f'<function={name}>' + chr(10))} "
+                         + " ".join(parts) + " \"</function>\"")
+        return "\n".join(lines) + "\n"
 
     _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?\Z", re.S)
     _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
@@ -640,7 +816,7 @@ class PythonicToolParser(Llama3JsonToolParser):
     _OPEN: ClassVar[str] = "["
 
     @classmethod
-    def lazy_grammar(cls) -> str | None:
+    def lazy_grammar(cls, functions: dict[str, dict]) -> str | None:
         return None  # Python call syntax: not held to a grammar here
 
     def _decode_calls(self, text: str) -> list[ToolCall] | None:
