@@ -109,6 +109,43 @@ def test_round_robin_and_streaming(replicas):
         router.stop()
 
 
+def test_responses_continue_on_the_replica_that_stored_them(replicas):
+    """Each replica keeps its own stored responses: through a round-robin router, a chain of
+    previous_response_id turns (whole and streamed) and GET/DELETE of a stored response
+    still reach the replica that made it; an id no replica made is a 404."""
+    router = RouterServer([r.url for r in replicas], "round-robin")
+    try:
+        client = openai_client(f"{router.url}/v1")
+        model = client.models.list().data[0].id
+        first = client.responses.create(model=model, input="Say hi.", max_output_tokens=4,
+                                        temperature=0)
+        previous, ids = first.id, [first.id]
+        for turn in range(4):
+            if turn % 2:
+                # (max_output_tokens ends it incomplete, which the SDK's stream() helper
+                # refuses: read the events.)
+                events = list(client.responses.create(
+                    model=model, input="More.", max_output_tokens=4, temperature=0,
+                    previous_response_id=previous, stream=True))
+                assert events[-1].type == "response.incomplete"
+                previous = events[0].response.id
+            else:
+                previous = client.responses.create(model=model, input="More.",
+                                                   max_output_tokens=4, temperature=0,
+                                                   previous_response_id=previous).id
+            ids.append(previous)
+        assert len(set(ids)) == 5
+        for rid in ids:
+            assert client.responses.retrieve(rid).id == rid
+        client.responses.delete(ids[0])
+        for gone in (ids[0], "resp_nobodymadethis"):
+            r = httpx.get(f"{router.url}/v1/responses/{gone}", timeout=10)
+            assert r.status_code == 404 and r.json()["error"]["message"], r.text
+        assert sum(router.sent().values()) >= 11
+    finally:
+        router.stop()
+
+
 def test_least_outstanding_avoids_the_busy_replica(replicas):
     router = RouterServer([r.url for r in replicas], "least-outstanding")
     try:
@@ -195,6 +232,15 @@ def test_router_unit_choices():
     a.outstanding = 0
     a.healthy = False
     assert r.pick({"prompt": "y"}, exclude={"http://b"}) == (None, "none healthy")
+    a.healthy = True
+    b = r.replicas[1]
+    r.remember_response("resp_1", b)
+    for policy in ("round-robin", "prefix-aware"):
+        r.config.policy = policy
+        assert r.pick({"input": "hi", "previous_response_id": "resp_1"}) == (b, "response owner")
+    b.healthy = False  # its store is gone with it: any other replica, which will say so
+    assert r.pick({"previous_response_id": "resp_1"})[0] is a
+    assert r.response_owner("resp_2") is None
     with pytest.raises(ValueError, match="policy"):
         RouterConfig(["http://a"], "random")
     with pytest.raises(ValueError, match="http"):

@@ -1,5 +1,5 @@
-"""`kvserve router`: one OpenAI-compatible endpoint (and Anthropic's /v1/messages) in front of
-N `kvserve serve` replicas.
+"""`kvserve router`: one OpenAI-compatible endpoint (with /v1/responses, and Anthropic's
+/v1/messages) in front of N `kvserve serve` replicas.
 
 Each request goes to one healthy replica, chosen by the policy:
 - round-robin: in turn;
@@ -9,6 +9,10 @@ Each request goes to one healthy replica, chosen by the policy:
   requests in flight beyond the least loaded one; then, and for new prefixes, a least
   loaded one (ties split by the prefix's hash). Prompts are keyed by chained hashes of
   fixed-size pieces of their text.
+
+Responses API state lives in the replica that answered: the router remembers which replica
+created each response id (read from the first bytes of its answer) and sends a request with
+that `previous_response_id`, and GET/DELETE /v1/responses/{id}, there.
 
 Bodies are forwarded unchanged and responses streamed back as they come. A replica that
 cannot be reached before any byte was returned is marked unhealthy and the request is sent
@@ -25,6 +29,7 @@ import hashlib
 import itertools
 import json
 import logging
+import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -46,6 +51,12 @@ from prometheus_client import (
 log = logging.getLogger("kvserve.entrypoints.router")
 
 POLICIES = ("round-robin", "least-outstanding", "prefix-aware")
+# Response ids remembered, and where (LRU): as many as 10 replicas' default
+# --responses-store-size, beyond which the replicas have forgotten them too.
+RESPONSE_OWNERS = 10_000
+# The first bytes of a /v1/responses answer hold its id, whole or streamed (response.created).
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
+_SNIFF_BYTES = 4096
 
 
 @dataclass
@@ -97,6 +108,17 @@ class Router:
         self.replicas = [Replica(u.rstrip("/")) for u in config.replicas]
         self._turn = itertools.count()
         self._prefixes: OrderedDict[bytes, str] = OrderedDict()  # prefix hash -> replica url
+        self._responses: OrderedDict[str, str] = OrderedDict()  # response id -> replica url
+
+    def remember_response(self, response_id: str, replica: Replica) -> None:
+        self._responses[response_id] = replica.url
+        self._responses.move_to_end(response_id)
+        while len(self._responses) > RESPONSE_OWNERS:
+            self._responses.popitem(last=False)
+
+    def response_owner(self, response_id: str) -> Replica | None:
+        url = self._responses.get(response_id)
+        return next((r for r in self.replicas if r.url == url), None)
 
     def _hashes(self, text: str) -> list[bytes]:
         n = self.config.prefix_chunk_chars
@@ -107,10 +129,16 @@ class Router:
         return out
 
     def pick(self, body: dict, exclude: set[str] = frozenset()) -> tuple[Replica | None, str]:
-        """(replica, why) for a request body; (None, why) when no healthy replica is left."""
+        """(replica, why) for a request body; (None, why) when no healthy replica is left.
+        A body continuing a stored response goes to the replica that holds it, while it is
+        healthy."""
         live = [r for r in self.replicas if r.healthy and r.url not in exclude]
         if not live:
             return None, "none healthy"
+        previous = body.get("previous_response_id")
+        owner = self.response_owner(previous) if isinstance(previous, str) else None
+        if owner is not None and any(r is owner for r in live):
+            return owner, "response owner"
         policy = self.config.policy
         if policy == "round-robin":
             return live[next(self._turn) % len(live)], "turn"
@@ -200,20 +228,25 @@ class RouterState:
             await self.check_all()
             await asyncio.sleep(self.config.health_interval)
 
-    async def _send(self, body: dict, raw: bytes, path: str, headers: dict[str, str]
+    async def _send(self, body: dict, raw: bytes, path: str, headers: dict[str, str],
+                    method: str = "POST", only: Replica | None = None
                     ) -> tuple[Replica, httpx.Response] | None:
-        """The request sent to the replica the policy picks, another one each time one
-        cannot be reached; None when no healthy replica is left."""
+        """The request sent to the replica the policy picks (or to `only`), another one each
+        time one cannot be reached; None when no healthy replica is left."""
         tried: set[str] = set()
         metrics = self.metrics
         while True:
-            replica, why = self.router.pick(body, tried)
+            if only is not None:
+                replica, why = (only, "response owner") if only.url not in tried else \
+                    (None, "response owner down")
+            else:
+                replica, why = self.router.pick(body, tried)
             metrics.decisions.labels(self.config.policy, why).inc()
             if replica is None:
                 return None
             try:
                 upstream = await self.client.send(
-                    self.client.build_request("POST", replica.url + path, content=raw,
+                    self.client.build_request(method, replica.url + path, content=raw,
                                               headers=headers), stream=True)
             except httpx.TransportError as e:
                 log.warning("replica %s unreachable (%s); trying another", replica.url, e)
@@ -224,19 +257,23 @@ class RouterState:
                 continue
             return replica, upstream
 
-    async def forward(self, request: Request, path: str) -> Response:
-        """`request`'s body sent on to a replica, its response streamed back unchanged."""
+    async def forward(self, request: Request, path: str, only: Replica | None = None
+                      ) -> Response:
+        """`request` sent on to a replica (`only`, when given), its response streamed back
+        unchanged. The new id of a /v1/responses answer is remembered with its replica."""
         raw = await request.body()
-        try:
-            body = json.loads(raw or b"{}")
-        except json.JSONDecodeError:
-            return _error(400, "request body is not valid JSON")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object")
+        body: dict = {}
+        if request.method == "POST":
+            try:
+                body = json.loads(raw or b"{}")
+            except json.JSONDecodeError:
+                return _error(400, "request body is not valid JSON")
+            if not isinstance(body, dict):
+                return _error(400, "request body must be a JSON object")
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("authorization", "x-api-key", "content-type", "accept")}
         t0 = time.perf_counter()
-        sent = await self._send(body, raw, path, headers)
+        sent = await self._send(body, raw, path, headers, request.method, only)
         if sent is None:
             return _error(503, "no healthy replica")
         replica, upstream = sent
@@ -244,10 +281,18 @@ class RouterState:
         replica.outstanding += 1
         metrics.outstanding.labels(replica.url).set(replica.outstanding)
         metrics.requests.labels(replica.url, str(upstream.status_code)).inc()
+        sniff = path == "/v1/responses" and request.method == "POST" and \
+            upstream.status_code == 200
 
         async def passthrough() -> AsyncIterator[bytes]:
+            head, looking = b"", sniff
             try:
                 async for chunk in upstream.aiter_raw():
+                    if looking:
+                        head += chunk
+                        if (m := _RESPONSE_ID.search(head)) is not None:
+                            self.router.remember_response(m.group(1).decode(), replica)
+                        looking = m is None and len(head) < _SNIFF_BYTES
                     yield chunk
             except httpx.HTTPError as e:
                 log.warning("replica %s failed mid-response: %s", replica.url, e)
@@ -289,6 +334,22 @@ async def messages(request: Request, state: State) -> Response:
 @routes.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request, state: State) -> Response:
     return await state.forward(request, "/v1/messages/count_tokens")
+
+
+@routes.post("/v1/responses")
+async def responses(request: Request, state: State) -> Response:
+    return await state.forward(request, "/v1/responses")
+
+
+@routes.get("/v1/responses/{response_id}")
+@routes.delete("/v1/responses/{response_id}")
+async def stored_response(response_id: str, request: Request, state: State) -> Response:
+    """A stored response lives in the replica that made it."""
+    owner = state.router.response_owner(response_id)
+    if owner is None:
+        return _error(404, f"response {response_id!r} not found: no replica behind this "
+                      "router made it, or it is older than the router remembers")
+    return await state.forward(request, f"/v1/responses/{response_id}", owner)
 
 
 @routes.get("/v1/models")
