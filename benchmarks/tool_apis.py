@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """What issue 38's agent features cost, on one machine, rounds alternated:
 
-- grammar: tool_choice auto's lazy grammar. `kvserve bench serve` (random 256 in / at most
-  128 out, chat endpoint, tools declared, tool_choice auto) at concurrency 1 and 32 against two
-  servers that differ only in the parser: `hermes` (whose auto runs the lazy grammar) and
-  `qwen3_coder` (none). Both render the same prompts, tools included, so the difference is
-  the grammar. Random prompts do not ask for a call; one opened by chance would be held to
-  the grammar on one server only.
+- grammar: tool_choice auto's lazy grammars. `kvserve bench serve` (random 256 in / at most
+  128 out, chat endpoint, tools declared, tool_choice auto) at concurrency 1 and 32 against
+  three servers that differ only in the parser: `hermes` and `qwen3_coder` (whose auto runs
+  their lazy grammars) and `mistral` (none). All render the same prompts, tools included, so
+  the difference is the grammar. Random prompts do not ask for a call; one opened by chance
+  would be held to a grammar on one server only.
 - apis: one answer through /v1/chat/completions, /v1/responses and /v1/messages, the same
   conversation and the same greedy tokens, 128 requests at concurrency 32, whole and
   streamed.
@@ -60,13 +60,14 @@ def bench(port: int, load: str, out: Path, seed: int) -> dict:
 
 
 def grammar_part(rounds: int, flags: list[str], out: Path) -> None:
-    parsers = {"lazy grammar (hermes)": "hermes", "no grammar (qwen3_coder)": "qwen3_coder"}
+    parsers = {"hermes grammar": "hermes", "qwen3_coder grammar": "qwen3_coder",
+               "no grammar (mistral)": "mistral"}
     ports = {name: 8741 + i for i, name in enumerate(parsers)}
     procs = {name: serve(ROOT, ["--enable-auto-tool-choice", "--tool-call-parser", parser,
                                 *flags], ports[name], out / f"server-{parser}.log")
              for name, parser in parsers.items()}
     results: dict[tuple[str, str], list[float]] = {}
-    tokens: dict[tuple[str, int], set[int]] = {}  # the same on both servers
+    tokens: dict[tuple[str, int], set[int]] = {}  # the same on every server
     try:
         for r in range(rounds):
             for load in LOADS:
@@ -84,13 +85,14 @@ def grammar_part(rounds: int, flags: list[str], out: Path) -> None:
     med = statistics.median
     same = all(len(t) == 1 for t in tokens.values())
     print(f"\ntool_choice auto's lazy grammar, random 256/128 chat requests with a tool, "
-          f"medians of {rounds} rounds (CPU: {cpu()}; output tokens the same on both "
-          f"servers in every run: {same})")
-    print("| load | " + " | ".join(f"{n}, tok/s" for n in parsers) + " | ratio |")
-    print("|---|---|---|---|")
+          f"medians of {rounds} rounds (CPU: {cpu()}; output tokens the same on every "
+          f"server in every run: {same})")
+    print("| load | " + " | ".join(f"{n}, tok/s" for n in parsers)
+          + " | hermes / none | qwen3_coder / none |")
+    print("|---" * (len(parsers) + 3) + "|")
     for load in LOADS:
-        a, b = (med(results[(load, n)]) for n in parsers)
-        print(f"| {load} | {a:.1f} | {b:.1f} | {a / b:.3f} |")
+        a, b, c = (med(results[(load, n)]) for n in parsers)
+        print(f"| {load} | {a:.1f} | {b:.1f} | {c:.1f} | {a / c:.3f} | {b / c:.3f} |")
 
 
 def request(api: str, stream: bool) -> tuple[str, dict]:

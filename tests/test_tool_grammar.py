@@ -7,6 +7,7 @@ random model: the free text is the unconstrained text, alone, batched and specul
 from __future__ import annotations
 
 import json
+import keyword
 import random
 
 import jsonschema
@@ -22,6 +23,7 @@ from kvserve.entrypoints.server.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
     Llama3JsonToolParser,
+    PythonicToolParser,
     Qwen3CoderToolParser,
 )
 from kvserve.sample.sampling_params import SamplingParams, StructuredOutputs
@@ -173,10 +175,41 @@ def test_a_qwen3_coder_call_once_opened_is_always_valid(compiler, declared, pros
     jsonschema.validate(json.loads(c.arguments), schemas[c.name])
 
 
+@settings(max_examples=30, deadline=None)
+@given(declared=_TOOLS, seed=st.integers(0, 2**16), pick=st.integers(0, 2))
+def test_a_pythonic_list_once_opened_is_valid_calls(compiler, declared, seed, pick):
+    """`[` and a declared function's call open a list of calls, keywords held to their
+    schemas; `[` before anything else stays free."""
+    schemas = dict(declared)
+    # Python keywords (`if`, `as`) cannot be a call's name or keyword: left out.
+    callable_ = [n for n, sc in declared if not keyword.iskeyword(n)
+                 and not any(keyword.iskeyword(k) for k in sc["required"])]
+    grammar = tool_call_grammar(PythonicToolParser, tools_of(declared))
+    if not callable_:
+        assert grammar is None
+        return
+    name = callable_[pick % len(callable_)]
+    g = compiler.compile(StructuredOutputs(grammar=grammar))
+    assert set(allowed(g)) >= set(range(1, 320)) - {BYTE_FF}
+    for t in ids("[" + name + "("):
+        g.accept(t)
+    assert EOS not in allowed(g)
+    text = "[" + name + "(" + walk(g, random.Random(seed), "\0")
+    calls = PythonicToolParser(list(schemas)).parse(text).tool_calls
+    assert calls and calls[0].name == name, text
+    for c in calls:
+        jsonschema.validate(json.loads(c.arguments), schemas[c.name])
+    free = compiler.compile(StructuredOutputs(grammar=grammar))
+    for t in ids("[1] See "):
+        free.accept(t)
+    assert set(allowed(free)) >= set(range(1, 320)) - {BYTE_FF}
+
+
 def test_forms_without_a_grammar_say_so():
-    with_grammar = {n for n, cls in TOOL_PARSERS.items() if cls.lazy_grammar({}) is not None}
-    assert with_grammar == {"hermes", "llama3_json", "qwen3_coder"}
-    assert tool_call_grammar(TOOL_PARSERS["pythonic"], tools_of([("f", {})])) is None
+    f = {"f": {"type": "object"}}
+    with_grammar = {n for n, cls in TOOL_PARSERS.items() if cls.lazy_grammar(f) is not None}
+    assert with_grammar == {"hermes", "llama3_json", "qwen3_coder", "pythonic"}
+    assert tool_call_grammar(TOOL_PARSERS["mistral"], tools_of([("f", {})])) is None
 
 
 def test_free_text_is_the_unconstrained_text(tiny_llama_dir):

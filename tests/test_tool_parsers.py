@@ -237,6 +237,19 @@ def test_hermes_arguments_stream_piece_by_piece(opening: str, closing: str) -> N
     assert HermesToolParser(["get_weather"]).parse(text).tool_calls[0].arguments == args
 
 
+@pytest.mark.parametrize("cls, key", [(HermesToolParser, "arguments"),
+                                      (Llama3JsonToolParser, "parameters")])
+def test_a_bare_call_streams_piece_by_piece(cls, key) -> None:
+    args = '{"city": "Bern", "days": [1, 2]}'
+    text = '\n{"name": "get_weather", "' + key + '": ' + args + "}\n"
+    parser = cls(["get_weather"])
+    pieces = [tc for ch in text for tc in parser.feed(ch).tool_calls]
+    assert parser.finish().tool_calls == [] and parser.broken == []
+    assert pieces[0].name == "get_weather" and len(pieces) == len(args)
+    assert "".join(p.arguments for p in pieces) == args == \
+        cls(["get_weather"]).parse(text).tool_calls[0].arguments
+
+
 @pytest.mark.parametrize("text, content", [
     # Cut off inside the arguments (max_tokens): sent as far as it went.
     ('<tool_call>\n{"name": "f", "arguments": {"a": "xy', ""),
@@ -434,22 +447,44 @@ def test_llama3_stream_matches_parse(case: str) -> None:
     check_tool_stream(Llama3JsonToolParser, LLAMA_CASES[case][0])
 
 
-def test_llama3_streams_content_at_once_and_holds_json() -> None:
+def test_llama3_streams_content_at_once_and_calls_as_they_come() -> None:
     parser = Llama3JsonToolParser()
     assert parser.feed("  ").content == ""
     assert parser.feed("Hel").content == "  Hel"
     assert parser.feed("lo {").content == "lo {"
     assert parser.finish().content == ""
 
-    parser = Llama3JsonToolParser()
+    parser = Llama3JsonToolParser(["get_time", "ping"])
     pieces = ["<|py", "thon_tag|>", '{"name": "get_time", ', '"parameters": {"timezone": ',
-              '"Europe/Paris"}}']
-    assert all(parser.feed(p) == StreamDelta() for p in pieces)
+              '"Europe/Paris"}}', " ; ", '{"parameters": {}, "name": "ping"}']
+    deltas = [parser.feed(p) for p in pieces]
+    assert all(d == StreamDelta() for d in deltas[:3])
+    assert [(t.index, t.name, t.arguments) for t in deltas[3].tool_calls] == [
+        (0, "get_time", '{"timezone": ')]
+    assert [(t.index, t.name, t.arguments) for t in deltas[4].tool_calls] == [
+        (0, None, '"Europe/Paris"}')]
+    # Another key order is not streamed: it is sent whole at the end.
+    assert deltas[5] == deltas[6] == StreamDelta()
     d = parser.finish()
-    assert d.content == ""
-    assert [(t.index, t.name, json.loads(t.arguments)) for t in d.tool_calls] == [
-        (0, "get_time", TIME)]
-    assert d.tool_calls[0].id == parser.tool_calls()[0].id
+    assert d.content == "" and [(t.index, t.name, t.arguments) for t in d.tool_calls] == [
+        (1, "ping", "{}")]
+    assert [c.name for c in parser.tool_calls()] == ["get_time", "ping"]
+    assert parser.broken == []
+    assert [(c.name, c.arguments) for c in parser.tool_calls()] == [
+        (c.name, c.arguments) for c in Llama3JsonToolParser(["get_time", "ping"]).parse(
+            "".join(pieces)).tool_calls]
+
+
+@pytest.mark.parametrize("cls, text", [
+    (Llama3JsonToolParser, '{"name": "f", "parameters": {"a": 1}} and then prose'),
+    (Llama3JsonToolParser, '{"name": "f", "parameters": {"a": '),
+    (HermesToolParser, '{"name": "f", "arguments": {"a": 1}}\nand then prose'),
+])
+def test_a_streamed_answer_that_is_not_calls_after_all_is_broken(cls, text):
+    parser = cls(["f"])
+    deltas = [parser.feed(ch) for ch in text] + [parser.finish()]
+    assert parser.broken == [0] and "".join(d.content for d in deltas) == ""
+    assert cls(["f"]).parse(text).content == text
 
 
 def test_get_tool_parser() -> None:

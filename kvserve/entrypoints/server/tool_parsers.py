@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import keyword
 import re
 import uuid
 from abc import ABC, abstractmethod
@@ -264,6 +265,79 @@ def decode_calls(text: str, keys: tuple[str, ...], tool_names: list[str] | None
     return calls  # type: ignore[return-value]  # no None left
 
 
+class _CallRun:
+    """Streams the arguments of JSON calls written one after another as a whole answer
+    (Llama 3's `{...}; {...}`, Hermes's bare object), each as CallScan reads it, until the
+    text is something it cannot stream; the rest waits for the whole text (`settle`). It adds
+    to its parser's stream state (its calls, `broken`) as the parser's own code does."""
+
+    def __init__(self, parser: ToolParser, keys: tuple[str, ...], separators: str) -> None:
+        self.parser = parser
+        self.keys = keys
+        self.separators = separators
+        self.sent: list[ToolCall] = []  # calls streamed, the last perhaps unfinished
+        self._active = True
+        self._pos = 0  # where the next call may start
+        self._scan: CallScan | None = None
+        self._start = 0  # offset of the current call in the text
+        self._fed = 0
+        self._open = False  # the current call has been sent
+
+    def feed(self, text: str, start: int) -> list[ToolCallDelta]:
+        """New pieces of calls in `text` (the whole answer so far; calls start at `start`)."""
+        out: list[ToolCallDelta] = []
+        self._pos = max(self._pos, start)
+        while self._active:
+            if self._scan is None:
+                i = self._pos
+                while i < len(text) and (text[i].isspace() or text[i] in self.separators):
+                    i += 1
+                if i == len(text):
+                    break
+                if text[i] != "{":
+                    self._active = False
+                    break
+                self._scan = CallScan(self.keys, self.parser.tool_names)
+                self._start = self._fed = i
+            scan = self._scan
+            piece = scan.feed(text[self._fed:])
+            self._fed = len(text)
+            if scan.status is Scan.HEAD:
+                break
+            if scan.status in (Scan.OTHER, Scan.BROKEN):
+                self._active = False
+                break
+            calls = self.parser._calls
+            if not self._open:
+                assert scan.name is not None
+                call = ToolCall(name=scan.name, arguments="")
+                calls.append(call)
+                self.sent.append(call)
+                self._open = True
+                out.append(ToolCallDelta(len(calls) - 1, call.id, call.name, piece))
+            elif piece:
+                out.append(ToolCallDelta(len(calls) - 1, arguments=piece))
+            self.sent[-1].arguments += piece
+            if scan.status is not Scan.DONE:
+                break
+            self._pos, self._scan, self._open = self._start + scan.end, None, False
+        return out
+
+    def settle(self, calls: list[ToolCall] | None) -> list[ToolCallDelta] | None:
+        """At the end, against the whole text's calls (None: it is not calls): the calls not
+        streamed yet, or None when the streamed ones are not what the whole text holds
+        (they are then `broken`, and the text is not sent again as content)."""
+        first = len(self.parser._calls) - len(self.sent)
+        if calls is not None and len(calls) >= len(self.sent) and all(
+                (s.name, s.arguments) == (c.name, c.arguments)
+                for s, c in zip(self.sent, calls, strict=False)):
+            return [self.parser._emit_call(c) for c in calls[len(self.sent):]]
+        if self.sent:
+            self.parser.broken.extend(range(first, first + len(self.sent)))
+            return []
+        return None
+
+
 class HermesToolParser(ToolParser):
     """Qwen 2.5 / Qwen 3 / Hermes, in the forms these models write:
 
@@ -307,6 +381,7 @@ class HermesToolParser(ToolParser):
         self._scanned = 0  # how much of the block's text the scan has had
         self._streaming: ToolCall | None = None  # the call whose arguments are streaming
         self._dropping = False  # a streamed call broke: its block's text up to the closing
+        self._run: _CallRun | None = None  # a bare call's stream
 
     def _decode(self, body: str) -> list[ToolCall] | None:
         whole = scan_whole(body, self._ARG_KEYS, self.tool_names)
@@ -355,7 +430,12 @@ class HermesToolParser(ToolParser):
             if not start:
                 return StreamDelta()
             self._bare = start[0] in "{["
+            if self._bare and self._stream_arguments:
+                # One bare object streams; an array waits for the whole answer.
+                self._run = _CallRun(self, self._ARG_KEYS, "") if start[0] == "{" else None
         if self._bare:
+            if self._run is not None:
+                return StreamDelta(tool_calls=self._run.feed(self._buffer, 0))
             return StreamDelta()
         return self._drain(final=False)
 
@@ -364,7 +444,12 @@ class HermesToolParser(ToolParser):
         self._finished = True
         if self._bare:
             calls = self._decode(self._buffer)
-            if calls is not None:
+            if self._run is not None:
+                rest = self._run.settle(calls)
+                if rest is not None:
+                    self._buffer = ""
+                    return StreamDelta(content=self._content.close(), tool_calls=rest)
+            elif calls is not None:
                 self._buffer = ""
                 return StreamDelta(content=self._content.close(),
                                    tool_calls=[self._emit_call(c) for c in calls])
@@ -513,11 +598,15 @@ class Llama3JsonToolParser(ToolParser):
                 "TEXT: ~BRACED\nBRACED: \"{\" BYTES\nBYTES: /(?s:.*)/ | ~/(?s:.*)/\n"
                 + json_call_rule(cls.ARGUMENTS, functions))
 
+    STREAM_JSON: ClassVar[bool] = True  # whether held calls stream their arguments
+
     def __init__(self, tool_names: list[str] | None = None,
                  schemas: dict[str, dict] | None = None) -> None:
         super().__init__(tool_names, schemas)
-        # None: undecided; "content": streaming plain text; "json": holding until finish().
+        # None: undecided; "content": streaming plain text; "json": calls, perhaps.
         self._mode: str | None = None
+        self._run = _CallRun(self, self._ARG_KEYS, ";") if self.STREAM_JSON else None
+        self._json_at = 0  # where the JSON starts in the buffer (after the python tag)
 
     def _json_start(self, text: str) -> str | None:
         """The text after leading whitespace and an optional python tag, or None when that
@@ -540,11 +629,15 @@ class Llama3JsonToolParser(ToolParser):
         calls: list[ToolCall] = []
         pos = 0
         while True:
+            start = pos
             try:
                 obj, pos = decoder.raw_decode(s, pos)
             except json.JSONDecodeError:
                 return None
-            call = call_from_object(obj, self._ARG_KEYS)
+            # The model's own text of the arguments where it streams them, as feed() does.
+            whole = scan_whole(s[start:pos], self._ARG_KEYS, self.tool_names)
+            call = ToolCall(*whole) if whole is not None else \
+                call_from_object(obj, self._ARG_KEYS)
             if call is None or (self.tool_names is not None and call.name not in self.tool_names):
                 return None
             calls.append(call)
@@ -575,9 +668,12 @@ class Llama3JsonToolParser(ToolParser):
             start = self._json_start(self._buffer)
             if start is not None:
                 self._mode = "json" if start.startswith(self._OPEN) else "content"
+                self._json_at = len(self._buffer) - len(start)
             if self._mode == "content":
                 text, self._buffer = self._buffer, ""
                 return StreamDelta(content=self._content.push(text))
+        if self._mode == "json" and self._run is not None:
+            return StreamDelta(tool_calls=self._run.feed(self._buffer, self._json_at))
         return StreamDelta()
 
     def finish(self) -> StreamDelta:
@@ -585,6 +681,12 @@ class Llama3JsonToolParser(ToolParser):
             self._check_open()
             self._finished = True
             return StreamDelta(content=self._content.close())
+        if self._run is not None and self._run.sent:
+            self._check_open()
+            self._finished = True
+            rest = self._run.settle(self._decode_calls(self._buffer))
+            self._buffer = ""
+            return StreamDelta(content=self._content.close(), tool_calls=rest or [])
         # Undecided or held JSON: the base class parses the whole buffer.
         return super().finish()
 
@@ -803,6 +905,33 @@ def _literal(node: ast.AST) -> Any:
         raise _PythonicCall from e
 
 
+def _python_name(name: str) -> bool:
+    return name.isidentifier() and not keyword.iskeyword(name)
+
+
+def _in_order(items: list[tuple[str, bool]]) -> str:
+    """A Lark expression for `items` (expression, required) in order, the required ones
+    always, any of the others, separated by ", "."""
+    def rest(j: int) -> str:  # items j.. after at least one item
+        if j == len(items):
+            return ""
+        item, needed = items[j]
+        head = f'", " {item}' if needed else f'(", " {item})?'
+        return f"{head} {rest(j + 1)}".strip()
+
+    def first(j: int) -> str:  # items j.. with none before
+        if j == len(items):
+            return ""
+        item, needed = items[j]
+        here = f"{item} {rest(j + 1)}".strip()
+        if needed:
+            return here
+        later = first(j + 1)
+        return f"({here} | {later})" if later else f"({here})?"
+
+    return first(0)
+
+
 class PythonicToolParser(Llama3JsonToolParser):
     """Llama 3.2 / Llama 4 pythonic calls: the whole output (after an optional
     `<|python_tag|>`) is a Python list of calls with keyword arguments,
@@ -814,10 +943,41 @@ class PythonicToolParser(Llama3JsonToolParser):
     name: ClassVar[str] = "pythonic"
 
     _OPEN: ClassVar[str] = "["
+    STREAM_JSON: ClassVar[bool] = False
 
     @classmethod
     def lazy_grammar(cls, functions: dict[str, dict]) -> str | None:
-        return None  # Python call syntax: not held to a grammar here
+        # Free text, or (opened by `[` and a declared name's call) a list of calls of
+        # declared functions, each with its parameters as keywords in the schema's order (the
+        # required ones always), each value JSON held to its schema: JSON's literals are
+        # Python's, with true/false/null, which the parser reads as JSON's. Names Python
+        # cannot write as a call or keyword (`from`, `a-b`) are left out: a function that
+        # requires one cannot be called in this form.
+        functions = {name: params for name, params in functions.items()
+                     if _python_name(name) and all(
+                         _python_name(k) for k in params.get("required") or [])}
+        if not functions:
+            return None
+        lines = ["start: TEXT | calls", "TEXT: /(?s:.*)/ | ~/(?s:.*)/",
+                 "BLANK: /[ \\t\\r\\n]+/",
+                 "calls: first (\", \" call)* \"]\" BLANK?",
+                 "first: " + " | ".join(f"open{i} args{i}" for i in range(len(functions))),
+                 "call: " + " | ".join(f"{lark_string(name + '(')} args{i}"
+                                       for i, name in enumerate(functions))]
+        for i, (name, params) in enumerate(functions.items()):
+            lines.append(f"open{i}[lazy]: /[ \\t\\r\\n]*\\[{regex_literal(name + '(')}/")
+            props = params.get("properties") or {}
+            required = set(params.get("required") or [])
+            keywords = []
+            for j, (key, schema) in enumerate(props.items()):
+                if not _python_name(key):
+                    continue
+                keywords.append((f"{lark_string(key + '=')} v{i}_{j}", key in required))
+                lines.append(f"v{i}_{j}: %json " + json.dumps(
+                    {**(schema if isinstance(schema, dict) else {}),
+                     "x-guidance": JSON_OPTIONS}))
+            lines.append(f"args{i}: {_in_order(keywords)} \")\"")
+        return "\n".join(lines) + "\n"
 
     def _decode_calls(self, text: str) -> list[ToolCall] | None:
         s = text.strip()
