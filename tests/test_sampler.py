@@ -532,6 +532,7 @@ def test_grammar_masks_sparse_or_dense_and_greedy_agree(vocab, batch, holes, see
     (a lazy grammar before its call) or adds a bias to whole rows; greedy rows whose only
     processing is a mask take the argmax and remask only rows whose choice is forbidden:
     the same tokens as masking a float32 copy of every row."""
+    from kvserve.sample.sampler import refused_on_device, refused_on_host
     from kvserve.sample.structured import apply_bitmask, new_bitmask
 
     gen = torch.Generator().manual_seed(seed)
@@ -552,6 +553,10 @@ def test_grammar_masks_sparse_or_dense_and_greedy_agree(vocab, batch, holes, see
     assert torch.equal(got, want)
     sampled = [row(temperature=0.0 if greedy else 0.7, seed=seed) for _ in range(batch)]
     meta = SamplingMetadata.build(sampled, vocab, CPU, (rows, bitmask))
+    # The host test of forbidden choices and the device one (GPUs') agree.
+    argmax = logits.argmax(-1)
+    host, device = refused_on_host(argmax, meta), refused_on_device(argmax, meta)
+    assert (host is None and device is None) or torch.equal(host, device)
     out = Sampler()(logits, meta).token_ids
     if greedy:
         assert out == want.argmax(-1).tolist()

@@ -178,11 +178,14 @@ class StepTimeModel:
         tokens are assumed to follow `context` cached tokens of one request."""
         if self.coef is None:
             return limit
+        # predict()'s drift once, not a median of the window per probe: this runs every
+        # decode step, and its dozen medians were ~2% of a step of the default model.
+        drift = self.drift
 
         def fits(p: int) -> bool:
             shape = StepShape(base.prefill_tokens + p, base.decode_rows,
                               base.attended + prompt_attended(context, p))
-            return self.predict(shape) <= target  # type: ignore[operator]
+            return self._fitted(shape) * drift <= target  # type: ignore[operator]
 
         lo, hi = 0, limit  # fits(lo) is assumed; find the largest p that fits
         if not fits(0):
