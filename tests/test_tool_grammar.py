@@ -173,6 +173,12 @@ def test_a_qwen3_coder_call_once_opened_is_always_valid(compiler, declared, pros
     parsed = Qwen3CoderToolParser(list(schemas), schemas).parse(prose + "<tool_call>" + text)
     (c,) = parsed.tool_calls
     jsonschema.validate(json.loads(c.arguments), schemas[c.name])
+    streamed = Qwen3CoderToolParser(list(schemas), schemas)
+    for ch in prose + "<tool_call>" + text:
+        streamed.feed(ch)
+    streamed.finish()
+    assert [(s.name, s.arguments) for s in streamed.tool_calls()] == [(c.name, c.arguments)]
+    assert streamed.broken == []
 
 
 @settings(max_examples=30, deadline=None)

@@ -76,12 +76,13 @@ def stream_tools(parser: ToolParser, pieces: list[str]) -> tuple[str, list[dict]
 
 
 def check_tool_stream(cls: type[ToolParser], text: str,
-                      tool_names: list[str] | None = None) -> None:
-    expected = cls(tool_names).parse(text)
+                      tool_names: list[str] | None = None,
+                      schemas: dict[str, dict] | None = None) -> None:
+    expected = cls(tool_names, schemas).parse(text)
     for call in expected.tool_calls:
         assert isinstance(json.loads(call.arguments), dict)
     for pieces in all_splits(text):
-        parser = cls(tool_names)
+        parser = cls(tool_names, schemas)
         content, calls = stream_tools(parser, pieces)
         if parser.broken:
             # A call that broke after its arguments began streaming was sent; parse() kept
@@ -378,6 +379,7 @@ def test_family_forms(cls: type[ToolParser], case: str) -> None:
     assert parsed.content == content
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == expected
     check_tool_stream(cls, text)
+    check_tool_stream(cls, text, schemas=SCHEMAS)
     names = sorted({name for name, _ in expected})
     if names:  # declared: the same calls; one not declared: its text is content
         assert [c.name for c in cls(names, SCHEMAS).parse(text).tool_calls] == \
@@ -388,14 +390,28 @@ def test_family_forms(cls: type[ToolParser], case: str) -> None:
         check_tool_stream(cls, text, names[1:])
 
 
-def test_qwen3_coder_streams_prose_and_types_by_schema() -> None:
+def test_qwen3_coder_streams_prose_and_arguments_typed_by_schema() -> None:
+    """The XML form streams too: the object opens with the function, each key with its
+    parameter, a string's text as it comes, other values whole when they close."""
     parser = Qwen3CoderToolParser(["get_weather"], SCHEMAS)
     assert parser.feed("Checking <tool").content == "Checking "
-    assert parser.feed("_call>\n<function=get_weather>\n<parameter=days>\n2\n").content == ""
+    d = parser.feed("_call>\n<function=get_weather>\n<parameter=days>\n2\n")
+    assert d.content == "" and [(t.name, t.arguments) for t in d.tool_calls] == [
+        ("get_weather", '{"days": ')]
+    d = parser.feed("</parameter>\n<parameter=city>\nZü")
+    assert [t.arguments for t in d.tool_calls] == ['2, "city": "Zü']
+    d = parser.feed('"rich"\n')  # a newline that may be the closing's: held
+    assert [t.arguments for t in d.tool_calls] == ['\\"rich\\"']
     d = parser.feed("</parameter>\n</function>\n</tool_call> ok")
-    assert [(t.name, json.loads(t.arguments)) for t in d.tool_calls] == [
-        ("get_weather", {"days": 2})]
-    assert d.content == " ok"
+    assert [t.arguments for t in d.tool_calls] == ['"}']
+    assert d.content == " ok" and parser.finish().content == ""
+    (whole,) = parser.tool_calls()
+    assert json.loads(whole.arguments) == {"days": 2, "city": 'Zü"rich"'}
+    assert whole.arguments == Qwen3CoderToolParser(["get_weather"], SCHEMAS).parse(
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n"
+        '<parameter=city>\nZü"rich"\n</parameter>\n</function>\n</tool_call>'
+    ).tool_calls[0].arguments
+    assert parser.broken == []
 
 
 def test_feed_after_finish_raises() -> None:
@@ -595,18 +611,20 @@ def test_get_reasoning_parser() -> None:
 FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "<think>", "</think>", "</thi", "<",
              "```json", "```", "``", "```tool_call", "[", "]", ", ", "[TOOL_CALLS]", "[TOOL",
              "f[ARGS]", "f(a=1)", 'g(b="x")', "<function=f>", "</function>", "<parameter=a>",
-             "</parameter>", "<parame",
+             "</parameter>", "<parame", "<tool_call>\n<function=f>\n", "<parameter=a>\nv",
+             "\n</parameter>\n",
              "<|python_tag|>", "\n", "\n\n", " ", "hi", ";", '{"name": "f", "arguments": {}}',
              '{"name": "g", "parameters": {"a": 1}}', "{", "}", '"x"']
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(80))
 def test_stream_matches_parse_on_random_texts(seed: int) -> None:
     rng = random.Random(seed)
     text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(2, 14)))
     for cls in TOOL_PARSERS.values():
         check_tool_stream(cls, text)
         check_tool_stream(cls, text, ["f"])  # "g" is not declared: its calls are content
+        check_tool_stream(cls, text, ["f"], {"f": {"properties": {"a": {"type": "string"}}}})
     for rcls in REASONING_PARSERS.values():
         check_reasoning_stream(rcls, text)
 

@@ -383,6 +383,10 @@ class HermesToolParser(ToolParser):
         self._dropping = False  # a streamed call broke: its block's text up to the closing
         self._run: _CallRun | None = None  # a bare call's stream
 
+    def _new_scan(self) -> CallScan | _EitherScan:
+        """What reads a block's call as it arrives."""
+        return CallScan(self._ARG_KEYS, self.tool_names)
+
     def _decode(self, body: str) -> list[ToolCall] | None:
         whole = scan_whole(body, self._ARG_KEYS, self.tool_names)
         if whole is not None:
@@ -473,7 +477,7 @@ class HermesToolParser(ToolParser):
                 i, self._block = min(found, key=lambda f: f[0])
                 out.content += self._content.push(self._buffer[:i])
                 self._buffer = self._buffer[i + len(self._block[0]):]
-                self._scan, self._scanned = CallScan(self._ARG_KEYS, self.tool_names), 0
+                self._scan, self._scanned = self._new_scan(), 0
                 continue
             if not self._in_block(out, final):
                 break
@@ -737,6 +741,175 @@ def _xml_value(rule: str, schema: Any) -> list[str]:
             f"{rule}_json: %json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})]
 
 
+def _json_text(text: str) -> str:
+    """`text`'s characters as json.dumps writes them inside a string (ensure_ascii off):
+    escaping is per character, so pieces escaped apart join to the whole's escaping."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+class _XmlCallScan:
+    """Reads a Qwen3-Coder call, `<function=NAME>` then `<parameter=P>` blocks, as it arrives,
+    with CallScan's statuses, and streams its arguments as the JSON object the parser makes of
+    them: each parameter's key as it opens, a string-typed value's text as it comes, any other
+    value whole at its closing tag (its type decides how it reads). The call ends at
+    `</function>` (DONE, `end` past it) or, as the parser also allows, at the block's
+    closing tag; the arguments are then checked against the parser's own reading of the
+    text, and any difference makes the call BROKEN."""
+
+    _HEAD = re.compile(r"\s*<function=([^>\n]+)>")
+    PARAM, PARAM_END = "<parameter=", "</parameter>"
+    FUNCTION_END, BLOCK_END = "</function>", "</tool_call>"
+
+    def __init__(self, parser: Qwen3CoderToolParser) -> None:
+        self.parser = parser
+        self.status = Scan.HEAD
+        self.name: str | None = None
+        self.arguments = ""
+        self.end = 0
+        self._text = ""
+        self._pos = 0
+        self._count = 0  # parameters read
+        self._value: int | None = None  # where the open parameter's value starts
+        self._key = ""  # the open parameter's name
+        self._string = False  # whether it streams as a string
+        self._sent = 0  # how far its text has been sent
+
+    def feed(self, piece: str) -> str:
+        self._text += piece
+        out: list[str] = []
+        if self.status is Scan.HEAD:
+            self._read_head(out)
+        while self.status is Scan.ARGS and self._step(out):
+            pass
+        text = "".join(out)
+        self.arguments += text
+        return text
+
+    def _read_head(self, out: list[str]) -> None:
+        m = self._HEAD.match(self._text)
+        if m is None:
+            start, opening = self._text.lstrip(), "<function="
+            if len(start) < len(opening):
+                viable = opening.startswith(start)
+            else:  # a name still open: no newline, and not a runaway
+                viable = start.startswith(opening) and "\n" not in start and len(start) < 256
+            if not viable:
+                self.status = Scan.OTHER
+            return
+        name = m.group(1).strip()
+        names = self.parser.tool_names
+        if not name or (names is not None and name not in names):
+            self.status = Scan.OTHER
+            return
+        self.name, self.status, self._pos = name, Scan.ARGS, m.end()
+        out.append("{")
+
+    def _step(self, out: list[str]) -> bool:
+        """Read on; False when more text is needed (or the call ended)."""
+        t = self._text
+        if self._value is not None:
+            return self._in_value(out)
+        i = self._pos
+        while i < len(t) and t[i].isspace():
+            i += 1
+        rest = t[i:]
+        if rest.startswith(self.PARAM):
+            close = rest.find(">")
+            key = rest[len(self.PARAM):close] if close >= 0 else rest[len(self.PARAM):]
+            if "\n" in key or (close >= 0 and not key.strip()):
+                return self._broken(i)
+            if close < 0 or i + close + 1 >= len(t):
+                return False  # the key, or whether a newline follows it, is not known yet
+            start = i + close + 1
+            self._value = start + 1 if t[start] == "\n" else start
+            key = key.strip()
+            props = (self.parser.schemas.get(self.name or "") or {}).get("properties") or {}
+            schema = props.get(key)
+            self._string = isinstance(schema, dict) and schema.get("type") == "string"
+            self._sent = self._value
+            out.append(("" if self._count == 0 else ", ") + json.dumps(key, ensure_ascii=False)
+                       + ": " + ('"' if self._string else ""))
+            self._key = key
+            return True
+        for ending, consumed in ((self.FUNCTION_END, True), (self.BLOCK_END, False)):
+            if rest.startswith(ending):
+                return self._done(i + (len(ending) if consumed else 0), out)
+        if any(tag.startswith(rest) for tag in (self.PARAM, self.FUNCTION_END, self.BLOCK_END)):
+            return False
+        return self._broken(i)
+
+    def _in_value(self, out: list[str]) -> bool:
+        t, start = self._text, self._value
+        assert start is not None
+        j = t.find(self.PARAM_END, start)
+        if j < 0:
+            if self._string:
+                safe = len(t) - partial_suffix_len(t[start:], "\n" + self.PARAM_END)
+                if safe > self._sent:
+                    out.append(_json_text(t[self._sent:safe]))
+                    self._sent = safe
+            return False
+        end = j - 1 if j > start and t[j - 1] == "\n" else j
+        if self._string:
+            out.append(_json_text(t[self._sent:end]) + '"')
+        else:
+            props = (self.parser.schemas.get(self.name or "") or {}).get("properties") or {}
+            value = _typed_value(t[start:end], props.get(self._key))
+            out.append(json.dumps(value, ensure_ascii=False))
+        self._value, self._pos = None, j + len(self.PARAM_END)
+        self._count += 1
+        return True
+
+    def _done(self, end: int, out: list[str]) -> bool:
+        out.append("}")
+        self.end = end
+        whole = self.arguments + "".join(out)
+        # The parser's own reading is the authority: the stream must have said the same.
+        calls = self.parser._decode_xml(self._text[:end])
+        ok = calls is not None and (calls[0].name, calls[0].arguments) == (self.name, whole)
+        self.status = Scan.DONE if ok else Scan.BROKEN
+        return False
+
+    def _broken(self, at: int) -> bool:
+        self.status, self.end = Scan.BROKEN, at
+        return False
+
+
+class _EitherScan:
+    """A block's call in whichever form its first character shows: JSON (`{`) or XML (`<`)."""
+
+    def __init__(self, json_scan: CallScan, xml_scan: _XmlCallScan) -> None:
+        self._scans = (json_scan, xml_scan)
+        self._chosen: CallScan | _XmlCallScan | None = None
+        self._held = ""
+
+    def feed(self, piece: str) -> str:
+        if self._chosen is None:
+            self._held += piece
+            start = self._held.lstrip()
+            if not start:
+                return ""
+            self._chosen = self._scans[0] if start[0] == "{" else self._scans[1]
+            piece, self._held = self._held, ""
+        return self._chosen.feed(piece)
+
+    @property
+    def status(self) -> Scan:
+        return Scan.HEAD if self._chosen is None else self._chosen.status
+
+    @property
+    def name(self) -> str | None:
+        return None if self._chosen is None else self._chosen.name
+
+    @property
+    def arguments(self) -> str:
+        return "" if self._chosen is None else self._chosen.arguments
+
+    @property
+    def end(self) -> int:
+        return 0 if self._chosen is None else self._chosen.end
+
+
 class Qwen3CoderToolParser(HermesToolParser):
     """Qwen3-Coder: `<tool_call>` blocks holding XML rather than JSON,
 
@@ -781,13 +954,22 @@ class Qwen3CoderToolParser(HermesToolParser):
                          + " ".join(parts) + " \"</function>\"")
         return "\n".join(lines) + "\n"
 
+    def _new_scan(self) -> CallScan | _EitherScan:
+        return _EitherScan(CallScan(self._ARG_KEYS, self.tool_names), _XmlCallScan(self))
+
     _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?\Z", re.S)
     _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
     def _decode(self, body: str) -> list[ToolCall] | None:
+        if self._FUNCTION.match(body) is None:
+            return super()._decode(body)
+        return self._decode_xml(body)
+
+    def _decode_xml(self, body: str) -> list[ToolCall] | None:
+        """`body` (a block's text) as one XML call of a declared function, or None."""
         m = self._FUNCTION.match(body)
         if m is None:
-            return super()._decode(body)
+            return None
         name, inner = m.group(1).strip(), m.group(2)
         if self.tool_names is not None and name not in self.tool_names:
             return None
