@@ -58,7 +58,7 @@ def test_modes_and_their_constraints():
     assert auto.constraint.grammar.startswith("start: call* TEXT")
     assert '"const": "add"' in auto.constraint.grammar
     assert "<function=add>" in plan("qwen3_coder", tools=[ADD]).constraint.grammar
-    assert plan("mistral", tools=[ADD]).constraint is None  # a form without one
+    assert "[TOOL_CALLS]" in plan("mistral", tools=[ADD]).constraint.grammar
     own = plan("hermes", tools=[ADD], response_format={"type": "json_object"})
     assert own.constraint.json_object  # the request's own constraint wins
     assert plan(tools=[ADD], tool_choice="none").tools is None

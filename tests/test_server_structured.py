@@ -297,3 +297,39 @@ def test_agent_loop_of_three_tool_turns(client, stream):
                                        tool_choice="none", max_tokens=20, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")
     assert r.choices[0].message.tool_calls is None
+
+
+def test_mistral_calls_keep_their_control_token(tiny_mistral_dir, tmp_path):
+    """A vocabulary with Mistral's [TOOL_CALLS] as a special token: tool_choice auto's
+    grammar opens calls at that token, and the server decodes keeping it (as it would
+    otherwise drop a special token), so the parser finds the call. The tiny random model is
+    pushed to open a call with a logit bias; the grammar then writes it."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_mistral_dir, model)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tok.add_special_tokens(["[TOOL_CALLS]"])
+    tok.save(str(model / "tokenizer.json"))
+    marker = tok.token_to_id("[TOOL_CALLS]")
+    # The marker first, and "]" wherever the grammar allows it (after a call): one call.
+    bias = {str(marker): 100, str(tok.encode("]", add_special_tokens=False).ids[0]): 50}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"unit": {"enum": ["c", "f"]}},
+        "required": ["unit"], "additionalProperties": False}}}
+    args = EngineArgs(model=str(model), dtype="float32", max_num_seqs=4)
+    with run_server(args, enable_auto_tool_choice=True, tool_call_parser="mistral") as (url, _):
+        client = openai_client(f"{url}/v1")
+        out = client.chat.completions.create(
+            model=client.models.list().data[0].id, messages=ask("Weather?"), tools=[tool],
+            temperature=0, max_tokens=100, logit_bias=bias)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and choice.message.content is None
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        plain = client.chat.completions.create(
+            model=out.model, messages=ask("Weather?"), temperature=0, max_tokens=8)
+        assert "[TOOL_CALLS]" not in (plain.choices[0].message.content or "")

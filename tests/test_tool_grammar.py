@@ -23,6 +23,7 @@ from kvserve.entrypoints.server.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
     Llama3JsonToolParser,
+    MistralToolParser,
     PythonicToolParser,
     Qwen3CoderToolParser,
 )
@@ -211,11 +212,54 @@ def test_a_pythonic_list_once_opened_is_valid_calls(compiler, declared, seed, pi
     assert set(allowed(free)) >= set(range(1, 320)) - {BYTE_FF}
 
 
-def test_forms_without_a_grammar_say_so():
+def test_every_form_has_a_grammar():
     f = {"f": {"type": "object"}}
-    with_grammar = {n for n, cls in TOOL_PARSERS.items() if cls.lazy_grammar(f) is not None}
-    assert with_grammar == {"hermes", "llama3_json", "qwen3_coder", "pythonic"}
-    assert tool_call_grammar(TOOL_PARSERS["mistral"], tools_of([("f", {})])) is None
+    assert all(cls.lazy_grammar(f) is not None for cls in TOOL_PARSERS.values())
+
+
+def mistral_tokenizer(*special: str) -> tuple[Tokenizer, GrammarCompiler]:
+    """The byte-level tokenizer with Mistral's control tokens added as special tokens."""
+    tok = Tokenizer.from_str(byte_level_tokenizer_json())
+    tok.add_special_tokens(list(special))
+    size = tok.get_vocab_size()
+    return tok, GrammarCompiler(tok.to_str(), size, [EOS])
+
+
+@settings(max_examples=20, deadline=None)
+@given(declared=_TOOLS, prose=_PROSE, seed=st.integers(0, 2**16),
+       form=st.sampled_from(["v11", "v3", "text"]))
+def test_a_mistral_call_once_opened_is_always_valid(declared, prose, seed, form):
+    """Mistral's marker is a control token (`<[id]>` in the grammar) where the vocabulary
+    has it, else text; `name[ARGS]{...}` calls where [ARGS] is a token too (v11), else one
+    JSON array (v3). Either way the text, decoded keeping special tokens, parses to calls of
+    declared functions valid against their schemas."""
+    schemas = dict(declared)
+    special = {"v11": ("[TOOL_CALLS]", "[ARGS]"), "v3": ("[TOOL_CALLS]",), "text": ()}[form]
+    tok, compiler = mistral_tokenizer(*special)
+    token_ids = {t: tok.token_to_id(t) for t in special}
+    g = compiler.compile(StructuredOutputs(grammar=tool_call_grammar(
+        MistralToolParser, tools_of(declared), token_ids)))
+    size = tok.get_vocab_size()
+    opening = [token_ids["[TOOL_CALLS]"]] if special else \
+        tok.encode("[TOOL_CALLS]", add_special_tokens=False).ids
+    out = tok.encode(prose, add_special_tokens=False).ids + opening
+    for t in out:
+        g.accept(t)
+    rng = random.Random(seed)
+    for _ in range(800):
+        row = new_bitmask(1, size)[0]
+        g.fill(row)
+        bits = ((row.unsqueeze(-1) >> torch.arange(32)) & 1).flatten()[:size]
+        t = rng.choice(bits.nonzero().flatten().tolist())
+        if t == EOS:
+            break
+        g.accept(t)
+        out.append(t)
+    text = tok.decode(out, skip_special_tokens=False)
+    parsed = MistralToolParser(list(schemas)).parse(text)
+    assert parsed.tool_calls, text
+    for c in parsed.tool_calls:
+        jsonschema.validate(json.loads(c.arguments), schemas[c.name])
 
 
 def test_free_text_is_the_unconstrained_text(tiny_llama_dir):

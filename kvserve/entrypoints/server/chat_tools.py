@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -208,10 +209,11 @@ class ChatPlan:
 
 def plan_chat(body: ChatCompletionRequest, constraint: StructuredOutputs | None,
               constraint_field: str | None, auto_tool_parser: str | None,
-              reasoning_parser: str | None) -> ChatPlan:
+              reasoning_parser: str | None, token_ids: Mapping[str, int] | None = None
+              ) -> ChatPlan:
     """Check `tools` and `tool_choice` (APIError 400 naming the field) and decide the mode.
     `auto_tool_parser` is the server's --tool-call-parser when --enable-auto-tool-choice is
-    on, else None."""
+    on, else None; `token_ids` the vocabulary's ids of its SPECIAL_TOKENS."""
     tools = body.tools or []
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
@@ -259,7 +261,7 @@ def plan_chat(body: ChatCompletionRequest, constraint: StructuredOutputs | None,
             raise APIError(400, f"{constraint_field}: {e}", constraint_field) from e
     if mode == "auto" and constraint is None:
         assert auto_tool_parser is not None
-        lazy = tool_call_grammar(get_tool_parser(auto_tool_parser), tools)
+        lazy = tool_call_grammar(get_tool_parser(auto_tool_parser), tools, token_ids)
         if lazy is not None:
             constraint, constraint_field = StructuredOutputs(grammar=lazy), "tools"
     return ChatPlan(template_tools(tools) if mode != "none" else None, mode, function,
@@ -274,11 +276,13 @@ def template_tools(tools: list) -> list[dict] | None:
             for t in tools] or None
 
 
-def tool_call_grammar(parser: type[ToolParser], tools: list) -> str | None:
+def tool_call_grammar(parser: type[ToolParser], tools: list,
+                      token_ids: Mapping[str, int] | None = None) -> str | None:
     """tool_choice auto's grammar (llguidance's Lark) for `tools` in `parser`'s form: free
     text until a call opens, then a call of a declared function with arguments valid
-    against its schema. None when the form has no grammar."""
-    return parser.lazy_grammar({t.function.name: _parameters(t) for t in tools})
+    against its schema. None when the form has no grammar. `token_ids`: the vocabulary's
+    ids of the form's SPECIAL_TOKENS."""
+    return parser.lazy_grammar({t.function.name: _parameters(t) for t in tools}, token_ids)
 
 
 def _call_json(call: ToolCall) -> dict:

@@ -28,7 +28,11 @@ from kvserve.entrypoints.server.args import ServerArgs
 from kvserve.entrypoints.server.errors import APIError
 from kvserve.entrypoints.server.history import HistoryRecorder
 from kvserve.entrypoints.server.protocol_responses import ResponseStore
-from kvserve.entrypoints.server.tool_parsers import TOOL_PARSERS, detect_tool_parser
+from kvserve.entrypoints.server.tool_parsers import (
+    TOOL_PARSERS,
+    detect_tool_parser,
+    get_tool_parser,
+)
 from kvserve.models.paths import DEFAULT_MODEL, resolve_model
 from kvserve.outputs import LATE_REFUSAL, OutputKind, RequestOutput
 from kvserve.sample.structured import StructuredOutputError
@@ -54,6 +58,7 @@ class ServerState:
         # the dashboard's time series, recorded while the app runs (build_app's lifespan)
         self.recorder = HistoryRecorder(self.metrics, lambda: self.engine)
         self.responses = ResponseStore(args.responses_store_size)  # previous_response_id
+        self._tool_token_ids: dict[str, dict[str, int]] = {}  # by tool parser
 
     def ready(self) -> AsyncEngine:
         if self.engine is None:
@@ -101,6 +106,14 @@ class ServerState:
                            f"{sorted(TOOL_PARSERS)}, or send tool_choice \"required\"",
                            "tool_choice")
         return found
+
+    def tool_token_ids(self, parser: str) -> dict[str, int]:
+        """The ids of `parser`'s SPECIAL_TOKENS that this model's vocabulary has (cached)."""
+        if parser not in self._tool_token_ids:
+            names = get_tool_parser(parser).SPECIAL_TOKENS
+            found = {t: self.tokenizer.token_to_id(t) for t in names}
+            self._tool_token_ids[parser] = {t: i for t, i in found.items() if i is not None}
+        return self._tool_token_ids[parser]
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

@@ -70,7 +70,13 @@ async def submit_chat(state: ServerState, body: ChatCompletionRequest, rid: str
     spec, spec_field = body.structured()
     auto = state.auto_tool_parser if body.tools and body.tool_choice in (None, "auto") \
         else None
-    plan = plan_chat(body, spec, spec_field, auto, state.args.reasoning_parser)
+    token_ids = state.tool_token_ids(auto) if auto is not None else None
+    plan = plan_chat(body, spec, spec_field, auto, state.args.reasoning_parser, token_ids)
+    if plan.mode == "auto" and token_ids and any(
+            state.tokenizer.is_special(i) for i in token_ids.values()):
+        # The form's calls are written with control tokens, which decoding would drop: the
+        # text must keep them for the parser to find the calls.
+        body = body.model_copy(update={"skip_special_tokens": False})
     ids = encode_chat(state.processor, body.messages, body.add_generation_prompt,
                        plan.tools, body.chat_template_kwargs, body.continue_final_message)
     state.args.limits.check_prompt_tokens(len(ids), "messages")

@@ -14,6 +14,7 @@ import keyword
 import re
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -229,13 +230,19 @@ class ToolParser(ABC):
     ARGUMENTS: ClassVar[str] = "arguments"
 
     @classmethod
-    def lazy_grammar(cls, functions: dict[str, dict]) -> str | None:
+    def lazy_grammar(cls, functions: dict[str, dict],
+                     token_ids: Mapping[str, int] | None = None) -> str | None:
         """A Lark grammar (llguidance's) for tool_choice auto over the declared `functions`
         (name: parameters schema), or None where this form has none: the output is free
         until the model opens a call in one of this form's ways, and from there the call is
         held to a declared function with arguments that fit its schema. The model still
-        decides whether to call; when it does, the call parses."""
+        decides whether to call; when it does, the call parses. `token_ids` holds the ids of
+        those of SPECIAL_TOKENS the model's vocabulary has as single tokens."""
         return None
+
+    # Control tokens this form's calls are written with (a grammar names them by id, and the
+    # text must keep them: the server then decodes without skipping special tokens).
+    SPECIAL_TOKENS: ClassVar[tuple[str, ...]] = ()
 
     def _check_open(self) -> None:
         if self._finished:
@@ -394,7 +401,8 @@ class HermesToolParser(ToolParser):
         return decode_calls(body, self._ARG_KEYS, self.tool_names)
 
     @classmethod
-    def lazy_grammar(cls, functions: dict[str, dict]) -> str | None:
+    def lazy_grammar(cls, functions: dict[str, dict],
+                     token_ids: Mapping[str, int] | None = None) -> str | None:
         # Free text, then any number of calls each opened by the tag or a fence (lazy: the
         # shortest text before an opening), then free text; or the whole answer one bare call,
         # opened by `{"name": "<declared name>"` (a JSON answer naming anything else stays
@@ -594,7 +602,8 @@ class Llama3JsonToolParser(ToolParser):
     _OPEN: ClassVar[str] = "{"  # how output that may be calls starts
 
     @classmethod
-    def lazy_grammar(cls, functions: dict[str, dict]) -> str | None:
+    def lazy_grammar(cls, functions: dict[str, dict],
+                     token_ids: Mapping[str, int] | None = None) -> str | None:
         # Any bytes that do not start with a brace, or one call. (<|python_tag|> is a special
         # token, which the grammar's text does not include: Llama 3.1 writes custom tools'
         # calls without it.)
@@ -932,7 +941,8 @@ class Qwen3CoderToolParser(HermesToolParser):
     BARE: ClassVar[bool] = False
 
     @classmethod
-    def lazy_grammar(cls, functions: dict[str, dict]) -> str | None:
+    def lazy_grammar(cls, functions: dict[str, dict],
+                     token_ids: Mapping[str, int] | None = None) -> str | None:
         # Free text, then calls opened by the tag, as the template writes them: a declared
         # function, then its declared parameters in the schema's order (the required ones
         # always), each value held to its schema (_xml_value), then free text.
@@ -1002,6 +1012,37 @@ class MistralToolParser(ToolParser):
     _ARGS: ClassVar[str] = "[ARGS]"
     _CALL_ID: ClassVar[str] = "[CALL_ID]"
     _ARG_KEYS: ClassVar[tuple[str, ...]] = ("arguments", "parameters")
+    SPECIAL_TOKENS: ClassVar[tuple[str, ...]] = (MARKER, _ARGS, _CALL_ID)
+
+    @classmethod
+    def lazy_grammar(cls, functions: dict[str, dict],
+                     token_ids: Mapping[str, int] | None = None) -> str | None:
+        # Free text, or free text and then the calls, which end the answer: opened by the
+        # marker (its token where the vocabulary has one, else its text, lazily, as the other
+        # forms' tags), written the way the vocabulary says: `name[ARGS]{...}` after each
+        # marker where [ARGS] is a token (v11 and later), else one JSON array of calls (v3).
+        ids = token_ids or {}
+        if cls.MARKER in ids:
+            # Free text that cannot hold the marker's token: valid UTF-8, which llguidance's
+            # special tokens (a 0xFF byte, then the name) never are.
+            lines = ["start: TEXT | TEXT? calls", "TEXT: /(?s:.*)/"]
+            marker = f"<[{ids[cls.MARKER]}]>"
+        else:
+            lines = ["start: TEXT | marker_text calls_rest", "TEXT: /(?s:.*)/ | ~/(?s:.*)/",
+                     f"marker_text[lazy]: TEXT {lark_string(cls.MARKER)}",
+                     "calls_rest: \"[\" tool_json (\", \" tool_json)* \"]\""]
+            return "\n".join(lines) + "\n" + json_call_rule("arguments", functions)
+        if cls._ARGS in ids:
+            lines += [f"calls: ({marker} function)+",
+                      "function: " + " | ".join(
+                          f"{lark_string(name)} <[{ids[cls._ARGS]}]> args{i}"
+                          for i, name in enumerate(functions))]
+            lines += [f"args{i}: %json " + json.dumps({**_object(params),
+                                                        "x-guidance": JSON_OPTIONS})
+                      for i, params in enumerate(functions.values())]
+        else:
+            lines += [f"calls: {marker} \"[\" tool_json (\", \" tool_json)* \"]\""]
+        return "\n".join(lines) + "\n" + json_call_rule("arguments", functions)
 
     def __init__(self, tool_names: list[str] | None = None,
                  schemas: dict[str, dict] | None = None) -> None:
@@ -1128,7 +1169,8 @@ class PythonicToolParser(Llama3JsonToolParser):
     STREAM_JSON: ClassVar[bool] = False
 
     @classmethod
-    def lazy_grammar(cls, functions: dict[str, dict]) -> str | None:
+    def lazy_grammar(cls, functions: dict[str, dict],
+                     token_ids: Mapping[str, int] | None = None) -> str | None:
         # Free text, or (opened by `[` and a declared name's call) a list of calls of
         # declared functions, each with its parameters as keywords in the schema's order (the
         # required ones always), each value JSON held to its schema: JSON's literals are
