@@ -193,6 +193,8 @@ class SpecConfig:
     prompt_lookup_max: int = 4  # ngram: longest suffix to match
     model: str | None = None  # draft_model: model name/path; mtp: safetensors file
     quantization: str = "auto"  # draft_model: its weights (auto: int4 on CPU, else none)
+    # draft_model: draft from the first this many token ids only (0: the whole vocabulary).
+    draft_vocab_size: int = 0
     max_batch_size: int = 8
     max_draft_tokens: int = 12
     min_acceptance: float = 0.3
@@ -221,6 +223,11 @@ class SpecConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not 0.0 <= self.min_acceptance <= 1.0:
             raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
+        if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0:
+            raise ValueError("draft_vocab_size must be an integer >= 0, got "
+                             f"{self.draft_vocab_size!r}")
+        if self.draft_vocab_size and self.method != "draft_model":
+            raise ValueError('draft_vocab_size is for method "draft_model"')
 
     @classmethod
     def parse(cls, value: str | dict | None) -> SpecConfig | None:

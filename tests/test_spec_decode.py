@@ -61,12 +61,16 @@ def spec_configs(tiny, other, mtp) -> dict[str, dict]:
                        "num_speculative_tokens": 4},
         "draft-int8": {"method": "draft_model", "model": str(tiny), "quantization": "int8"},
         "draft-other": {"method": "draft_model", "model": str(other), "quantization": "none"},
+        # Drafts from the first 200 of the 320 ids only: the rest never drafted.
+        "draft-vocab": {"method": "draft_model", "model": str(tiny), "quantization": "int8",
+                        "draft_vocab_size": 200},
         "mtp": {"method": "mtp", "model": str(mtp), "num_speculative_tokens": 2},
     }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ngram", "draft-same", "draft-int8", "draft-other", "mtp"])
+@pytest.mark.parametrize("name", ["ngram", "draft-same", "draft-int8", "draft-other",
+                                  "draft-vocab", "mtp"])
 def test_greedy_outputs_identical_with_speculation(tiny_llama_dir, other_tiny_dir, random_mtp,
                                                    name):
     cfg = spec_configs(tiny_llama_dir, other_tiny_dir, random_mtp)[name]
@@ -116,8 +120,11 @@ def test_stop_rules_and_logprobs_with_speculation(tiny_llama_dir):
     spec.engine.check_integrity()
 
 
-def test_sampled_requests_with_speculation_stay_consistent(tiny_llama_dir):
-    cfg = {"method": "draft_model", "model": str(tiny_llama_dir), "quantization": "int8"}
+@pytest.mark.parametrize("vocab", [0, 200])
+def test_sampled_requests_with_speculation_stay_consistent(tiny_llama_dir, vocab):
+    """(With `vocab`, the drafts' distributions are 0 past the first 200 ids.)"""
+    cfg = {"method": "draft_model", "model": str(tiny_llama_dir), "quantization": "int8",
+           "draft_vocab_size": vocab}
     llm = make_llm(tiny_llama_dir, num_kv_blocks=80, speculative_config=cfg)
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=i,
                              ignore_eos=True, n=2 if i % 3 == 0 else 1) for i in range(8)]
@@ -365,6 +372,8 @@ def test_spec_config_errors():
                      ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
                       "prompt_lookup_min"),
                      ('{"method": "draft_model", "quantization": "fp8"}', "auto, none"),
+                     ('{"method": "draft_model", "draft_vocab_size": -1}', "draft_vocab_size"),
+                     ('{"method": "ngram", "draft_vocab_size": 10}', "for method"),
                      ("[1, 2]", "JSON object")]:
         with pytest.raises(ValueError, match=msg.replace("[", r"\[")):
             SpecConfig.parse(bad)

@@ -12,7 +12,7 @@ from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
 from kvserve.models.paths import resolve_model
 from kvserve.spec_decode.base import Drafter
-from kvserve.spec_decode.draft_model import DraftModelDrafter
+from kvserve.spec_decode.draft_model import DraftModelDrafter, draft_head
 from kvserve.spec_decode.mtp import MTPDrafter
 from kvserve.spec_decode.ngram import NgramDrafter
 
@@ -43,6 +43,9 @@ def build_drafter(spec: SpecConfig, target: LlamaForCausalLM, target_path, dtype
                              f"{loaded.config.vocab_size} tokens, the target "
                              f"{target.config.vocab_size}: they must share a tokenizer")
         loaded.model.pack_(draft_quantization(spec.quantization, device))
-        return DraftModelDrafter(loaded.model, dtype, device, sched.max_num_batched_tokens)
+        head = draft_head(loaded.model, spec.draft_vocab_size) \
+            if 0 < spec.draft_vocab_size < loaded.config.vocab_size else None
+        return DraftModelDrafter(loaded.model, dtype, device, sched.max_num_batched_tokens,
+                                 head)
     assert spec.model is not None
     return MTPDrafter.load(spec.model, target, device)
