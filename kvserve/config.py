@@ -195,6 +195,9 @@ class SpecConfig:
     quantization: str = "auto"  # draft_model: its weights (auto: int4 on CPU, else none)
     # draft_model: draft from the first this many token ids only (0: the whole vocabulary).
     draft_vocab_size: int = 0
+    # Each request drafts as far as the measured costs say pays (spec_decode.coordinator),
+    # up to num_speculative_tokens; false: always num_speculative_tokens.
+    adaptive_depth: bool = True
     max_batch_size: int = 8
     max_draft_tokens: int = 12
     min_acceptance: float = 0.3
@@ -223,6 +226,8 @@ class SpecConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not 0.0 <= self.min_acceptance <= 1.0:
             raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
+        if not isinstance(self.adaptive_depth, bool):
+            raise ValueError(f"adaptive_depth must be true or false, got {self.adaptive_depth!r}")
         if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0:
             raise ValueError("draft_vocab_size must be an integer >= 0, got "
                              f"{self.draft_vocab_size!r}")

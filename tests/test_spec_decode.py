@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvserve.config import SpecConfig
 from kvserve.kv_cache.hashing import ROOT_HASH, BlockKey, hash_block
 from kvserve.kv_cache.manager import KVCacheManager
-from kvserve.request import Request
+from kvserve.request import Request, RequestStatus
 from kvserve.sample.rejection_sampler import verify
 from kvserve.sample.sampler import Sampler
 from kvserve.sample.sampling_params import SamplingParams
@@ -55,7 +55,9 @@ def random_mtp(tmp_path_factory):
 
 
 def spec_configs(tiny, other, mtp) -> dict[str, dict]:
-    return {
+    # Each request drafts as far as allowed, not as far as its measured costs say pays:
+    # these tests are about what verification does with drafts.
+    return {name: {**cfg, "adaptive_depth": False} for name, cfg in {
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
         "draft-same": {"method": "draft_model", "model": str(tiny), "quantization": "none",
                        "num_speculative_tokens": 4},
@@ -65,7 +67,7 @@ def spec_configs(tiny, other, mtp) -> dict[str, dict]:
         "draft-vocab": {"method": "draft_model", "model": str(tiny), "quantization": "int8",
                         "draft_vocab_size": 200},
         "mtp": {"method": "mtp", "model": str(mtp), "num_speculative_tokens": 2},
-    }
+    }.items()}
 
 
 @pytest.mark.slow
@@ -96,7 +98,7 @@ def test_greedy_outputs_identical_with_speculation(tiny_llama_dir, other_tiny_di
 
 def test_stop_rules_and_logprobs_with_speculation(tiny_llama_dir):
     cfg = {"method": "draft_model", "model": str(tiny_llama_dir), "quantization": "none",
-           "num_speculative_tokens": 5}
+           "num_speculative_tokens": 5, "adaptive_depth": False}
     base = make_llm(tiny_llama_dir)
     spec = make_llm(tiny_llama_dir, speculative_config=cfg)
     prompt = repetitive_prompts(1, seed=3)[0]
@@ -124,7 +126,7 @@ def test_stop_rules_and_logprobs_with_speculation(tiny_llama_dir):
 def test_sampled_requests_with_speculation_stay_consistent(tiny_llama_dir, vocab):
     """(With `vocab`, the drafts' distributions are 0 past the first 200 ids.)"""
     cfg = {"method": "draft_model", "model": str(tiny_llama_dir), "quantization": "int8",
-           "draft_vocab_size": vocab}
+           "draft_vocab_size": vocab, "adaptive_depth": False}
     llm = make_llm(tiny_llama_dir, num_kv_blocks=80, speculative_config=cfg)
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=i,
                              ignore_eos=True, n=2 if i % 3 == 0 else 1) for i in range(8)]
@@ -427,3 +429,116 @@ def test_mtp_on_the_vnni_kernels_keeps_greedy_output(tiny_llama_dir, tmp_path, d
     assert (drafter.head_q is not None) == draft_vocab
     assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == plain
     assert llm.engine.local_core.speculation.stats.num_drafts > 0
+
+
+# ----------------------------------------------------------------------- adaptive depth
+
+
+def expected_rate(p: list[float], depths: list[int], step: float, cost: float) -> float:
+    """Expected tokens per second of a step where request i drafts depths[i] tokens."""
+    tokens = sum(sum(pi ** j for j in range(k + 1)) for pi, k in zip(p, depths, strict=True))
+    return tokens / (step + cost * sum(depths))
+
+
+@settings(max_examples=200, deadline=None)
+@given(p=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=6), k=st.integers(1, 5),
+       step=st.floats(0.005, 0.05), row=st.floats(0.0, 0.01), draft=st.floats(0.0, 0.02),
+       budget=st.integers(1, 12))
+def test_choose_depths_takes_the_best_drafts_only(p, k, step, row, draft, budget):
+    """The depths choose_depths picks give the step the highest expected tokens per second
+    of any choice that takes drafts in order of their acceptance probability (the best of
+    every such prefix, no drafts included); none is taken that lowers it."""
+    from kvserve.spec_decode.coordinator import choose_depths
+
+    limits = [k] * len(p)
+    got = choose_depths(p, limits, step, row, draft, budget)
+    assert all(0 <= d <= k for d in got) and sum(got) <= budget
+    cost = row + draft
+    best = expected_rate(p, got, step, cost)
+    offers = sorted(((p[i] ** j, i) for i in range(len(p)) for j in range(1, k + 1)),
+                    key=lambda o: -o[0])
+    for n in range(min(len(offers), budget) + 1):
+        depths = [0] * len(p)
+        for _, i in offers[:n]:
+            depths[i] += 1
+        assert best >= expected_rate(p, depths, step, cost) * (1 - 1e-9)
+
+
+def test_choose_depths_follows_acceptance_and_cost():
+    from kvserve.spec_decode.coordinator import choose_depths
+
+    # One stream of the 1.5B (~22 ms a step, 3 ms a verify row) with a 0.5B drafter (~8 ms
+    # a token): a well-read text drafts deep, a poorly read one not at all.
+    assert choose_depths([0.95], [4], 0.022, 0.003, 0.008, 12) == [4]
+    assert choose_depths([0.8], [4], 0.022, 0.003, 0.008, 12) == [2]
+    assert choose_depths([0.4], [4], 0.022, 0.003, 0.008, 12) == [0]
+    # A drafter as slow as the target: never worth it, even at full acceptance.
+    assert choose_depths([1.0], [4], 0.022, 0.003, 0.022, 12) == [0]
+    # A free drafter (n-gram): only verify rows cost, so even a half-read text drafts 3.
+    assert choose_depths([0.5], [4], 0.022, 0.001, 0.0, 12) == [3]
+    # Many rows already in the step: its tokens per second are high, drafts must beat them.
+    assert choose_depths([0.8] * 8, [4] * 8, 0.040, 0.003, 0.008, 12) == [0] * 8
+
+
+class _TimedDrafter(Drafter):
+    """Drafts k copies of token 1 per request and records what it was asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[list[int]] = []
+
+    def propose(self, requests, num_drafts):
+        self.asked.append(list(num_drafts))
+        for r, k in zip(requests, num_drafts, strict=True):
+            r.draft_token_ids = [1] * k
+
+
+def test_the_coordinator_drafts_as_far_as_measured_costs_say(tiny_llama_dir):
+    """SpecCoordinator with adaptive_depth: the first step drafts in full (no draft time is
+    known yet); then a request's depth follows its acceptance under the step cost model,
+    and one left without drafts probes with one token every probe_interval steps."""
+    from kvserve.spec_decode.coordinator import SpecCoordinator
+
+    llm = make_llm(tiny_llama_dir)
+    core = llm.engine.local_core
+    drafter = _TimedDrafter()
+    cfg = SpecConfig(method="ngram", num_speculative_tokens=4, probe_interval=3,
+                     adaptive_depth=True)
+    coord = SpecCoordinator(cfg, drafter, core.kv, lambda rows: 0.020 + 0.003 * rows)
+    req = Request("r", [5, 6, 7], SamplingParams(max_tokens=100), frozenset(), 100)
+    req.status = RequestStatus.RUNNING
+    req.num_computed_tokens = req.num_tokens - 1
+    coord.propose([req])
+    assert drafter.asked == [[4]]
+    coord.draft_seconds = 0.008  # as measured for a 0.5B drafting for a 1.5B
+    for _ in range(40):
+        coord.verified(req, 4, 4)  # read well: p near 1
+    coord.propose([req])
+    assert drafter.asked[-1] == [4]
+    for _ in range(60):
+        coord.verified(req, 4, 0)  # read badly: p near 0
+    asked_before = len(drafter.asked)
+    for _ in range(6):
+        coord.propose([req])
+    assert drafter.asked[asked_before:] == [[1], [1]]  # probes only, every 3rd step
+    off = SpecCoordinator(SpecConfig(method="ngram", num_speculative_tokens=4,
+                                     adaptive_depth=False, min_acceptance=0.0),
+                          drafter, core.kv, lambda rows: 0.020 + 0.003 * rows)
+    off.draft_seconds = 0.008
+    for _ in range(60):
+        off.verified(req, 4, 0)
+    off.propose([req])
+    assert drafter.asked[-1] == [4]  # without adaptive_depth: always in full
+
+
+def test_the_step_cost_is_fitted_to_observed_decode_steps(tiny_llama_dir):
+    from kvserve.spec_decode.coordinator import SpecCoordinator
+
+    core = make_llm(tiny_llama_dir).engine.local_core
+    coord = SpecCoordinator(SpecConfig(method="ngram", adaptive_depth=True), _TimedDrafter(),
+                            core.kv)
+    coord.observe_step(1, 0.020)
+    assert coord.step_cost() is None  # one size of step: a row's cost is not known
+    for rows, seconds in [(4, 0.029), (1, 0.020), (2, 0.023)]:
+        coord.observe_step(rows, seconds)
+    step, row = coord.step_cost()
+    assert step == pytest.approx(0.017) and row == pytest.approx(0.003)

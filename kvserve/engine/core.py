@@ -257,6 +257,9 @@ class EngineCore(StartupCalibration):
         t_end = time.perf_counter()
         # The whole step, output handling included, is the gap a decoding request sees.
         self.scheduler.observe_step(sched.shape, t_end - t0)
+        if self.speculation is not None and not any(s.prefill for s in sched.scheduled):
+            self.speculation.observe_step(sum(s.num_new_tokens for s in sched.scheduled),
+                                          t_end - t1)
         if not self._keep_steps:
             return
         t3 = t2 + kv_io + sum(timings.get(k, 0.0)

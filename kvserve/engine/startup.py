@@ -41,7 +41,7 @@ from kvserve.models.loader import read_model_config, shard_config
 from kvserve.models.paths import resolve_model
 from kvserve.sample.structured import GrammarCompiler
 from kvserve.sched.scheduler import Scheduler
-from kvserve.sched.slo import LatencyTargets
+from kvserve.sched.slo import LatencyTargets, StepShape
 from kvserve.settings import parse_size
 from kvserve.spec_decode import build_drafter
 from kvserve.spec_decode.coordinator import SpecCoordinator
@@ -238,7 +238,9 @@ def _build(config: StartupConfig, device: torch.device, tp: TensorParallel,
     scheduler = Scheduler(sched, kv)
     speculation: SpecCoordinator | None = None
     if spec is not None and drafter is not None:
-        speculation = SpecCoordinator(spec, drafter, kv)
+        # scheduler.cost read at each call: calibration puts a fitted model in its place.
+        speculation = SpecCoordinator(
+            spec, drafter, kv, lambda rows: scheduler.cost.predict(StepShape(0, rows, 0)))
         runner.keep_hidden = drafter.needs_hidden
         log.info("speculative decoding: %s", spec)
     log.info("loaded %s (%s, %d layers, %s weights, %s; quantization %s: %s) in %.1fs",
