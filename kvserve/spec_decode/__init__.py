@@ -42,8 +42,9 @@ def build_drafter(spec: SpecConfig, target: LlamaForCausalLM, target_path, dtype
             raise ValueError(f"draft model {path.name} has a vocabulary of "
                              f"{loaded.config.vocab_size} tokens, the target "
                              f"{target.config.vocab_size}: they must share a tokenizer")
-        loaded.model.pack_(draft_quantization(spec.quantization, device))
-        head = draft_head(loaded.model, spec.draft_vocab_size) \
+        quantization = draft_quantization(spec.quantization, device)
+        loaded.model.pack_(quantization)
+        head = draft_head(loaded.model, spec.draft_vocab_size, quantization) \
             if 0 < spec.draft_vocab_size < loaded.config.vocab_size else None
         return DraftModelDrafter(loaded.model, dtype, device, sched.max_num_batched_tokens,
                                  head)
