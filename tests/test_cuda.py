@@ -112,7 +112,8 @@ def test_seeded_sampling_repeats_and_ignores_the_batch(tiny_llama_dir, gpu):
 @pytest.mark.parametrize("spec", [
     {"method": "ngram", "num_speculative_tokens": 3},
     # quantization auto: none on a GPU; every step drafts (not only where it pays)
-    {"method": "draft_model", "num_speculative_tokens": 3, "adaptive_depth": False},
+    {"method": "draft_model", "num_speculative_tokens": 3, "adaptive_depth": False,
+     "max_batch_size": 64},
 ])
 def test_speculative_decoding_keeps_greedy_tokens(tiny_llama_dir, gpu, spec):
     import json

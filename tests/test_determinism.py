@@ -145,7 +145,8 @@ def engine_args(cfg: dict, dtype: str, tmp_path, quantization: str = "auto",
         spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     elif cfg["speculation"] == "draft_model":
         spec = {"method": "draft_model", "model": cfg["draft_model"],
-                "num_speculative_tokens": 2, "quantization": "none", "adaptive_depth": False}
+                "num_speculative_tokens": 2, "quantization": "none", "adaptive_depth": False,
+                "max_batch_size": 64}
     # The pool must hold one request at a time (prompt + output, in blocks).
     blocks = max(cfg["num_kv_blocks"], -(-200 // cfg["block_size"]))
     tier = cfg["tier"] if cfg["enable_prefix_caching"] else None

@@ -55,9 +55,9 @@ def random_mtp(tmp_path_factory):
 
 
 def spec_configs(tiny, other, mtp) -> dict[str, dict]:
-    # Each request drafts as far as allowed, not as far as its measured costs say pays:
-    # these tests are about what verification does with drafts.
-    return {name: {**cfg, "adaptive_depth": False} for name, cfg in {
+    # Each request drafts as far as allowed, not as far as its measured costs say pays, in
+    # batches of any size: these tests are about what verification does with drafts.
+    return {name: {**cfg, "adaptive_depth": False, "max_batch_size": 64} for name, cfg in {
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
         "draft-same": {"method": "draft_model", "model": str(tiny), "quantization": "none",
                        "num_speculative_tokens": 4},
@@ -98,7 +98,7 @@ def test_greedy_outputs_identical_with_speculation(tiny_llama_dir, other_tiny_di
 
 def test_stop_rules_and_logprobs_with_speculation(tiny_llama_dir):
     cfg = {"method": "draft_model", "model": str(tiny_llama_dir), "quantization": "none",
-           "num_speculative_tokens": 5, "adaptive_depth": False}
+           "num_speculative_tokens": 5, "adaptive_depth": False, "max_batch_size": 64}
     base = make_llm(tiny_llama_dir)
     spec = make_llm(tiny_llama_dir, speculative_config=cfg)
     prompt = repetitive_prompts(1, seed=3)[0]
@@ -126,7 +126,7 @@ def test_stop_rules_and_logprobs_with_speculation(tiny_llama_dir):
 def test_sampled_requests_with_speculation_stay_consistent(tiny_llama_dir, vocab):
     """(With `vocab`, the drafts' distributions are 0 past the first 200 ids.)"""
     cfg = {"method": "draft_model", "model": str(tiny_llama_dir), "quantization": "int8",
-           "draft_vocab_size": vocab, "adaptive_depth": False}
+           "draft_vocab_size": vocab, "adaptive_depth": False, "max_batch_size": 64}
     llm = make_llm(tiny_llama_dir, num_kv_blocks=80, speculative_config=cfg)
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=i,
                              ignore_eos=True, n=2 if i % 3 == 0 else 1) for i in range(8)]
@@ -386,6 +386,10 @@ def test_draft_quantization_follows_the_device():
     a GPU are refused by name (before any weight reaches a CPU kernel)."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert SpecConfig.parse('{"method": "draft_model"}').quantization == "auto"
+    # A draft model drafts for one stream only, unless asked; the others up to 8 requests.
+    assert SpecConfig.parse('{"method": "draft_model"}').max_batch_size == 1
+    assert SpecConfig.parse('{"method": "ngram"}').max_batch_size == 8
+    assert SpecConfig.parse('{"method": "draft_model", "max_batch_size": 4}').max_batch_size == 4
     assert draft_quantization("auto", cpu) == "int4"
     assert draft_quantization("auto", gpu) == "none"
     assert draft_quantization("none", gpu) == "none" and draft_quantization("int8", cpu) == "int8"

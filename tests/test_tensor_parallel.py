@@ -266,7 +266,7 @@ def test_tp2_with_speculation_matches_plain_decoding(uneven_gqa_dir, mqa_dir, me
     spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
             if method == "ngram" else  # a draft model with the same tokenizer
             {"method": "draft_model", "num_speculative_tokens": 3, "model": str(mqa_dir),
-             "quantization": "none", "adaptive_depth": False})
+             "quantization": "none", "adaptive_depth": False, "max_batch_size": 64})
     plain = _generate(uneven_gqa_dir, prompts, dtype="float32", kv_cache_memory="8MiB")
     with LLM(str(uneven_gqa_dir), dtype="float32", kv_cache_memory="8MiB",
              tensor_parallel_size=2, speculative_config=json.dumps(spec)) as llm:
