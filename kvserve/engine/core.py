@@ -255,20 +255,20 @@ class EngineCore(StartupCalibration):
         self._step_start = None
         self._num_steps += 1
         t_end = time.perf_counter()
+        shape = sched.shape
         # The whole step, output handling included, is the gap a decoding request sees.
-        self.scheduler.observe_step(sched.shape, t_end - t0)
-        if self.speculation is not None and not any(s.prefill for s in sched.scheduled):
-            self.speculation.observe_step(sum(s.num_new_tokens for s in sched.scheduled),
-                                          t_end - t1)
+        self.scheduler.observe_step(shape, t_end - t0)
+        if self.speculation is not None and shape.prefill_tokens == 0:
+            # Drafting (before t1) apart: the coordinator weighs a draft against the rest.
+            self.speculation.observe_step(shape.decode_rows, t_end - t1)
         if not self._keep_steps:
             return
         t3 = t2 + kv_io + sum(timings.get(k, 0.0)
                               for k in ("prepare", "forward", "grammar", "sample"))
-        prefill = sum(s.num_new_tokens for s in sched.scheduled if s.prefill)
-        decode = sum(s.num_new_tokens for s in sched.scheduled if not s.prefill)
         drafts = sum(s.num_drafts for s in sched.scheduled)
         self.steps.append(StepRecord(
-            self._num_steps, t0 + self.wall_offset, len(sched.scheduled), prefill, decode,
+            self._num_steps, t0 + self.wall_offset, len(sched.scheduled),
+            shape.prefill_tokens, shape.decode_rows,
             drafts, len(sched.preempted), t1 - t0, t2 - t1, timings.get("prepare", 0.0),
             timings.get("forward", 0.0), timings.get("sample", 0.0), max(t_end - t3, 0.0),
             t_end - t0, timings.get("all_reduce", 0.0), kv_io, timings.get("grammar", 0.0),

@@ -134,8 +134,7 @@ class SpecCoordinator:
                 st.idle_steps += 1
                 if st.idle_steps < cfg.probe_interval:
                     continue
-                k = min(cfg.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
-                        budget, 1)
+                k = min(r.max_tokens - r.num_output_tokens - 1, budget, 1)
             if k >= 1:
                 st.idle_steps = 0
                 reqs.append(r)
