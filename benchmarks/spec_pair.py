@@ -2,11 +2,12 @@
 
     python benchmarks/spec_pair.py --model TARGET.gguf --draft DRAFT.gguf [--rounds 3]
         [--max-tokens 128] [--k 3] [--kvserve-spec '{"draft_vocab_size": 16384}']
-        [--llama-server-args "..."]
+        [--mtp MTP.safetensors] [--llama-server-args "..."]
 
 Four servers up at once, on the same two files: kvserve and llama-server each without
 speculation and with the draft model (kvserve `--speculative-config` method draft_model with
-`num_speculative_tokens` --k; llama-server `--model-draft` with `--spec-draft-n-max` --k).
+`num_speculative_tokens` --k; llama-server `--model-draft` with `--spec-draft-n-max` --k),
+and with --mtp a fifth: kvserve with that trained MTP drafter (method mtp, the same k).
 Each round sends every prompt of three sets (code, chat, and a summary of a document in the
 prompt) to each server in turn, one request at a time, the order alternating round by
 round: a streamed chat completion, greedy, --max-tokens at most, ending where the model
@@ -66,6 +67,7 @@ DOCUMENT = (
 SETS = {"code": CODE, "chat": CHAT,
         "summary": [f"Summarise this document in five bullet points.\n\n{DOCUMENT}"]}
 NAMES = ("kvserve", "kvserve+draft", "llama-server", "llama-server+draft")
+MTP = "kvserve+mtp"
 
 
 def decode_rate(url: str, prompt: str, max_tokens: int) -> tuple[float, str]:
@@ -105,10 +107,15 @@ def main() -> int:
     p.add_argument("--k", type=int, default=3, help="draft tokens per step, both servers")
     p.add_argument("--kvserve-spec", default="{}",
                    help="more fields of kvserve's --speculative-config (JSON)")
+    p.add_argument("--mtp", type=Path, default=None,
+                   help="also a kvserve with this MTP drafter (`kvserve train-mtp`)")
     p.add_argument("--pause", type=float, default=0.5, help="seconds idle after each request")
     args = p.parse_args()
     if not args.draft.is_file():
         p.error(f"no draft model at {args.draft}")
+    if args.mtp is not None and not args.mtp.is_file():
+        p.error(f"no MTP module at {args.mtp}")
+    names = NAMES + ((MTP,) if args.mtp else ())
     peers = beside_llama_server(p, args)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     spec = {"method": "draft_model", "model": str(args.draft),
@@ -116,10 +123,13 @@ def main() -> int:
     extra = {"kvserve": "", "kvserve+draft": f"--speculative-config '{json.dumps(spec)}'",
              "llama-server": "",
              "llama-server+draft": f"--model-draft {args.draft} --spec-draft-n-max {args.k}"}
+    if args.mtp:
+        mtp = {"method": "mtp", "model": str(args.mtp), "num_speculative_tokens": args.k}
+        extra[MTP] = f"--speculative-config '{json.dumps(mtp)}'"
     base_kv, base_ll = args.kvserve_args, args.llama_server_args
     servers: dict[str, Server] = {}
     try:
-        for name in NAMES:
+        for name in names:
             peer = name.split("+")[0]
             args.kvserve_args = f"{base_kv} {extra[name]}" if peer == "kvserve" else base_kv
             args.llama_server_args = f"{base_ll} {extra[name]}" if peer != "kvserve" \
@@ -132,10 +142,10 @@ def main() -> int:
               f"draft {args.draft.name}, k={args.k}")
         for name, server in servers.items():
             print(f"{name}: {command_str(server.argv)}")
-        rates = {(s, n): [] for s in SETS for n in NAMES}
+        rates = {(s, n): [] for s in SETS for n in names}
         answers: dict[tuple[str, str], list[str]] = {}
         for r in range(args.rounds):
-            order = NAMES if r % 2 == 0 else NAMES[::-1]
+            order = names if r % 2 == 0 else names[::-1]
             for set_name, prompts in SETS.items():
                 for name in order:
                     texts = []
@@ -147,17 +157,25 @@ def main() -> int:
                     answers[(set_name, name)] = texts
                 print(f"round {r} {set_name}: " + ", ".join(
                     f"{n} {statistics.median(rates[(set_name, n)][-len(prompts):]):.1f}"
-                    for n in NAMES) + " tok/s", flush=True)
+                    for n in names) + " tok/s", flush=True)
         med = statistics.median
         print(f"\nmedian decode tok/s of {args.rounds} rounds (each prompt a sample):")
+        mtp_cols = " kvserve+mtp | speed-up | kvserve+mtp / llama-server+draft |" \
+            if args.mtp else ""
         print("| set | kvserve | kvserve+draft | speed-up | llama-server | llama-server+draft "
-              "| speed-up | kvserve+draft / llama-server+draft | kvserve same text |")
-        print("|---" * 9 + "|")
+              "| speed-up | kvserve+draft / llama-server+draft |" + mtp_cols
+              + " kvserve same text |")
+        print("|---" * (9 + 3 * bool(args.mtp)) + "|")
         for s in SETS:
             kv, kvd, ll, lld = (med(rates[(s, n)]) for n in NAMES)
-            same = answers[(s, "kvserve")] == answers[(s, "kvserve+draft")]
-            print(f"| {s} | {kv:.1f} | {kvd:.1f} | {kvd / kv:.2f}x | {ll:.1f} | {lld:.1f} | "
-                  f"{lld / ll:.2f}x | {kvd / lld:.2f}x | {same} |")
+            same = all(answers[(s, "kvserve")] == answers[(s, n)] for n in names
+                       if n.startswith("kvserve+"))
+            row = (f"| {s} | {kv:.1f} | {kvd:.1f} | {kvd / kv:.2f}x | {ll:.1f} | {lld:.1f} | "
+                   f"{lld / ll:.2f}x | {kvd / lld:.2f}x |")
+            if args.mtp:
+                kvm = med(rates[(s, MTP)])
+                row += f" {kvm:.1f} | {kvm / kv:.2f}x | {kvm / lld:.2f}x |"
+            print(f"{row} {same} |")
         for name, server in servers.items():
             print(f"{name} peak RSS: {server.peak_rss_gib():.2f} GiB")
     finally:

@@ -157,6 +157,68 @@ def test_train_mtp_saves_a_drafter_that_serves(tiny_llama_dir, tmp_path, capsys,
         spec.engine.close()
 
 
+def test_train_mtp_reads_a_prompt_file_and_reuses_its_generations(tiny_llama_dir, tmp_path,
+                                                                  monkeypatch, capsys):
+    """--prompts trains on the user's prompts (a tenth held out) and --generations writes the
+    target's answers once, then reads them back instead of generating again."""
+    from kvserve.tools import train_mtp as tm
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "question {i}"}}\n' for i in range(20)) + "\n")
+    gens = tmp_path / "gens.json"
+    asked: list[list[str]] = []
+    real_generate = tm._generate
+
+    def generate(llm, texts, *a):
+        asked.append(list(texts))
+        return real_generate(llm, texts, *a)
+
+    monkeypatch.setattr(tm, "_generate", generate)
+    argv = ["train-mtp", "--model", str(tiny_llama_dir), "--prompts", str(prompts),
+            "--generations", str(gens), "--max-tokens", "6", "--epochs", "1",
+            "--batch-size", "16", "--draft-vocab", "0", "--intermediate", "32",
+            "--no-progress"]
+    assert cli.main([*argv, "--output", str(tmp_path / "a.safetensors")]) == 0
+    assert len(asked) == 1 and sorted(asked[0]) == sorted(f"question {i}" for i in range(20))
+    assert "on answers to held-out prompts" in capsys.readouterr().out
+    assert gens.is_file()
+    saved = tm.read_generations(gens, 10 ** 6)
+    assert len(saved[0]) == 20 and saved[2] == 18  # 2 of 20 held out
+    assert cli.main([*argv, "--output", str(tmp_path / "b.safetensors")]) == 0
+    assert len(asked) == 1  # the second run read them
+    assert (tmp_path / "b.safetensors").is_file()
+
+
+def test_train_mtp_refuses_bad_prompt_and_generation_files(tiny_llama_dir, tmp_path, capsys):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"text": 3}\n')
+    assert cli.main(["train-mtp", "--model", str(tiny_llama_dir), "--prompts", str(bad)]) == 2
+    assert f'{bad}:2: expected a string or {{"prompt": "..."}}' in capsys.readouterr().err
+    one = tmp_path / "one.txt"
+    one.write_text("only one\n\n")
+    assert cli.main(["train-mtp", "--model", str(tiny_llama_dir), "--prompts", str(one)]) == 2
+    assert "at least 2 prompts" in capsys.readouterr().err
+    gens = tmp_path / "g.json"
+    gens.write_text('{"format": "kvserve-mtp-generations-v1", "train": 1, "prompt_lens": [1, 1],'
+                    ' "sequences": [[1, 2], [3, 99999999]]}')
+    assert cli.main(["train-mtp", "--model", str(tiny_llama_dir), "--generations",
+                     str(gens)]) == 2
+    assert "not generations written by `kvserve train-mtp --generations`" in \
+        capsys.readouterr().err
+    assert cli.main(["train-mtp", "--prompts", str(tmp_path / "none.txt"),
+                     "--no-download"]) == 2
+    assert "--prompts: no such file" in capsys.readouterr().err
+
+
+def test_the_built_in_prompts_hold_out_whole_topics_and_tasks():
+    from kvserve.tools.train_mtp import prompt_sets
+
+    train, val = prompt_sets(400, seed=1)
+    assert len(train) == 400 and len(val) == 40
+    assert not set(train) & set(val)
+    assert any(t.startswith("Write a Python function") for t in train)
+
+
 @pytest.mark.parametrize("flag", ["--num-prompts", "--epochs"])
 def test_train_mtp_refuses_a_count_below_one(flag, capsys):
     assert cli.main(["train-mtp", flag, "0", "--no-download"]) == 2

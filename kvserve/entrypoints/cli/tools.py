@@ -49,6 +49,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--epochs", type=int, default=6)
     t.add_argument("--batch-size", type=int, default=256)
     t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--prompts", default=None, metavar="FILE",
+                   help="train on these prompts instead of the built-in set: one a line, or "
+                        "JSON Lines of {\"prompt\": ...} for a .jsonl file (a tenth held out)")
+    t.add_argument("--generations", default=None, metavar="FILE",
+                   help="the target's answers: read from FILE when it exists (skipping the "
+                        "generation, the longest stage), else written there")
+    t.add_argument("--intermediate", type=int, default=None,
+                   help="the module's SwiGLU width (default: 4x the hidden size)")
     t.add_argument("--draft-vocab", type=int, default=8192,
                    help="tokens the draft head scores, the most frequent in the data "
                         "(0: the whole vocabulary)")
@@ -256,22 +264,32 @@ def cmd_roofline(args: argparse.Namespace) -> int:
 
 def cmd_train_mtp(args: argparse.Namespace) -> int:
     """Self-distil a multi-token-prediction drafter for the model and save it."""
-    from kvserve.tools.train_mtp import train_mtp
+    from kvserve.tools.train_mtp import read_prompts, train_mtp
 
     ensure_default_model(args)
-    for name in ("num_prompts", "max_tokens", "epochs", "batch_size"):
-        if getattr(args, name) < 1:
+    for name in ("num_prompts", "max_tokens", "epochs", "batch_size", "intermediate"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.draft_vocab < 0:
         raise ValueError("--draft-vocab must be >= 0 (0: the whole vocabulary)")
+    prompts = None
+    if args.prompts is not None:
+        path = Path(args.prompts).expanduser()
+        if not path.is_file():
+            raise ValueError(f"--prompts: no such file: {path}")
+        prompts = read_prompts(path)
     report = train_mtp(args.model, Path(args.output), args.num_prompts, args.max_tokens,
-                       args.epochs, args.batch_size, args.lr, draft_vocab=args.draft_vocab,
-                       seed=args.seed, progress=not args.no_progress)
+                       args.epochs, args.batch_size, args.lr, args.intermediate,
+                       draft_vocab=args.draft_vocab, seed=args.seed,
+                       progress=not args.no_progress, prompts=prompts,
+                       generations=Path(args.generations).expanduser()
+                       if args.generations else None)
     last = report["history"][-1]
     print(f"saved {args.output}: {report['train_positions']} training positions from "
           f"{report['sequences']} generations, {report['total_seconds']:.0f}s; draft vocabulary "
           f"{report['draft_vocab']} tokens ({100 * report['draft_vocab_coverage']:.1f}% of "
-          f"the target's choices); on answers about held-out topics, agreement with the "
+          f"the target's choices); on answers to held-out prompts, agreement with the "
           f"target's greedy token: depth 1 {100 * last['val_agree_depth1']:.1f}%, depth 2 "
           f"{100 * last['val_agree_depth2']:.1f}%")
     print(f'use it with --speculative-config \'{{"method": "mtp", "model": "{args.output}"}}\'')
