@@ -438,34 +438,38 @@ def test_mtp_on_the_vnni_kernels_keeps_greedy_output(tiny_llama_dir, tmp_path, d
 # ----------------------------------------------------------------------- adaptive depth
 
 
-def expected_rate(p: list[float], depths: list[int], step: float, cost: float) -> float:
-    """Expected tokens per second of a step where request i drafts depths[i] tokens."""
+def expected_rate(p: list[float], depths: list[int], step: float, cost: float,
+                  draft: float = 0.0) -> float:
+    """Expected tokens per second of a step where request i drafts depths[i] tokens, each
+    costing `cost`, in max(depths) draft steps of `draft` each."""
     tokens = sum(sum(pi ** j for j in range(k + 1)) for pi, k in zip(p, depths, strict=True))
-    return tokens / (step + cost * sum(depths))
+    return tokens / (step + draft * max(depths) + cost * sum(depths))
 
 
 @settings(max_examples=200, deadline=None)
 @given(p=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=6), k=st.integers(1, 5),
        step=st.floats(0.005, 0.05), row=st.floats(0.0, 0.01), draft=st.floats(0.0, 0.02),
-       budget=st.integers(1, 12))
-def test_choose_depths_takes_the_best_drafts_only(p, k, step, row, draft, budget):
+       draft_row=st.floats(0.0, 0.005), budget=st.integers(1, 12))
+def test_choose_depths_takes_the_best_drafts_only(p, k, step, row, draft, draft_row, budget):
     """The depths choose_depths picks give the step the highest expected tokens per second
-    of any choice that takes drafts in order of their acceptance probability (the best of
-    every such prefix, no drafts included); none is taken that lowers it."""
+    of any choice that, for some depth L, takes the drafts of depth at most L in order of
+    their acceptance probability (the best of every such prefix, no drafts included); none
+    is taken that lowers it. A draft step is paid once per depth, whoever drafts."""
     from kvserve.spec_decode.coordinator import choose_depths
 
     limits = [k] * len(p)
-    got = choose_depths(p, limits, step, row, draft, budget)
+    got = choose_depths(p, limits, step, row, draft, budget, draft_row)
     assert all(0 <= d <= k for d in got) and sum(got) <= budget
-    cost = row + draft
-    best = expected_rate(p, got, step, cost)
-    offers = sorted(((p[i] ** j, i) for i in range(len(p)) for j in range(1, k + 1)),
-                    key=lambda o: -o[0])
-    for n in range(min(len(offers), budget) + 1):
-        depths = [0] * len(p)
-        for _, i in offers[:n]:
-            depths[i] += 1
-        assert best >= expected_rate(p, depths, step, cost) * (1 - 1e-9)
+    cost = row + draft_row
+    best = expected_rate(p, got, step, cost, draft)
+    for depth in range(1, k + 1):
+        offers = sorted(((p[i] ** j, i) for i in range(len(p)) for j in range(1, depth + 1)),
+                        key=lambda o: -o[0])
+        for n in range(min(len(offers), budget) + 1):
+            depths = [0] * len(p)
+            for _, i in offers[:n]:
+                depths[i] += 1
+            assert best >= expected_rate(p, depths, step, cost, draft) * (1 - 1e-9)
 
 
 def test_choose_depths_follows_acceptance_and_cost():
@@ -480,8 +484,14 @@ def test_choose_depths_follows_acceptance_and_cost():
     assert choose_depths([1.0], [4], 0.022, 0.003, 0.022, 12) == [0]
     # A free drafter (n-gram): only verify rows cost, so even a half-read text drafts 3.
     assert choose_depths([0.5], [4], 0.022, 0.001, 0.0, 12) == [3]
-    # Many rows already in the step: its tokens per second are high, drafts must beat them.
-    assert choose_depths([0.8] * 8, [4] * 8, 0.040, 0.003, 0.008, 12) == [0] * 8
+    # Eight streams share each draft step: each drafts one token (226 expected tokens a
+    # second against 200 without, and 217 with a second draft step for four of them), where
+    # a draft token charged a whole draft step would have given none.
+    assert choose_depths([0.9] * 8, [4] * 8, 0.040, 0.002, 0.008, 12, 0.0004) == [1] * 8
+    assert choose_depths([0.9] * 8, [4] * 8, 0.040, 0.002, 0.008 * 8, 12) == [0] * 8
+    # Many rows already in the step and a poorly read text: drafts must beat the step's
+    # tokens per second, and do not.
+    assert choose_depths([0.5] * 8, [4] * 8, 0.040, 0.003, 0.008, 12, 0.0006) == [0] * 8
 
 
 class _TimedDrafter(Drafter):

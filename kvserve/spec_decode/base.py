@@ -25,10 +25,11 @@ class Drafter(ABC):
     # model runner then keeps it and the engine hands it over through `take_hidden`.
     needs_hidden: bool = False
 
-    # A draft token's time while drafting goes on, as the drafter measures it (catching up
-    # on verified tokens after a pause left out: that is paid once, not per token); None
-    # where it measures none, and the coordinator times whole proposals instead.
-    token_seconds: float | None = None
+    # A draft step's time (one token for each request drafting that far) while drafting
+    # goes on, as the drafter measures it (catching up on verified tokens after a pause left
+    # out: that is paid once, not per token); None where it measures none, and the
+    # coordinator times whole proposals over their depth instead.
+    step_seconds: float | None = None
 
     @abstractmethod
     def propose(self, requests: list[Request], num_drafts: list[int]) -> None:

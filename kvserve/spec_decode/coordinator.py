@@ -10,14 +10,17 @@ steps, so it can come back when its text becomes predictable again.
 
 With adaptive_depth, how far each request drafts follows from costs: its j-th draft token is
 accepted with probability p^j (p: its per-token acceptance, estimated from its recent
-verifications), and costs a verify row plus a draft token (a step's time and a row's fitted
-to the recent decode steps, the step cost model's until they vary in size; a draft token's
-time as the drafter measures it, else whole proposals timed). Draft tokens are added in
-order of that probability while the expected tokens per second of the step still rise: a
-draft with probability q joins a step of expected E tokens in T seconds when q / c > E / T,
-c its cost. So a step never drafts where speculation would be slower by these measures, and
-a request whose text the drafter reads well drafts deeper. A request left without drafts
-probes as above.
+verifications), and costs a verify row plus a row of a draft step; each draft step (one
+token for every request drafting that far) costs its own time once, however many requests
+share it. A target step's time and a row's are fitted to the recent decode steps (the step
+cost model's until they vary in size); a draft step's time is the drafter's measure, else
+whole proposals timed over their depth, and a row of it is charged the share of a row in a
+target step. Draft tokens are added in order of that probability while the expected tokens
+per second of the step still rise: a draft with probability q joins a step of expected E
+tokens in T seconds when q / c > E / T, c its cost; that is done for each depth the step
+could draft to, and the best depth wins. So a step never drafts where speculation would be
+slower by these measures, a request whose text the drafter reads well drafts deeper, and a
+batch shares its draft steps. A request left without drafts probes as above.
 """
 
 from __future__ import annotations
@@ -57,23 +60,31 @@ STEP_WINDOW = 64
 
 
 def choose_depths(p: list[float], limits: list[int], step: float, row: float, draft: float,
-                  budget: int) -> list[int]:
+                  budget: int, draft_row: float = 0.0) -> list[int]:
     """Draft tokens per request (see the module docstring): request i's j-th draft is
-    accepted with probability p[i] ** j and costs `row` + `draft` seconds; a step of len(p)
-    decode rows takes `step` seconds. Drafts are taken in order of probability while that
-    probability over their cost exceeds the step's expected tokens per second, at most
-    limits[i] for request i and `budget` in all."""
-    cost = row + draft
-    tokens, seconds = float(len(p)), step
-    depths = [0] * len(p)
-    offers = sorted(((p[i] ** j, i) for i in range(len(p))
+    accepted with probability p[i] ** j. A step of len(p) decode rows takes `step` seconds;
+    a draft costs a verify row (`row`) and a row of a draft step (`draft_row`), and every
+    draft step (one token for each request drafting that far) `draft` more: drafting to
+    depth L costs L draft steps, whoever drafts. For each L, drafts of depth at most L are
+    taken in order of probability while that probability over their cost exceeds the
+    step's expected tokens per second, at most limits[i] for request i and `budget` in
+    all; the L whose step has the most expected tokens per second wins."""
+    offers = sorted(((p[i] ** j, j, i) for i in range(len(p))
                      for j in range(1, limits[i] + 1)), key=lambda o: -o[0])
-    for gain, i in offers:
-        if budget <= 0 or gain * seconds <= tokens * cost:
-            break
-        depths[i] += 1
-        tokens, seconds, budget = tokens + gain, seconds + cost, budget - 1
-    return depths
+    cost = row + draft_row
+    best, best_rate = [0] * len(p), len(p) / step
+    for depth in range(1, max(limits, default=0) + 1):
+        tokens, seconds, left = float(len(p)), step + depth * draft, budget
+        depths = [0] * len(p)
+        for gain, j, i in offers:
+            if left <= 0 or gain * seconds <= tokens * cost:
+                break
+            if j <= depth:
+                depths[i] += 1
+                tokens, seconds, left = tokens + gain, seconds + cost, left - 1
+        if max(depths) == depth and tokens / seconds > best_rate:
+            best, best_rate = depths, tokens / seconds
+    return best
 
 
 class SpecCoordinator:
@@ -86,7 +97,7 @@ class SpecCoordinator:
         self.stats = SpecStats()
         self._state: dict[str, _DraftState] = {}
         self._step_seconds = step_seconds
-        self.draft_seconds: float | None = None  # a draft token's time, measured
+        self.draft_seconds: float | None = None  # a draft step's time, measured
         self._steps: deque[tuple[int, float]] = deque(maxlen=STEP_WINDOW)
         drafter.allocate(kv)
 
@@ -143,9 +154,9 @@ class SpecCoordinator:
         if reqs:
             t0 = time.perf_counter()
             self.drafter.propose(reqs, ks)
-            drafted = sum(len(r.draft_token_ids) for r in reqs)
-            if drafted:
-                took = (time.perf_counter() - t0) / drafted
+            depth = max(len(r.draft_token_ids) for r in reqs)
+            if depth:
+                took = (time.perf_counter() - t0) / depth
                 self.draft_seconds = took if self.draft_seconds is None else \
                     self.draft_seconds + DRAFT_TIME_WEIGHT * (took - self.draft_seconds)
 
@@ -156,7 +167,7 @@ class SpecCoordinator:
         predicts and a draft has been timed)."""
         cfg = self.config
         full = {r.request_id: cfg.num_speculative_tokens for r in decoding}
-        draft = self.drafter.token_seconds if self.drafter.token_seconds is not None \
+        draft = self.drafter.step_seconds if self.drafter.step_seconds is not None \
             else self.draft_seconds
         if not cfg.adaptive_depth or draft is None:
             return full
@@ -172,8 +183,10 @@ class SpecCoordinator:
             row = max(more - step, 0.0)
         limits = [max(0, min(cfg.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1))
                   for r in decoding]
+        # A row of a draft step costs what a row does in a target step, in proportion.
+        draft_row = draft * row / step if step > 0 else 0.0
         depths = choose_depths([states[r.request_id].p for r in decoding], limits, step, row,
-                               draft, cfg.max_draft_tokens)
+                               draft, cfg.max_draft_tokens, draft_row)
         return {r.request_id: k for r, k in zip(decoding, depths, strict=True)}
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:

@@ -28,7 +28,7 @@ from kvserve.worker.forward import ForwardItem
 from kvserve.worker.model_runner import allocate_kv_caches, run_forward
 
 # How fast the measured draft-step time follows new measurements.
-TOKEN_TIME_WEIGHT = 0.2
+STEP_TIME_WEIGHT = 0.2
 
 
 @dataclass
@@ -150,8 +150,8 @@ class DraftModelDrafter(Drafter):
                     nxt.append((req, k))
             if step > 0:  # one row a request: the first step also runs what was verified
                 took = time.perf_counter() - t0
-                self.token_seconds = took if self.token_seconds is None else \
-                    self.token_seconds + TOKEN_TIME_WEIGHT * (took - self.token_seconds)
+                self.step_seconds = took if self.step_seconds is None else \
+                    self.step_seconds + STEP_TIME_WEIGHT * (took - self.step_seconds)
             live = nxt
             if not live:
                 break
