@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 import pytest
@@ -17,7 +17,7 @@ from kvserve.engine.metrics import EngineMetrics
 from kvserve.entrypoints.server.errors import APIError
 from kvserve.entrypoints.server.history import History, HistoryRecorder, percentiles
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvserve.stats import EngineStats
+from kvserve.stats import EngineStats, SpecState
 from tests.server_utils import run_server
 
 SLO = {"target_ttft_ms": 500.0, "target_itl_ms": None, "good": 3, "missed_ttft": 1,
@@ -126,6 +126,32 @@ def test_new_values_are_found_in_a_full_deque():
     assert itl["count"] == 5 and itl["p50"] == pytest.approx(7.0)
 
 
+def _spec_state(drafts: int, accepted: int, drafts_at: tuple, accepted_at: tuple) -> SpecState:
+    return SpecState(method="ngram", num_speculative_tokens=3, max_batch_size=8,
+                     min_acceptance=0.0, num_drafts=drafts, num_accepted=accepted,
+                     num_rounds=drafts_at[0] if drafts_at else 0, num_steps_off=0,
+                     drafts_at=drafts_at, accepted_at=accepted_at)
+
+
+def test_a_sample_has_the_intervals_draft_acceptance():
+    """`spec` counts only the drafts verified since the last sample, overall and at each
+    draft position (None where none was verified); None without speculation."""
+    engine = FakeEngine(_stats())
+    recorder = HistoryRecorder(EngineMetrics("m"), lambda: engine)
+    assert asyncio.run(recorder.sample())["spec"] is None
+    engine.stats = replace(_stats(), spec=_spec_state(6, 4, (3, 2, 1), (3, 1, 0)))
+    first = asyncio.run(recorder.sample())["spec"]
+    assert first == {"drafts": 6, "acceptance": round(4 / 6, 4),
+                     "acceptance_at": [1.0, 0.5, 0.0]}
+    # then 4 drafts at position 1, 2 at position 2 (both held), none deeper
+    engine.stats = replace(_stats(), spec=_spec_state(12, 8, (7, 4, 1), (5, 3, 0)))
+    second = asyncio.run(recorder.sample())["spec"]
+    assert second == {"drafts": 6, "acceptance": round(4 / 6, 4),
+                      "acceptance_at": [0.5, 1.0, None]}
+    third = asyncio.run(recorder.sample())["spec"]
+    assert third == {"drafts": 0, "acceptance": None, "acceptance_at": [None, None, None]}
+
+
 def test_slo_is_carried_through(monkeypatch):
     metrics = EngineMetrics("m")
     plain = metrics.dashboard
@@ -200,8 +226,9 @@ def test_route_samples_each_second(server):
     assert all(0.5 < g < 3.0 for g in gaps), gaps
     last = data[-1]
     assert set(last) == {"time", "running", "waiting", "kv_usage", "output_tokens_per_s",
-                         "ttft_ms", "itl_ms", "slo"}
+                         "ttft_ms", "itl_ms", "slo", "spec"}
     assert last["slo"] is None or isinstance(last["slo"], dict)
+    assert last["spec"] is None  # this server does not speculate
     # the three requests' latencies landed in some interval, each counted once
     assert sum((s["ttft_ms"] or {"count": 0})["count"] for s in data) == 3
     asked = time.time()

@@ -204,6 +204,7 @@ def test_dashboard_draws_the_time_series(tiny_server, browser, monkeypatch):
         assert chart["paths"] == [p for p in chart["paths"] if p], chart
         assert not chart["targets"], chart  # no slo yet: no target lines
     assert not charts["goodput"]["visible"]
+    assert not charts["spec"]["visible"]  # no speculative decoding: no acceptance chart
     assert _fits(browser) == []
     _check_rounded(charts)
 
@@ -241,6 +242,18 @@ def test_dashboard_draws_the_time_series(tiny_server, browser, monkeypatch):
     monkeypatch.setattr(metrics, "dashboard", lambda **kw: {**plain(**kw), "slo": None})
     wait_for(lambda: not (c := _charts(browser))["goodput"]["visible"]
              and not c["itl"]["targets"], what="targets and goodput hidden again")
+
+    # With speculation the acceptance chart shows, one line per draft position (the third
+    # position, never verified here, has no line).
+    recorder = app.state.kvserve.recorder
+    monkeypatch.setattr(recorder, "_spec", lambda st: {
+        "drafts": 5, "acceptance": 0.6, "acceptance_at": [0.75, 0.25, None]})
+    chart = wait_for(lambda: (c := _charts(browser)["spec"])["visible"]
+                     and len(re.findall("[ML]", c["paths"][0])) >= 2 and c,
+                     what="the acceptance chart")
+    assert chart["paths"][:3] == [p for p in chart["paths"][:3] if p] and not chart["paths"][3]
+    assert "60.0" in chart["caption"] and "75.0" in chart["caption"], chart["caption"]
+    _check_rounded({"spec": chart})
 
 
 def _charts(driver) -> dict[str, dict]:

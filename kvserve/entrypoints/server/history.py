@@ -5,9 +5,12 @@ A sample is JSON-ready:
     {"time": unix seconds, "running": int, "waiting": int, "kv_usage": fraction,
      "output_tokens_per_s": over the sample's interval,
      "ttft_ms": {"p50", "p99", "count"} | None, "itl_ms": {"p50", "p99", "count"} | None,
-     "slo": EngineMetrics.dashboard()["slo"] when it has one, else None}
+     "slo": EngineMetrics.dashboard()["slo"] when it has one, else None,
+     "spec": {"drafts", "acceptance", "acceptance_at": [per draft position]} | None}
 TTFT and ITL are percentiles of what was observed during that interval only (None when
 nothing was), not of the metrics' rolling windows, so a change shows up in the next sample.
+So are the draft acceptances of speculative decoding (`spec`: None without speculation;
+rates are None where nothing was verified).
 
 Cost: the batch and KV figures come from the snapshot the engine thread publishes after each
 step (no wait); only the new latencies are copied on the engine thread, between two steps,
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
 from kvserve.engine.metrics import EngineMetrics
 from kvserve.entrypoints.server.errors import APIError
+from kvserve.stats import SpecState
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +123,24 @@ class HistoryRecorder:
         self._ttft = _Tail(metrics.recent_ttft, metrics.ttft)
         self._itl = _Tail(metrics.recent_itl, metrics.itl)
         self._task: asyncio.Task | None = None
+        self._spec_seen: SpecState | None = None  # the totals at the last sample
+
+    def _spec(self, st: SpecState | None) -> dict | None:
+        """Draft acceptance since the last sample: overall and at each draft position."""
+        if st is None:
+            return None
+        seen, self._spec_seen = self._spec_seen, st
+        old_drafts = seen.num_drafts if seen else 0
+        old_accepted = seen.num_accepted if seen else 0
+        old_at = list(zip(seen.drafts_at, seen.accepted_at, strict=True)) if seen else []
+        drafts = st.num_drafts - old_drafts
+        at = []
+        for i, (d, a) in enumerate(zip(st.drafts_at, st.accepted_at, strict=True)):
+            d0, a0 = old_at[i] if i < len(old_at) else (0, 0)
+            at.append(round((a - a0) / (d - d0), 4) if d > d0 else None)
+        return {"drafts": drafts, "acceptance": round((st.num_accepted - old_accepted) / drafts,
+                                                      4) if drafts else None,
+                "acceptance_at": at}
 
     async def sample(self) -> dict | None:
         """One sample now, or None while the engine is loading or dead."""
@@ -135,7 +157,7 @@ class HistoryRecorder:
                 "waiting": stats.waiting, "kv_usage": round(stats.kv_usage, 4),
                 "output_tokens_per_s": recent["output_tokens_per_s"],
                 "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl),
-                "slo": recent.get("slo")}
+                "slo": recent.get("slo"), "spec": self._spec(stats.spec)}
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
