@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -263,6 +264,101 @@ class SpecConfig:
             return cls(**value)
         except TypeError as exc:
             raise ValueError(f"--speculative-config: {exc}") from None
+
+
+KV_EVENT_PUBLISHERS = ("zmq", "null")
+_TCP_ENDPOINT = re.compile(r"tcp://(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})")
+
+
+def check_zmq_endpoint(name: str, endpoint: object) -> str:
+    """A ZeroMQ endpoint kvserve can bind or connect: tcp://HOST:PORT (HOST `*` for every
+    interface), ipc://PATH or inproc://NAME."""
+    if not isinstance(endpoint, str):
+        raise ValueError(f"{name} must be a string, got {endpoint!r}")
+    m = _TCP_ENDPOINT.fullmatch(endpoint)
+    if m is not None:
+        if not 0 < int(m.group(2)) < 65536:
+            raise ValueError(f"{name} {endpoint!r}: port must be in 1..65535")
+        return endpoint
+    for scheme in ("ipc://", "inproc://"):
+        if endpoint.startswith(scheme) and len(endpoint) > len(scheme):
+            return endpoint
+    raise ValueError(f"{name} {endpoint!r} is not tcp://HOST:PORT, ipc://PATH or "
+                     "inproc://NAME")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV-cache events, as `--kv-events-config` takes them (JSON, vLLM's KVEventsConfig
+    fields): batches of BlockStored / BlockRemoved / AllBlocksCleared (kv_cache.events),
+    published after each engine step (engine.kv_events).
+
+    publisher: "zmq" (a PUB socket on `endpoint`, each message [topic, 8-byte big-endian
+    sequence number, payload]) or "null" (collected, not sent); unset: "zmq" when enabled.
+    An endpoint with `*`, `::`, ipc:// or inproc:// is bound, any other connected (to a
+    collector that binds). replay_endpoint: a ROUTER socket that sends the last
+    `buffer_steps` batches again from a sequence number a client asks for. hwm: ZeroMQ's
+    high-water mark of the PUB socket (0: none). max_queue_size: batches waiting for the
+    publisher thread; past it a batch is dropped, never waited for."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError("enable_kv_cache_events must be true or false, got "
+                             f"{self.enable_kv_cache_events!r}")
+        if self.publisher is None:
+            object.__setattr__(self, "publisher",
+                               "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(f"kv-events publisher must be one of "
+                             f"{', '.join(KV_EVENT_PUBLISHERS)}; got {self.publisher!r}")
+        check_zmq_endpoint("kv-events endpoint", self.endpoint)
+        if self.replay_endpoint is not None:
+            check_zmq_endpoint("kv-events replay_endpoint", self.replay_endpoint)
+            if self.replay_endpoint == self.endpoint:
+                raise ValueError("kv-events replay_endpoint must differ from endpoint")
+        for name, least in (("buffer_steps", 0), ("hwm", 0), ("max_queue_size", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"kv-events {name} must be an integer >= {least}, "
+                                 f"got {value!r}")
+        if not isinstance(self.topic, str):
+            raise ValueError(f"kv-events topic must be a string, got {self.topic!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the engine collects events at all (vLLM's rule: only when enabled)."""
+        return self.enable_kv_cache_events
+
+    @classmethod
+    def parse(cls, value: str | dict | KVEventsConfig | None) -> KVEventsConfig | None:
+        """From a JSON string or dict (or a KVEventsConfig, as it is); None or an empty value
+        means no events. Unknown fields are an error, not silently ignored."""
+        if isinstance(value, KVEventsConfig):
+            return value
+        if value is None or value == "" or value == {}:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--kv-events-config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown kv-events-config field(s): {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        return cls(**value)
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,13 @@ class EngineArgs:
     speculative_config: str | dict | None = setting(
         None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": '
               '3}\'; methods ngram, draft_model, mtp', metavar="JSON")
+    # a JSON string or a dict (or a KVEventsConfig), vLLM's --kv-events-config
+    kv_events_config: str | dict | None = setting(
+        None, "publish KV-cache events (blocks stored and removed, per medium) as vLLM "
+              "does, for KV-aware routers, e.g. '{\"enable_kv_cache_events\": true, "
+              "\"endpoint\": \"tcp://*:5557\"}'; fields: enable_kv_cache_events, publisher "
+              "(zmq, null), endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, "
+              "topic", metavar="JSON")
     timeline_buffer_size: int = setting(
         1000, "finished requests whose timelines stay available (0: none)")
     step_buffer_size: int = setting(1000, "recent engine steps kept by the step profiler "

@@ -21,7 +21,9 @@ import torch
 
 from kvserve import faults
 from kvserve.engine.calibration import StartupCalibration
+from kvserve.engine.kv_events import KVEventPublisher, make_publisher
 from kvserve.engine.startup import CoreParts, StartupConfig, build_parts
+from kvserve.kv_cache.events import KVEventBatch
 from kvserve.outputs import LATE_REFUSAL, CoreOutput, RequestTimes
 from kvserve.request import Request, RequestStatus
 from kvserve.sched.output import SchedulerOutput
@@ -62,11 +64,17 @@ class EngineCore(StartupCalibration):
         self.itl_budget_default = args.target_itl_ms is None  # the default step budget
         self.calibration_seconds: float | None = None
         self.calibration_kept = False  # replayed from the start-up cache (calibration_cache)
+        # KV-cache events: the manager logs them, each step's go to the publisher after it
+        self.kv_events: KVEventPublisher | None = None
         try:
+            if config.kv_events is not None and self.kv.events is not None:
+                self.kv_events = make_publisher(config.kv_events)
             if args.target_itl_ms != 0 or targets.ttft_s is not None:
                 self.calibrate()
                 self._resolve_itl_budget()
         except BaseException:
+            if self.kv_events is not None:
+                self.kv_events.close()
             if self.workers is not None:
                 self.workers.close(timeout=1.0)
             raise
@@ -150,6 +158,30 @@ class EngineCore(StartupCalibration):
     # ------------------------------------------------------------------------------ a step
 
     def step(self) -> list[CoreOutput]:
+        """Run one batch (see _step); what it did to the prefix cache goes out as one batch
+        of KV-cache events, when they are on."""
+        try:
+            return self._step()
+        finally:
+            self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """Hand the events logged since the last call to the publisher (which only queues
+        them); none: no batch."""
+        events = self.kv.events
+        if self.kv_events is None or events is None or not len(events):
+            return
+        # data_parallel_rank 0, as a vLLM engine without data parallelism sends it
+        self.kv_events.publish(KVEventBatch(time.time(), events.take(), 0))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every block hash in the pool, as vLLM's reset_prefix_cache does (after new
+        weights, or between benchmark runs); the lower tiers keep theirs. Published at once
+        as AllBlocksCleared, then the tiers' blocks again."""
+        self.kv.reset_prefix_cache()
+        self._publish_kv_events()
+
+    def _step(self) -> list[CoreOutput]:
         """Run one batch. A failure is confined to the requests it touches: if the model step
         raises, its requests are retried one per step and only those that fail alone fail
         (Scheduler.quarantine); if handling one request's new token raises, only that request
@@ -386,12 +418,16 @@ class EngineCore(StartupCalibration):
 
     def close(self) -> None:
         """Persist the prefix cache to the disk tier, when there is one (a clean shutdown),
-        and stop the tensor-parallel workers."""
+        close the KV-event publisher's sockets and stop the tensor-parallel workers."""
         if self.kv.store is not None and any(t.name == "disk" for t in self.kv.store.tiers):
             t0 = time.perf_counter()
             written = self.kv.flush_to_disk()
             log.info("flushed %d KV blocks to disk in %.1fs", written,
                      time.perf_counter() - t0)
+        if self.kv_events is not None:
+            self._publish_kv_events()  # the flush's own stores, then the sockets close
+            self.kv_events.close()
+            self.kv_events = None
         if self.workers is not None:
             self.workers.close()
 

@@ -216,6 +216,9 @@ class CoreProcess:
     def check_integrity(self) -> None:
         self._call("check_integrity")
 
+    def reset_prefix_cache(self) -> None:
+        self._call("reset_prefix_cache")
+
     def close(self) -> None:
         """Stop the child (it persists the prefix cache first, as EngineCore.close does)."""
         if self._proc.is_alive():

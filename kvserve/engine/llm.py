@@ -31,6 +31,11 @@ class LLM:
         """Persist the prefix cache to disk when a disk tier is configured."""
         self.engine.close()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefix cache's pool blocks (vLLM's LLM.reset_prefix_cache); the host
+        and disk tiers keep theirs."""
+        self.engine.reset_prefix_cache()
+
     def __enter__(self) -> LLM:
         return self
 

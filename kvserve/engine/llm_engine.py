@@ -110,6 +110,10 @@ class LLMEngine:
     def close(self) -> None:
         self.core.close()
 
+    def reset_prefix_cache(self) -> None:
+        """See EngineCore.reset_prefix_cache; call it on the thread that steps the engine."""
+        self.core.reset_prefix_cache()
+
     def check_integrity(self) -> None:
         self.core.check_integrity()
 

@@ -16,6 +16,7 @@ from kvserve.attention.kv_quant import kv_storage_dtype
 from kvserve.config import (
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     ModelConfig,
     SchedulerConfig,
     SpecConfig,
@@ -25,6 +26,7 @@ from kvserve.config import (
 )
 from kvserve.distributed.parallel import SINGLE, TensorParallel, check_split
 from kvserve.engine.args import EngineArgs
+from kvserve.kv_cache.events import KVEventLog
 from kvserve.kv_cache.layout import KVLayout
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_cache.planner import (
@@ -87,6 +89,7 @@ class StartupConfig:
     kv_cache_memory: int | None  # bytes; None: kv_cache_budget's default
     host_kv_cache_memory: int  # bytes; 0: no host tier
     kv_cache_disk_size: int  # bytes
+    kv_events: KVEventsConfig | None = None  # None: no KV-cache events collected
 
 
 def create_config(args: EngineArgs) -> StartupConfig:
@@ -112,6 +115,12 @@ def create_config(args: EngineArgs) -> StartupConfig:
     kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype)
     kv_storage_dtype(kv_cache_dtype, dtype)  # a bad pair refused before loading anything
     spec = SpecConfig.parse(args.speculative_config)
+    kv_events = KVEventsConfig.parse(args.kv_events_config)
+    if kv_events is not None and not kv_events.enabled:
+        kv_events = None  # vLLM's rule: any publisher, events off unless enabled
+    if kv_events is not None and not args.enable_prefix_caching:
+        raise ValueError("--kv-events-config: KV-cache events describe the prefix cache; "
+                         "they need prefix caching (drop --no-enable-prefix-caching)")
     host_bytes = parse_size(args.host_kv_cache_memory)
     if (host_bytes or args.kv_cache_dir) and not args.enable_prefix_caching:
         raise ValueError("--host-kv-cache-memory and --kv-cache-dir need prefix caching")
@@ -127,7 +136,7 @@ def create_config(args: EngineArgs) -> StartupConfig:
         kv_cache_memory=(parse_size(args.kv_cache_memory)
                          if args.kv_cache_memory is not None else None),
         host_kv_cache_memory=host_bytes,
-        kv_cache_disk_size=parse_size(args.kv_cache_disk_size))
+        kv_cache_disk_size=parse_size(args.kv_cache_disk_size), kv_events=kv_events)
 
 
 def _check_tensor_parallel(args: EngineArgs, spec: SpecConfig | None, host_bytes: int) -> None:
@@ -233,8 +242,9 @@ def _build(config: StartupConfig, device: torch.device, tp: TensorParallel,
     if workers is not None:
         num_blocks = workers.agree_num_blocks(cache, layout, num_blocks)
     runner = ModelRunner(loaded.model, cache, num_blocks, dtype, device, workers, layout)
+    events = KVEventLog(cache.block_size) if config.kv_events is not None else None
     kv = KVCacheManager(num_blocks, cache.block_size, args.enable_prefix_caching,
-                        _prefix_store(config, runner, cfg, layout), layout)
+                        _prefix_store(config, runner, cfg, layout), layout, events)
     scheduler = Scheduler(sched, kv)
     speculation: SpecCoordinator | None = None
     if spec is not None and drafter is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from kvserve.kv_cache.events import MEDIUM_POOL, KVEventLog
 from kvserve.kv_cache.hashing import BlockKey
 
 
@@ -73,10 +74,13 @@ class FreeBlockQueue:
 
 class BlockPool:
     """`on_evict(blocks)` is called with hashed blocks about to be handed out again, while
-    their K/V are still intact (a lower cache tier copies them there)."""
+    their K/V are still intact (a lower cache tier copies them there). With `events`, every
+    block that enters the prefix cache is logged as stored and every one that leaves it as
+    removed (medium "GPU", see kv_cache.events), and a reset as all cleared."""
 
     def __init__(self, num_blocks: int,
-                 on_evict: Callable[[list[KVBlock]], None] | None = None) -> None:
+                 on_evict: Callable[[list[KVBlock]], None] | None = None,
+                 events: KVEventLog | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -84,6 +88,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}
         self.on_evict = on_evict
+        self.events = events
 
     @property
     def num_free_blocks(self) -> int:
@@ -136,6 +141,8 @@ class BlockPool:
             return
         block.key = key
         self.cached[key.block_hash] = block
+        if self.events is not None:
+            self.events.stored(key, MEDIUM_POOL)
 
     def uncache(self, block: KVBlock) -> None:
         """Take a block out of the prefix cache (its contents are not what its key says)."""
@@ -144,12 +151,16 @@ class BlockPool:
     def _forget(self, block: KVBlock) -> None:
         if block.key is not None:
             del self.cached[block.key.block_hash]
+            if self.events is not None:
+                self.events.removed(block.key.block_hash, MEDIUM_POOL)
             block.key = None
 
     def reset_prefix_cache(self) -> None:
         for block in self.cached.values():
             block.key = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     def check_integrity(self) -> None:
         free_ids = [b.block_id for b in self.free_queue]

@@ -29,6 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvserve.kv_cache.block_pool import BlockPool, KVBlock
+from kvserve.kv_cache.events import KVEventLog
 from kvserve.kv_cache.hashing import ROOT_HASH, BlockKey, hash_block
 from kvserve.kv_cache.layout import KVLayout
 from kvserve.kv_cache.tiers import TieredKVStore
@@ -110,7 +111,11 @@ class KVCacheManager:
     table holds block 0 (whose contents the window masks) in the places before."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 store: TieredKVStore | None = None, layout: KVLayout | None = None) -> None:
+                 store: TieredKVStore | None = None, layout: KVLayout | None = None,
+                 events: KVEventLog | None = None) -> None:
+        """With `events`, the pool and the tiers log what they store and drop there
+        (kv_cache.events); what the tiers hold already (a disk tier's blocks from an earlier
+        run) is logged as stored at once."""
         if store is not None and not enable_prefix_caching:
             raise ValueError("KV cache tiers need prefix caching")
         self.block_size = block_size
@@ -118,7 +123,13 @@ class KVCacheManager:
         self.store = store
         self.layout = layout if layout is not None else KVLayout.single(1)
         self.windows = self.layout.group_windows
-        self.pool = BlockPool(num_blocks, self._save_evicted if store is not None else None)
+        self.events = events
+        self.pool = BlockPool(num_blocks, self._save_evicted if store is not None else None,
+                              events)
+        if events is not None and store is not None:
+            for tier in store.tiers:
+                tier.events = events
+            self._announce_tiers()
         self.stats = PrefixCacheStats()
         self._blocks: dict[str, list[list[KVBlock | None]]] = {}  # per request, per group
         self._num_cached: dict[str, int] = {}  # per request: leading blocks already hashed
@@ -362,7 +373,21 @@ class KVCacheManager:
         """After a failed step: the blocks registered for it were never written, so no hash
         may point at them. Dropping the whole registry is the simple, safe answer."""
         self._computed_this_step = []
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every block hash in the pool (blocks in use stay with their requests, no
+        longer shared). The lower tiers keep theirs: the event log, which has just said all
+        cleared, hears of them again."""
         self.pool.reset_prefix_cache()
+        self._announce_tiers()
+
+    def _announce_tiers(self) -> None:
+        if self.events is None or self.store is None:
+            return
+        for tier in self.store.tiers:
+            for key in tier.held_keys():
+                self.events.stored(key, tier.medium)
 
     def _save_evicted(self, blocks: list[KVBlock]) -> None:
         """A pool block about to be handed out again: copy it down before the step (its K/V

@@ -21,15 +21,26 @@ import numpy as np
 import torch
 
 from kvserve import faults
+from kvserve.kv_cache.events import MEDIUM_DISK, MEDIUM_HOST, KVEventLog
 from kvserve.kv_cache.hashing import BlockKey
 
 log = logging.getLogger(__name__)
 
 
 class KVTier(ABC):
-    """A store of block payloads by key, bounded, least recently used evicted first."""
+    """A store of block payloads by key, bounded, least recently used evicted first.
+
+    With `events` set (the engine's KV-event log), a tier logs each entry it gains as stored
+    and each it loses as removed, under its `medium` (kv_cache.events)."""
 
     name: str
+    medium: str = ""
+    events: KVEventLog | None = None
+
+    def held_keys(self) -> list[BlockKey]:
+        """Every key held, to announce them again after the pool's reset (a tier that does
+        not list them announces nothing)."""
+        return []
 
     @abstractmethod
     def contains(self, key: BlockKey) -> bool:
@@ -78,6 +89,7 @@ class HostTier(KVTier):
     most one copy in flight."""
 
     name = "host"
+    medium = MEDIUM_HOST
 
     def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype,
                  pin_memory: bool = False, spill: KVTier | None = None,
@@ -123,6 +135,8 @@ class HostTier(KVTier):
         else:
             if not self._free:
                 _, (old_slot, old_key) = self._index.popitem(last=False)
+                if self.events is not None:
+                    self.events.removed(old_key.block_hash, self.medium)
                 if self.spill is not None:
                     self.spill.put(old_key, self._landed(old_slot))
                 self._free.append(old_slot)
@@ -130,7 +144,15 @@ class HostTier(KVTier):
         pending = self._copy(self._landed(slot), payload)  # one copy in flight per slot
         if pending is not None:
             self._pending[slot] = pending
+        replaced = entry is not None and entry[1] != key
         self._index[key.block_hash] = (slot, key)
+        if self.events is not None and (entry is None or replaced):
+            if replaced:
+                self.events.removed(key.block_hash, self.medium)
+            self.events.stored(key, self.medium)
+
+    def held_keys(self) -> list[BlockKey]:
+        return [key for _, key in self._index.values()]
 
     def items(self):
         """(key, payload) for every entry, least recently used first."""
@@ -182,6 +204,7 @@ class DiskTier(KVTier):
     """
 
     name = "disk"
+    medium = MEDIUM_DISK
 
     def __init__(self, root: str | os.PathLike, fingerprint: str, block_shape: tuple[int, ...],
                  dtype: torch.dtype, max_bytes: int) -> None:
@@ -236,8 +259,15 @@ class DiskTier(KVTier):
         old = self._index.pop(key.block_hash, None)
         if old is not None:
             self._bytes -= old.size
+            if self.events is not None:
+                self.events.removed(key.block_hash, self.medium)
         self._index[key.block_hash] = _DiskEntry(path, size, key)
         self._bytes += size
+        if self.events is not None:
+            self.events.stored(key, self.medium)
+
+    def held_keys(self) -> list[BlockKey]:
+        return [entry.key for entry in self._index.values()]
 
     def _read_header(self, path: Path) -> dict | None:
         try:
@@ -335,6 +365,8 @@ class DiskTier(KVTier):
         entry = self._index.pop(block_hash)
         self._bytes -= entry.size
         self._drop_file(entry.path)
+        if self.events is not None:
+            self.events.removed(block_hash, self.medium)
 
     def _drop_file(self, path: Path) -> None:
         try:
