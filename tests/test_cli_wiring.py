@@ -1,10 +1,12 @@
 """Each setting is declared once (kvserve.settings) and reaches its field.
 
-- Every flag of `serve` is a field of EngineArgs, ServerArgs or one of the server's limit
-  groups (or one of the few flags the CLI keeps for itself), with the field's help and
-  default; every command that takes engine flags takes them from EngineArgs the same way.
+- Every flag of `serve` and `ray` is a field of EngineArgs, ServerArgs, one of the server's
+  limit groups or ReplicaArgs (or one of the few flags the CLI keeps for itself), with the
+  field's help and default; every command that takes engine flags takes them from
+  EngineArgs the same way.
 - Every flag set to a value of its own (no two alike, none the default) is read back from
-  what `serve` builds from them. A flag handed to the wrong field, or never handed on, fails.
+  what `serve` (and `ray`) builds from them. A flag handed to the wrong field, or never
+  handed on, fails.
 """
 
 from __future__ import annotations
@@ -21,17 +23,18 @@ from kvserve.engine.args import EngineArgs
 from kvserve.entrypoints.cli import build_parser
 from kvserve.entrypoints.cli.common import engine_args_from
 from kvserve.entrypoints.cli.serve import server_args_from
+from kvserve.entrypoints.ray_serve.args import ReplicaArgs
 from kvserve.entrypoints.server.args import ConnectionLimits, ServerArgs
 from kvserve.entrypoints.server.limits import RequestLimits
 
-SETTINGS = (EngineArgs, ServerArgs, RequestLimits, ConnectionLimits)
+SETTINGS = (EngineArgs, ServerArgs, RequestLimits, ConnectionLimits, ReplicaArgs)
 # the command line's own flags, which configure no part: the positional model name and the
 # default model's install
 CLI_ONLY = {"help", "model_tag", "no_download"}
 # commands that take a few engine flags with a default of their own: a plan or a roofline
 # of a 1 GiB cache where the engine's default depends on the device
 OWN_DEFAULTS = {("plan", "kv_cache_memory"): "1GiB", ("roofline", "kv_cache_memory"): "1GiB"}
-ENGINE_COMMANDS = ("serve", "generate", "chat", "plan", "roofline", "train-mtp")
+ENGINE_COMMANDS = ("serve", "ray", "generate", "chat", "plan", "roofline", "train-mtp")
 # fields whose flag is not `--` + their name: a byte count given as a size ("4MiB")
 RENAMED = {"max_request_bytes": "--max-request-size"}
 
@@ -63,8 +66,8 @@ def test_every_flag_is_a_field_with_its_help_and_default():
         for action in _commands()[command]._actions:
             field = declared.get(action.dest)
             if field is None:
-                assert command != "serve" or action.dest in CLI_ONLY, \
-                    f"serve's {action.option_strings} is no setting's flag"
+                assert command not in ("serve", "ray") or action.dest in CLI_ONLY, \
+                    f"{command}'s {action.option_strings} is no setting's flag"
                 continue
             assert action.help == field.metadata["help"], (command, action.dest)
             flag = RENAMED.get(action.dest, "--" + action.dest.replace("_", "-"))
@@ -76,7 +79,7 @@ def test_every_flag_is_a_field_with_its_help_and_default():
 
 def test_every_engine_setting_is_a_flag_of_each_engine_command():
     engine = {f.name for f in dataclasses.fields(EngineArgs) if f.metadata["cli"]}
-    for command in ("serve", "generate", "chat"):
+    for command in ("serve", "ray", "generate", "chat"):
         dests = {a.dest for a in _commands()[command]._actions}
         assert engine <= dests, (command, sorted(engine - dests))
 
@@ -119,18 +122,23 @@ def _distinct_argv(parser: argparse.ArgumentParser, names: list[str]):
     return argv, want
 
 
-def test_every_serve_flag_reaches_its_field(monkeypatch):
-    serve = _commands()["serve"]
-    names = [a.dest for a in serve._actions if a.dest in _declared()]
-    argv, want = _distinct_argv(serve, names)
-    args = serve.parse_args(argv)
+@pytest.mark.parametrize("command", ["serve", "ray"])
+def test_every_serve_flag_reaches_its_field(command, monkeypatch):
+    parser = _commands()[command]
+    names = [a.dest for a in parser._actions if a.dest in _declared()]
+    argv, want = _distinct_argv(parser, names)
+    if command == "ray":  # the fewest replicas is at most the most
+        argv[argv.index("--min-replicas") + 1] = "1"
+        want["min_replicas"] = 1
+    args = parser.parse_args(argv)
     server = server_args_from(args)
+    replicas = ReplicaArgs.from_cli_args(args)
     monkeypatch.setattr("kvserve.entrypoints.cli.common.ensure_default_model", lambda args: None)
     monkeypatch.setattr("kvserve.entrypoints.cli.common.prefault_weights", lambda args: None)
     engine = engine_args_from(args)
     got = {}
     for name in want:
-        for obj in (engine, server, server.limits, server.connections):
+        for obj in (engine, server, server.limits, server.connections, replicas):
             if name in {f.name for f in dataclasses.fields(obj)}:
                 got[name] = getattr(obj, name)
     assert got == want

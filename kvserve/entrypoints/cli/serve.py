@@ -1,5 +1,6 @@
-"""`kvserve serve`, `kvserve router` and `kvserve trace`: the server, replicas behind one
-endpoint, and one request's timeline read back from a server."""
+"""`kvserve serve`, `kvserve ray`, `kvserve router` and `kvserve trace`: the server, its
+replicas on Ray Serve, replicas behind one endpoint, and one request's timeline read back from
+a server."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import signal
 import subprocess
 import sys
 
-from kvserve.entrypoints.cli.common import add_engine_args, engine_args_from
+from kvserve.entrypoints.cli.common import add_engine_args, engine_args_from, ensure_default_model
+from kvserve.entrypoints.ray_serve.args import ReplicaArgs, require_ray
 
 log = logging.getLogger("kvserve")
 
@@ -23,8 +25,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     from kvserve.entrypoints.server.args import ServerArgs
 
     ServerArgs.add_cli_args(s)
+    ReplicaArgs.add_cli_args(s, only=["data_parallel_size"])
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+
+    ra = sub.add_parser("ray", help="kvserve replicas on Ray Serve: a fixed count or "
+                                    "autoscaled, on a local Ray instance or $RAY_ADDRESS's "
+                                    "cluster (pip install kvserve[ray])")
+    ra.add_argument("model_tag", nargs="?", default=None,
+                    help="model, as an alternative to --model")
+    ServerArgs.add_cli_args(ra)
+    ReplicaArgs.add_cli_args(ra)
+    add_engine_args(ra)
+    ra.set_defaults(func=cmd_ray)
 
     ro = sub.add_parser("router", help="one OpenAI endpoint in front of several kvserve "
                                        "serve replicas")
@@ -67,21 +80,17 @@ def absorb_sigterm_reraise() -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if ReplicaArgs.from_cli_args(args).on_ray:  # --data-parallel-size N > 1
+        return cmd_ray(args)
     engine_args = engine_args_from(args)  # first: it starts the prefault before torch loads
     import uvicorn
 
     from kvserve.engine.startup import create_config
     from kvserve.entrypoints.server.app import build_app
     from kvserve.entrypoints.server.connections import server_config
-    from kvserve.settings import non_defaults
 
     create_config(engine_args)  # every engine setting checked before listening, not after
-    server_args = server_args_from(args)
-    if server_args.enable_auto_tool_choice and server_args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    asked = non_defaults(server_args)
-    log.info("server settings (those not at their defaults): %s",
-             ", ".join(f"{k}={v}" for k, v in asked.items()) or "none")
+    server_args = checked_server_args(args)
     failed: list[BaseException] = []
 
     def on_fatal(e: BaseException) -> None:
@@ -101,6 +110,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"kvserve: error: model failed to load: {failed[0]}", file=sys.stderr)
         return 1
     return 0
+
+
+def checked_server_args(args: argparse.Namespace):
+    """The server's settings, checked together and reported (those not at their defaults)."""
+    from kvserve.settings import non_defaults
+
+    server_args = server_args_from(args)
+    if server_args.enable_auto_tool_choice and server_args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    asked = non_defaults(server_args)
+    log.info("server settings (those not at their defaults): %s",
+             ", ".join(f"{k}={v}" for k, v in asked.items()) or "none")
+    return server_args
+
+
+def cmd_ray(args: argparse.Namespace) -> int:
+    """The same engine and server on Ray Serve replicas (kvserve.entrypoints.ray_serve),
+    behind Ray's HTTP proxy on --host/--port, until SIGINT or SIGTERM."""
+    replicas = ReplicaArgs.from_cli_args(args)
+    require_ray()  # before the model's install or load: a missing extra is said first
+    ensure_default_model(args)
+    from kvserve.engine.args import EngineArgs
+    from kvserve.engine.startup import create_config
+
+    engine_args = EngineArgs.from_cli_args(args)  # no prefault: the replicas load the model
+    replicas.check_engine(engine_args)
+    create_config(engine_args)  # every engine setting checked before Ray starts
+    server_args = checked_server_args(args)
+    from kvserve.entrypoints.ray_serve.deployment import serve_forever
+
+    return serve_forever(engine_args, server_args, replicas)
 
 
 def cmd_router(args: argparse.Namespace) -> int:

@@ -144,6 +144,9 @@ def protocol_for(limits: ConnectionLimits) -> type[GuardedH11]:
 
 def server_config(app: Any, host: str, port: int, limits: ConnectionLimits,
                   **kw: Any) -> uvicorn.Config:
-    """A uvicorn config serving `app` with `limits` on every connection."""
+    """A uvicorn config serving `app` with `limits` on every connection, on asyncio's own
+    event loop: uvicorn's "auto" would take uvloop wherever it is installed (the Ray extra
+    installs it), and the server's behaviour and timings would hang on that."""
     return uvicorn.Config(app, host=host, port=port, http=protocol_for(limits),
-                          timeout_keep_alive=limits.keep_alive_timeout, **kw)
+                          timeout_keep_alive=limits.keep_alive_timeout,
+                          **{"loop": "asyncio", **kw})
