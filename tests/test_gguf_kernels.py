@@ -260,3 +260,24 @@ def test_interleaving_bad_input_is_refused():
         k.gguf_linear(torch.randn(1, 256), [packed], [x8], [torch.arange(8)])
     with pytest.raises(RuntimeError, match="not an interleaved one"):
         k.gguf_rows(packed, x8, 256, torch.tensor([0]), torch.float32)
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_an_lm_heads_rows_are_dequantized_alone(interleave):
+    """weight_rows of a layer served from its GGUF blocks gives the rows of full_weight (the
+    MTP drafter's draft vocabulary reads a head this way, not the whole of it)."""
+    from kvserve.layers.linear import ParallelLMHead
+    from kvserve.layers.quant import GGUFTensor
+
+    cols, rows = 256, 64
+    raw = torch.from_numpy(random_blocks("Q6_K", rows, cols, seed=4))
+    head = ParallelLMHead(cols, rows).to(torch.bfloat16)
+    head.load(GGUFTensor("Q6_K", raw, cols))
+    head.pack_("gguf" if not interleave else "auto")
+    assert head.packed is not None and type(head.packed).__name__ == "GGUFWeight"
+    ids = torch.tensor([3, 0, 63, 17, 17])
+    got = head.weight_rows(ids)
+    assert got.dtype == torch.bfloat16 and got.shape == (5, cols)
+    assert torch.equal(got, head.full_weight()[ids])
+    want = gguf_weight("Q6_K", raw.numpy(), cols)[ids].to(torch.bfloat16)
+    assert torch.equal(got, want)

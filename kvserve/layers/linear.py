@@ -157,6 +157,13 @@ class LinearBase(nn.Module):
         self.materialize()
         return self.weight
 
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the float weight [len(ids), in]: from a one-part GGUF weight only those
+        rows are dequantized (a 152k-row LM head is 0.9 GB as float32)."""
+        if isinstance(self.packed, GGUFWeight) and len(self.packed.parts) == 1:
+            return self.packed.parts[0].dequantized(ids.cpu(), self.weight.dtype).to(ids.device)
+        return self.full_weight().detach()[ids].clone()
+
     def _in_place(self, weight: torch.Tensor | GGUFTensor, index: int, rows: int
                   ) -> torch.Tensor | None:
         """Keep a GGUF tensor of an unsharded layer in place (part `index`, `rows` rows): None.

@@ -117,10 +117,14 @@ class MTPDrafter(Drafter):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             raise ValueError(f"MTP draft vocabulary has ids outside the target's {vocab}")
         self.vocab_ids = ids if ids.numel() else None
-        head = (target.embed_tokens.full_weight() if target.config.tie_word_embeddings
-                else target.lm_head.full_weight())
-        # The draft vocabulary's rows of the LM head, copied once (9 MB for 8192 x 576 bf16).
-        self.head = head.detach()[ids].clone() if self.vocab_ids is not None else None
+        # The draft vocabulary's rows of the LM head, copied once (9 MB for 8192 x 576 bf16),
+        # and only those dequantized from GGUF blocks: a whole 152k-row head is 0.9 GB of
+        # float32 (a tied head's rows are the embedding's, looked up).
+        self.head: torch.Tensor | None = None
+        if self.vocab_ids is not None:
+            self.head = (target.embed_tokens(ids).to(dtype)
+                         if target.config.tie_word_embeddings
+                         else target.lm_head.weight_rows(ids).to(dtype))
         self.head_q: QuantizedWeight | None = None
         self._hidden: dict[str, torch.Tensor] = {}  # per request: see take_hidden
         if kernels.quant_kernels(dtype, device, module.hidden, 2 * module.hidden):
