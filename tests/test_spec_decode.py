@@ -351,14 +351,21 @@ def test_adaptive_policy(tiny_llama_dir):
     assert llm.engine.local_core.speculation.stats.num_steps_off > 0
     # With three running, at most max_draft_tokens drafts per step in all.
     assert all(sum(ks) <= 6 for ks in drafter.calls)
-    # Alone: drafts, all rejected, so the request stops drafting but for a one-token probe
-    # every probe_interval steps.
+    # Alone, after all those rejections: the request starts from everyone's acceptance, so
+    # it drafts nothing but a one-token probe every probe_interval steps.
     drafter.calls.clear()
     out = llm.generate([prompts[0]], GREEDY)[0]
     assert out.outputs[0].token_ids == want[0]
     ks = [c[0] for c in drafter.calls]
-    assert ks[0] == 4 and ks[-1] == 1
+    assert ks and set(ks) == {1}
     assert len(ks) < GREEDY.max_tokens // 2  # most steps drafted nothing
+    # On a fresh engine the first request drafts in full before its rejections stop it.
+    fresh = make_llm(tiny_llama_dir, speculative_config=cfg)
+    drafter = fresh.engine.local_core.speculation.drafter = _WrongDrafter()
+    out = fresh.generate([prompts[0]], GREEDY)[0]
+    ks = [c[0] for c in drafter.calls]
+    assert ks[0] == 4 and ks[-1] == 1
+    assert len(ks) < GREEDY.max_tokens // 2
     assert out.metrics.num_draft_tokens == sum(ks) and out.metrics.num_accepted_tokens == 0
 
 
@@ -523,7 +530,7 @@ def test_the_coordinator_drafts_as_far_as_measured_costs_say(tiny_llama_dir):
     req.num_computed_tokens = req.num_tokens - 1
     coord.propose([req])
     assert drafter.asked == [[4]]
-    coord.draft_seconds = 0.008  # as measured for a 0.5B drafting for a 1.5B
+    coord.draft_steps.append((1, 0.008))  # as measured for a 0.5B drafting for a 1.5B
     for _ in range(40):
         coord.verified(req, 4, 4)  # read well: p near 1
     coord.propose([req])
@@ -537,7 +544,7 @@ def test_the_coordinator_drafts_as_far_as_measured_costs_say(tiny_llama_dir):
     off = SpecCoordinator(SpecConfig(method="ngram", num_speculative_tokens=4,
                                      adaptive_depth=False, min_acceptance=0.0),
                           drafter, core.kv, lambda rows: 0.020 + 0.003 * rows)
-    off.draft_seconds = 0.008
+    off.draft_steps.append((1, 0.008))
     for _ in range(60):
         off.verified(req, 4, 0)
     off.propose([req])
@@ -556,3 +563,61 @@ def test_the_step_cost_is_fitted_to_observed_decode_steps(tiny_llama_dir):
         coord.observe_step(rows, seconds)
     step, row = coord.step_cost()
     assert step == pytest.approx(0.017) and row == pytest.approx(0.003)
+
+
+def test_the_draft_steps_cost_is_fitted_and_shared(tiny_llama_dir):
+    """A draft step's cost is fitted to the draft steps timed so far, fixed and per request;
+    while they are of one size a request is charged the share a row has of a one-row target
+    step. Whole proposals timed by the coordinator count as their mean draft step."""
+    from kvserve.spec_decode.coordinator import SpecCoordinator
+
+    core = make_llm(tiny_llama_dir).engine.local_core
+    drafter = _TimedDrafter()
+    coord = SpecCoordinator(SpecConfig(method="ngram", adaptive_depth=True), drafter, core.kv)
+    assert coord.draft_cost(0.1) is None
+    coord.draft_steps.append((1, 0.011))
+    fixed, per = coord.draft_cost(0.1)
+    assert fixed == pytest.approx(0.010) and per == pytest.approx(0.001)
+    coord.draft_steps.extend([(8, 0.018), (4, 0.014)])
+    fixed, per = coord.draft_cost(0.1)
+    assert fixed == pytest.approx(0.010) and per == pytest.approx(0.001)
+    reqs = []
+    for i in range(2):
+        r = Request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=100), frozenset(), 100)
+        r.status = RequestStatus.RUNNING
+        r.num_computed_tokens = r.num_tokens - 1
+        reqs.append(r)
+    coord.draft_steps.clear()
+    coord.propose(reqs)  # no cost known yet: both draft in full (3 each, 6 in 3 steps)
+    assert drafter.asked == [[3, 3]]
+    rows, seconds = coord.draft_steps[-1]
+    assert rows == pytest.approx(2.0) and seconds > 0
+
+
+def test_a_new_request_starts_from_everyones_acceptance(tiny_llama_dir):
+    """A request never verified starts from all requests' recent acceptance, not from 1: on
+    traffic the drafter reads badly a batch of newcomers does not draft in full."""
+    from kvserve.spec_decode.coordinator import PRIOR_WEIGHT, SpecCoordinator
+
+    core = make_llm(tiny_llama_dir).engine.local_core
+    coord = SpecCoordinator(SpecConfig(method="ngram", adaptive_depth=True), _TimedDrafter(),
+                            core.kv)
+    first = Request("a", [5, 6, 7], SamplingParams(max_tokens=100), frozenset(), 100)
+    assert coord._new_state().p == 1.0  # nothing verified yet
+    for _ in range(50):
+        coord.verified(first, 3, 0)  # every draft rejected
+    newcomer = coord._new_state()
+    assert newcomer.p < 0.05 and newcomer.hits + newcomer.misses == pytest.approx(PRIOR_WEIGHT)
+    assert newcomer.acceptance < 0.05
+    # with the costs of the 1.5B at 32 requests, newcomers at that acceptance draft nothing
+    for rows, seconds in [(32, 0.114), (40, 0.138)]:
+        coord.observe_step(rows, seconds)
+    coord.draft_steps.append((1, 0.001))
+    batch = []
+    for i in range(32):
+        r = Request(f"n{i}", [5, 6, 7], SamplingParams(max_tokens=100), frozenset(), 100)
+        r.status = RequestStatus.RUNNING
+        r.num_computed_tokens = r.num_tokens - 1
+        batch.append(r)
+    depths = coord._depths(batch, {r.request_id: coord._new_state() for r in batch})
+    assert set(depths.values()) == {0}

@@ -13,12 +13,15 @@ accepted with probability p^j (p: its per-token acceptance, estimated from its r
 verifications), and costs a verify row plus a row of a draft step; each draft step (one
 token for every request drafting that far) costs its own time once, however many requests
 share it. A target step's time and a row's are fitted to the recent decode steps (the step
-cost model's until they vary in size); a draft step's time is the drafter's measure, else
-whole proposals timed over their depth, and a row of it is charged the share of a row in a
-target step. Draft tokens are added in order of that probability while the expected tokens
-per second of the step still rise: a draft with probability q joins a step of expected E
-tokens in T seconds when q / c > E / T, c its cost; that is done for each depth the step
-could draft to, and the best depth wins. So a step never drafts where speculation would be
+cost model's until they vary in size), and a draft step's, fixed and per request, to the
+recent draft steps (the drafter's own timings, else whole proposals timed as their mean
+step; while those are all of one size, a request's share as a row's in a one-row target
+step). A new request's acceptance starts from all requests' recent one, so a batch of new
+requests does not draft in full on a drafter that reads this traffic badly. Draft tokens
+are added in order of that probability while the expected tokens per second of the step
+still rise: a draft with probability q joins a step of expected E tokens in T seconds when
+q / c > E / T, c its cost; that is done for each depth the step could draft to, and the
+best depth wins. So a step never drafts where speculation would be
 slower by these measures, a request whose text the drafter reads well drafts deeper, and a
 batch shares its draft steps. A request left without drafts probes as above.
 """
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -53,10 +56,25 @@ class _DraftState:
         return self.hits / (self.hits + self.misses)
 
 
-# How fast the measured draft time follows new measurements.
-DRAFT_TIME_WEIGHT = 0.2
-# Decode steps whose time the depth rule fits a step's cost to (rows -> seconds).
+# Decode steps, and draft steps, whose times the depth rule fits their costs to.
 STEP_WINDOW = 64
+# How many verified drafts a new request's prior acceptance weighs, taken from the recent
+# acceptance of all requests.
+PRIOR_WEIGHT = 2.0
+
+
+def fit_line(points: Iterable[tuple[float, float]]) -> tuple[float, float] | None:
+    """(intercept, slope >= 0) of the least-squares line through (x, y) points, or None while
+    they hold fewer than two values of x."""
+    pts = list(points)
+    if len({x for x, _ in pts}) < 2:
+        return None
+    n = len(pts)
+    mx = sum(x for x, _ in pts) / n
+    my = sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    slope = max(sum((x - mx) * (y - my) for x, y in pts) / sxx, 0.0)
+    return my - slope * mx, slope
 
 
 def choose_depths(p: list[float], limits: list[int], step: float, row: float, draft: float,
@@ -97,8 +115,13 @@ class SpecCoordinator:
         self.stats = SpecStats()
         self._state: dict[str, _DraftState] = {}
         self._step_seconds = step_seconds
-        self.draft_seconds: float | None = None  # a draft step's time, measured
         self._steps: deque[tuple[int, float]] = deque(maxlen=STEP_WINDOW)
+        # Draft steps (requests drafting, seconds): the drafter's own, else whole proposals
+        # timed, each as its mean draft step.
+        self.draft_steps: deque[tuple[float, float]] = drafter.draft_steps \
+            if drafter.draft_steps is not None else deque(maxlen=STEP_WINDOW)
+        # All requests' recent acceptance: a new request's prior (see _new_state).
+        self._everyone = _DraftState()
         drafter.allocate(kv)
 
     def observe_step(self, rows: int, seconds: float) -> None:
@@ -109,14 +132,27 @@ class SpecCoordinator:
     def step_cost(self) -> tuple[float, float] | None:
         """(seconds, seconds a row) of a decode step, least squares over the recent steps, or
         None while they do not tell a row's cost (all of one size)."""
-        if len({r for r, _ in self._steps}) < 2:
+        return fit_line(self._steps)
+
+    def draft_cost(self, row_share: float) -> tuple[float, float] | None:
+        """(seconds, seconds a request) of a draft step, least squares over the recent ones;
+        None before any. While they are all of one size, a request's share of the step is
+        taken to be `row_share` (a row's share of a one-row target step)."""
+        fitted = fit_line(self.draft_steps)
+        if fitted is not None:
+            return fitted
+        if not self.draft_steps:
             return None
-        n = len(self._steps)
-        mx = sum(r for r, _ in self._steps) / n
-        my = sum(t for _, t in self._steps) / n
-        sxx = sum((r - mx) ** 2 for r, _ in self._steps)
-        row = max(sum((r - mx) * (t - my) for r, t in self._steps) / sxx, 0.0)
-        return my - row * mx, row
+        rows, seconds = self.draft_steps[-1]
+        fixed = seconds / (1 + rows * row_share)
+        return fixed, fixed * row_share
+
+    def _new_state(self) -> _DraftState:
+        """A request's first acceptance estimate: everyone's recent one, weighing
+        PRIOR_WEIGHT drafts (1.0 before any verification)."""
+        e = self._everyone
+        return _DraftState(acceptance=e.acceptance, hits=PRIOR_WEIGHT * e.p,
+                           misses=PRIOR_WEIGHT * (1 - e.p))
 
     @property
     def needs_hidden(self) -> bool:
@@ -133,8 +169,11 @@ class SpecCoordinator:
         if len(running) > cfg.max_batch_size:
             self.stats.num_steps_off += 1
             return
-        states = {r.request_id: self._state.setdefault(r.request_id, _DraftState())
-                  for r in decoding}
+        states = {}
+        for r in decoding:
+            if r.request_id not in self._state:
+                self._state[r.request_id] = self._new_state()
+            states[r.request_id] = self._state[r.request_id]
         depths = self._depths(decoding, states)
         reqs, ks = [], []
         budget = cfg.max_draft_tokens
@@ -155,10 +194,10 @@ class SpecCoordinator:
             t0 = time.perf_counter()
             self.drafter.propose(reqs, ks)
             depth = max(len(r.draft_token_ids) for r in reqs)
-            if depth:
-                took = (time.perf_counter() - t0) / depth
-                self.draft_seconds = took if self.draft_seconds is None else \
-                    self.draft_seconds + DRAFT_TIME_WEIGHT * (took - self.draft_seconds)
+            if depth and self.drafter.draft_steps is None:
+                # the mean draft step of the proposal: its mean requests, its mean time
+                rows = sum(len(r.draft_token_ids) for r in reqs) / depth
+                self.draft_steps.append((rows, (time.perf_counter() - t0) / depth))
 
     def _depths(self, decoding: list[Request], states: dict[str, _DraftState]
                 ) -> dict[str, int]:
@@ -167,26 +206,28 @@ class SpecCoordinator:
         predicts and a draft has been timed)."""
         cfg = self.config
         full = {r.request_id: cfg.num_speculative_tokens for r in decoding}
-        draft = self.drafter.step_seconds if self.drafter.step_seconds is not None \
-            else self.draft_seconds
-        if not cfg.adaptive_depth or draft is None:
+        if not cfg.adaptive_depth or not self.draft_steps:
             return full
         rows = len(decoding)
         fitted = self.step_cost()
         if fitted is not None:  # measured on this machine, in this run
-            step, row = fitted[0] + fitted[1] * rows, fitted[1]
+            fixed, row = fitted
         else:  # until then, the step cost model's prediction
-            step = self._step_seconds(rows) if self._step_seconds else None
-            more = self._step_seconds(rows + 1) if self._step_seconds else None
-            if step is None or more is None:
+            one = self._step_seconds(1) if self._step_seconds else None
+            two = self._step_seconds(2) if self._step_seconds else None
+            if one is None or two is None:
                 return full
-            row = max(more - step, 0.0)
+            row = max(two - one, 0.0)
+            fixed = one - row
+        step = fixed + row * rows
+        # Where draft steps were all of one size: a request's share of one as a row's is of
+        # a one-row target step.
+        draft = self.draft_cost(row / (fixed + row) if fixed + row > 0 else 0.0)
+        assert draft is not None  # draft_steps is not empty
         limits = [max(0, min(cfg.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1))
                   for r in decoding]
-        # A row of a draft step costs what a row does in a target step, in proportion.
-        draft_row = draft * row / step if step > 0 else 0.0
         depths = choose_depths([states[r.request_id].p for r in decoding], limits, step, row,
-                               draft, cfg.max_draft_tokens, draft_row)
+                               draft[0], cfg.max_draft_tokens, draft[1])
         return {r.request_id: k for r, k in zip(decoding, depths, strict=True)}
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
@@ -195,11 +236,13 @@ class SpecCoordinator:
         req.timeline.add_spec(drafted, accepted)
         # Moving average over about the last acceptance_window drafts: each draft token
         # moves the rate 1/window of the way towards 1 (accepted) or 0.
-        st = self._state.setdefault(req.request_id, _DraftState())
+        if req.request_id not in self._state:
+            self._state[req.request_id] = self._new_state()
         keep = (1 - 1 / self.config.acceptance_window) ** drafted
-        st.acceptance = keep * st.acceptance + (1 - keep) * accepted / drafted
-        st.hits = keep * st.hits + accepted
-        st.misses = keep * st.misses + (1 if accepted < drafted else 0)
+        for st in (self._state[req.request_id], self._everyone):
+            st.acceptance = keep * st.acceptance + (1 - keep) * accepted / drafted
+            st.hits = keep * st.hits + accepted
+            st.misses = keep * st.misses + (1 if accepted < drafted else 0)
 
     def observe_hidden(self, req: Request, hidden: torch.Tensor | None) -> None:
         """The target's final hidden state at the row that sampled the newest token."""

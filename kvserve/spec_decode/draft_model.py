@@ -12,6 +12,7 @@ at most `max_catchup_tokens` per step before the request drafts again.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -27,8 +28,8 @@ from kvserve.spec_decode.sampling import sample_drafts
 from kvserve.worker.forward import ForwardItem
 from kvserve.worker.model_runner import allocate_kv_caches, run_forward
 
-# How fast the measured draft-step time follows new measurements.
-STEP_TIME_WEIGHT = 0.2
+# Draft steps kept for the coordinator's fit of their cost.
+DRAFT_STEP_WINDOW = 64
 
 
 @dataclass
@@ -72,6 +73,7 @@ class DraftModelDrafter(Drafter):
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self._state: dict[str, _State] = {}
+        self.draft_steps = deque(maxlen=DRAFT_STEP_WINDOW)
 
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.model.config, "auto", self.dtype)
@@ -150,8 +152,7 @@ class DraftModelDrafter(Drafter):
                     nxt.append((req, k))
             if step > 0:  # one row a request: the first step also runs what was verified
                 took = time.perf_counter() - t0
-                self.step_seconds = took if self.step_seconds is None else \
-                    self.step_seconds + STEP_TIME_WEIGHT * (took - self.step_seconds)
+                self.draft_steps.append((len(live), took))
             live = nxt
             if not live:
                 break
