@@ -619,5 +619,10 @@ def test_a_new_request_starts_from_everyones_acceptance(tiny_llama_dir):
         r.status = RequestStatus.RUNNING
         r.num_computed_tokens = r.num_tokens - 1
         batch.append(r)
-    depths = coord._depths(batch, {r.request_id: coord._new_state() for r in batch})
+    depths, probes = coord._depths(batch, {r.request_id: coord._new_state() for r in batch})
     assert set(depths.values()) == {0}
+    assert not probes  # nor do they probe: a sure token would not pay for its row
+    # Alone in a step a request still probes, whatever its acceptance.
+    one = batch[:1]
+    _, probes = coord._depths(one, {r.request_id: coord._new_state() for r in one})
+    assert probes

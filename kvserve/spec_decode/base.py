@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import deque
 
 import torch
 
@@ -26,11 +25,6 @@ class Drafter(ABC):
     # model runner then keeps it and the engine hands it over through `take_hidden`.
     needs_hidden: bool = False
 
-    # Draft steps as the drafter times them, (requests drafting in the step, seconds), while
-    # drafting goes on (catching up on verified tokens after a pause left out: that is paid
-    # once, not per token); None where it times none, and the coordinator times whole
-    # proposals instead. The coordinator fits a step's cost to them.
-    draft_steps: deque[tuple[int, float]] | None = None
 
     @abstractmethod
     def propose(self, requests: list[Request], num_drafts: list[int]) -> None:

@@ -14,9 +14,9 @@ verifications), and costs a verify row plus a row of a draft step; each draft st
 token for every request drafting that far) costs its own time once, however many requests
 share it. A target step's time and a row's are fitted to the recent decode steps (the step
 cost model's until they vary in size), and a draft step's, fixed and per request, to the
-recent draft steps (the drafter's own timings, else whole proposals timed as their mean
-step; while those are all of one size, a request's share as a row's in a one-row target
-step). A new request's acceptance starts from all requests' recent one, so a batch of new
+recent draft steps (whole proposals timed as their mean step, catching up on verified
+tokens included; while those are all of one size, a request's share as a row's in a one-row
+target step). A new request's acceptance starts from all requests' recent one, so a batch of new
 requests does not draft in full on a drafter that reads this traffic badly. Draft tokens
 are added in order of that probability while the expected tokens per second of the step
 still rise: a draft with probability q joins a step of expected E tokens in T seconds when
@@ -116,10 +116,9 @@ class SpecCoordinator:
         self._state: dict[str, _DraftState] = {}
         self._step_seconds = step_seconds
         self._steps: deque[tuple[int, float]] = deque(maxlen=STEP_WINDOW)
-        # Draft steps (requests drafting, seconds): the drafter's own, else whole proposals
-        # timed, each as its mean draft step.
-        self.draft_steps: deque[tuple[float, float]] = drafter.draft_steps \
-            if drafter.draft_steps is not None else deque(maxlen=STEP_WINDOW)
+        # Draft steps (requests drafting, seconds): whole proposals timed, each as its mean
+        # draft step.
+        self.draft_steps: deque[tuple[float, float]] = deque(maxlen=STEP_WINDOW)
         # All requests' recent acceptance: a new request's prior (see _new_state).
         self._everyone = _DraftState()
         drafter.allocate(kv)
@@ -174,7 +173,7 @@ class SpecCoordinator:
             if r.request_id not in self._state:
                 self._state[r.request_id] = self._new_state()
             states[r.request_id] = self._state[r.request_id]
-        depths = self._depths(decoding, states)
+        depths, probes = self._depths(decoding, states)
         reqs, ks = [], []
         budget = cfg.max_draft_tokens
         for r in sorted(decoding, key=lambda r: -states[r.request_id].acceptance):
@@ -182,7 +181,7 @@ class SpecCoordinator:
             k = min(depths[r.request_id], r.max_tokens - r.num_output_tokens - 1, budget)
             if st.acceptance < cfg.min_acceptance or k < 1:
                 st.idle_steps += 1
-                if st.idle_steps < cfg.probe_interval:
+                if st.idle_steps < cfg.probe_interval or not probes:
                     continue
                 k = min(r.max_tokens - r.num_output_tokens - 1, budget, 1)
             if k >= 1:
@@ -194,20 +193,26 @@ class SpecCoordinator:
             t0 = time.perf_counter()
             self.drafter.propose(reqs, ks)
             depth = max(len(r.draft_token_ids) for r in reqs)
-            if depth and self.drafter.draft_steps is None:
+            if depth:
                 # the mean draft step of the proposal: its mean requests, its mean time
+                # (catching up on verified tokens included: it is paid for drafting)
                 rows = sum(len(r.draft_token_ids) for r in reqs) / depth
                 self.draft_steps.append((rows, (time.perf_counter() - t0) / depth))
 
     def _depths(self, decoding: list[Request], states: dict[str, _DraftState]
-                ) -> dict[str, int]:
+                ) -> tuple[dict[str, int], bool]:
         """How far each request may draft this step: num_speculative_tokens, or with
         adaptive_depth what choose_depths finds worth its cost (once the step cost model
-        predicts and a draft has been timed)."""
+        predicts and a draft has been timed); and whether a request left without drafts may
+        probe. With adaptive_depth it may only where a one-token draft would pay in this step
+        if it were sure to be accepted: with many rows in a step a probe's verify row and
+        draft cost more than its token can bring (at 32 requests, one in eight probing cost
+        the 1.5B ~5%). Alone, a request always may, so speculation never stays off for
+        good."""
         cfg = self.config
         full = {r.request_id: cfg.num_speculative_tokens for r in decoding}
         if not cfg.adaptive_depth or not self.draft_steps:
-            return full
+            return full, True
         rows = len(decoding)
         fitted = self.step_cost()
         if fitted is not None:  # measured on this machine, in this run
@@ -216,7 +221,7 @@ class SpecCoordinator:
             one = self._step_seconds(1) if self._step_seconds else None
             two = self._step_seconds(2) if self._step_seconds else None
             if one is None or two is None:
-                return full
+                return full, True
             row = max(two - one, 0.0)
             fixed = one - row
         step = fixed + row * rows
@@ -228,7 +233,8 @@ class SpecCoordinator:
                   for r in decoding]
         depths = choose_depths([states[r.request_id].p for r in decoding], limits, step, row,
                                draft[0], cfg.max_draft_tokens, draft[1])
-        return {r.request_id: k for r, k in zip(decoding, depths, strict=True)}
+        probes = step > rows * (row + draft[1] + draft[0])
+        return {r.request_id: k for r, k in zip(decoding, depths, strict=True)}, probes
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         """Count a verification of `drafted` drafts of which the first `accepted` held."""

@@ -11,8 +11,6 @@ at most `max_catchup_tokens` per step before the request drafts again.
 
 from __future__ import annotations
 
-import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -27,9 +25,6 @@ from kvserve.spec_decode.base import Drafter
 from kvserve.spec_decode.sampling import sample_drafts
 from kvserve.worker.forward import ForwardItem
 from kvserve.worker.model_runner import allocate_kv_caches, run_forward
-
-# Draft steps kept for the coordinator's fit of their cost.
-DRAFT_STEP_WINDOW = 64
 
 
 @dataclass
@@ -73,7 +68,6 @@ class DraftModelDrafter(Drafter):
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self._state: dict[str, _State] = {}
-        self.draft_steps = deque(maxlen=DRAFT_STEP_WINDOW)
 
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.model.config, "auto", self.dtype)
@@ -134,7 +128,6 @@ class DraftModelDrafter(Drafter):
         drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in live}
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in live}
         for step in range(max(k for _, k in live)):
-            t0 = time.perf_counter()
             hidden = run_forward(self.model, self.kv_caches, self.block_size, items,
                                  self.device)
             logits = self._logits(hidden)
@@ -150,9 +143,6 @@ class DraftModelDrafter(Drafter):
                     items.append(ForwardItem([t], pos, req.block_ids, 1))
                     self._state[req.request_id].chain.append(t)
                     nxt.append((req, k))
-            if step > 0:  # one row a request: the first step also runs what was verified
-                took = time.perf_counter() - t0
-                self.draft_steps.append((len(live), took))
             live = nxt
             if not live:
                 break
