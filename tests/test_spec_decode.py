@@ -120,6 +120,11 @@ def test_stop_rules_and_logprobs_with_speculation(tiny_llama_dir):
                 assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
     assert spec.engine.local_core.speculation.stats.num_accepted > 0
     spec.engine.check_integrity()
+    # The draft model times its decode-like steps for the depth rule: one request here, so
+    # at most 4 tokens a step; the prompt's catch-up (7 tokens or more) is left out.
+    steps = spec.engine.local_core.speculation.draft_steps
+    assert steps and all(1 <= tokens <= 4 and seconds > 0 for tokens, seconds in steps)
+    assert len(prompt) > 4
 
 
 @pytest.mark.parametrize("vocab", [0, 200])

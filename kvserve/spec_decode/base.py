@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 
 import torch
 
@@ -25,6 +26,13 @@ class Drafter(ABC):
     # model runner then keeps it and the engine hands it over through `take_hidden`.
     needs_hidden: bool = False
 
+
+    # Draft steps as the drafter times them, (tokens the step ran, seconds): a drafter that
+    # runs a model step by step logs its decode-like steps, the first included (it catches
+    # up on the newest verified token), and the coordinator fits a step's cost per token to
+    # them; a long catch-up after a pause is left out, paid once and not per draft. None:
+    # the coordinator times whole proposals instead.
+    draft_steps: deque[tuple[int, float]] | None = None
 
     @abstractmethod
     def propose(self, requests: list[Request], num_drafts: list[int]) -> None:

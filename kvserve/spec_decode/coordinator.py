@@ -14,16 +14,17 @@ verifications), and costs a verify row plus a row of a draft step; each draft st
 token for every request drafting that far) costs its own time once, however many requests
 share it. A target step's time and a row's are fitted to the recent decode steps (the step
 cost model's until they vary in size), and a draft step's, fixed and per request, to the
-recent draft steps (whole proposals timed as their mean step, catching up on verified
-tokens included; while those are all of one size, a request's share as a row's in a one-row
-target step). A new request's acceptance starts from all requests' recent one, so a batch of new
-requests does not draft in full on a drafter that reads this traffic badly. Draft tokens
-are added in order of that probability while the expected tokens per second of the step
-still rise: a draft with probability q joins a step of expected E tokens in T seconds when
-q / c > E / T, c its cost; that is done for each depth the step could draft to, and the
-best depth wins. So a step never drafts where speculation would be
-slower by these measures, a request whose text the drafter reads well drafts deeper, and a
-batch shares its draft steps. A request left without drafts probes as above.
+recent draft steps (the drafter's own timings per token run, else whole proposals timed
+as their mean step; while those are all of one size, a request's share as a row's in a
+one-row target step). A new request's acceptance starts from all requests' recent one, so
+a batch of new requests does not draft in full on a drafter that reads this traffic badly.
+Draft tokens are added in order of that probability while the expected tokens per second of
+the step still rise: a draft with probability q joins a step of expected E tokens in T
+seconds when q / c > E / T, c its cost; that is done for each depth the step could draft
+to, and the best depth wins. So a step never drafts where speculation would be slower by
+these measures, a request whose text the drafter reads well drafts deeper, and a batch
+shares its draft steps. A request left without drafts probes as above, where a probe would
+pay if it were sure to be accepted (see _depths).
 """
 
 from __future__ import annotations
@@ -116,9 +117,10 @@ class SpecCoordinator:
         self._state: dict[str, _DraftState] = {}
         self._step_seconds = step_seconds
         self._steps: deque[tuple[int, float]] = deque(maxlen=STEP_WINDOW)
-        # Draft steps (requests drafting, seconds): whole proposals timed, each as its mean
-        # draft step.
-        self.draft_steps: deque[tuple[float, float]] = deque(maxlen=STEP_WINDOW)
+        # Draft steps (tokens or requests in the step, seconds): the drafter's own, else whole
+        # proposals timed, each as its mean draft step.
+        self.draft_steps: deque[tuple[float, float]] = drafter.draft_steps \
+            if drafter.draft_steps is not None else deque(maxlen=STEP_WINDOW)
         # All requests' recent acceptance: a new request's prior (see _new_state).
         self._everyone = _DraftState()
         drafter.allocate(kv)
@@ -193,9 +195,8 @@ class SpecCoordinator:
             t0 = time.perf_counter()
             self.drafter.propose(reqs, ks)
             depth = max(len(r.draft_token_ids) for r in reqs)
-            if depth:
+            if depth and self.drafter.draft_steps is None:
                 # the mean draft step of the proposal: its mean requests, its mean time
-                # (catching up on verified tokens included: it is paid for drafting)
                 rows = sum(len(r.draft_token_ids) for r in reqs) / depth
                 self.draft_steps.append((rows, (time.perf_counter() - t0) / depth))
 

@@ -11,6 +11,8 @@ at most `max_catchup_tokens` per step before the request drafts again.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +27,11 @@ from kvserve.spec_decode.base import Drafter
 from kvserve.spec_decode.sampling import sample_drafts
 from kvserve.worker.forward import ForwardItem
 from kvserve.worker.model_runner import allocate_kv_caches, run_forward
+
+# Draft steps kept for the coordinator's fit of their cost, and the most tokens a request a
+# step may run to count (the newest verified token and a few accepted drafts' neighbours).
+DRAFT_STEP_WINDOW = 64
+DECODE_LIKE = 4
 
 
 @dataclass
@@ -68,6 +75,7 @@ class DraftModelDrafter(Drafter):
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self._state: dict[str, _State] = {}
+        self.draft_steps = deque(maxlen=DRAFT_STEP_WINDOW)
 
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.model.config, "auto", self.dtype)
@@ -128,12 +136,13 @@ class DraftModelDrafter(Drafter):
         drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in live}
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in live}
         for step in range(max(k for _, k in live)):
+            t0 = time.perf_counter()
             hidden = run_forward(self.model, self.kv_caches, self.block_size, items,
                                  self.device)
             logits = self._logits(hidden)
             tokens, q = sample_drafts(logits, [r for r, _ in live], drafts, self.device)
             nxt: list[tuple[Request, int]] = []
-            items = []
+            ran, items = items, []
             for i, ((req, k), t) in enumerate(zip(live, tokens, strict=True)):
                 drafts[req.request_id].append(t)
                 if q is not None:
@@ -143,6 +152,11 @@ class DraftModelDrafter(Drafter):
                     items.append(ForwardItem([t], pos, req.block_ids, 1))
                     self._state[req.request_id].chain.append(t)
                     nxt.append((req, k))
+            ran_tokens = sum(len(it.token_ids) for it in ran)
+            if ran_tokens <= DECODE_LIKE * len(ran):
+                # Decode-like steps only: a catch-up after a pause runs as a prompt does, at
+                # another cost per token, and is paid once, not per draft.
+                self.draft_steps.append((ran_tokens, time.perf_counter() - t0))
             live = nxt
             if not live:
                 break
