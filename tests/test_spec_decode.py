@@ -501,6 +501,13 @@ def test_choose_depths_follows_acceptance_and_cost():
     # a draft token charged a whole draft step would have given none.
     assert choose_depths([0.9] * 8, [4] * 8, 0.040, 0.002, 0.008, 12, 0.0004) == [1] * 8
     assert choose_depths([0.9] * 8, [4] * 8, 0.040, 0.002, 0.008 * 8, 12) == [0] * 8
+    # A draft model that must first catch up on what was verified while it paused pays for
+    # it with its first draft: 0.5 s of catch-up is not worth one step's drafts, 1 ms is; a
+    # request whose first draft does not pay takes none, while another still drafts.
+    assert choose_depths([0.9], [3], 0.022, 0.003, 0.008, 12, 0.0, [0.5]) == [0]
+    assert choose_depths([0.9], [3], 0.022, 0.003, 0.008, 12, 0.0, [0.001]) == \
+        choose_depths([0.9], [3], 0.022, 0.003, 0.008, 12) != [0]
+    assert choose_depths([0.9, 0.9], [3, 3], 0.025, 0.003, 0.008, 12, 0.0, [0.5, 0.0])[0] == 0
     # Many rows already in the step and a poorly read text: drafts must beat the step's
     # tokens per second, and do not.
     assert choose_depths([0.5] * 8, [4] * 8, 0.040, 0.003, 0.008, 12, 0.0006) == [0] * 8

@@ -38,6 +38,12 @@ class Drafter(ABC):
     def propose(self, requests: list[Request], num_drafts: list[int]) -> None:
         """Fill `draft_token_ids` (and optionally `draft_probs`) of each request."""
 
+    def catchup_tokens(self, req: Request) -> int:
+        """Tokens the drafter must run for `req` before its next draft, besides the newest
+        (a draft model that paused while tokens were verified); its first draft pays them."""
+        del req  # a drafter without state per token has none
+        return 0
+
     def kv_bytes_per_token(self) -> int:
         """Bytes of the drafter's own KV cache per target token slot (0: none)."""
         return 0

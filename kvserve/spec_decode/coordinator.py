@@ -79,7 +79,8 @@ def fit_line(points: Iterable[tuple[float, float]]) -> tuple[float, float] | Non
 
 
 def choose_depths(p: list[float], limits: list[int], step: float, row: float, draft: float,
-                  budget: int, draft_row: float = 0.0) -> list[int]:
+                  budget: int, draft_row: float = 0.0, first: list[float] | None = None
+                  ) -> list[int]:
     """Draft tokens per request (see the module docstring): request i's j-th draft is
     accepted with probability p[i] ** j. A step of len(p) decode rows takes `step` seconds;
     a draft costs a verify row (`row`) and a row of a draft step (`draft_row`), and every
@@ -87,7 +88,10 @@ def choose_depths(p: list[float], limits: list[int], step: float, row: float, dr
     depth L costs L draft steps, whoever drafts. For each L, drafts of depth at most L are
     taken in order of probability while that probability over their cost exceeds the
     step's expected tokens per second, at most limits[i] for request i and `budget` in
-    all; the L whose step has the most expected tokens per second wins."""
+    all; the L whose step has the most expected tokens per second wins. first[i]: what
+    request i's first draft costs besides (a draft model catching up on the tokens verified
+    while it paused); a request whose first draft does not pay drafts nothing."""
+    first = first if first is not None else [0.0] * len(p)
     offers = sorted(((p[i] ** j, j, i) for i in range(len(p))
                      for j in range(1, limits[i] + 1)), key=lambda o: -o[0])
     cost = row + draft_row
@@ -96,11 +100,15 @@ def choose_depths(p: list[float], limits: list[int], step: float, row: float, dr
         tokens, seconds, left = float(len(p)), step + depth * draft, budget
         depths = [0] * len(p)
         for gain, j, i in offers:
-            if left <= 0 or gain * seconds <= tokens * cost:
+            if left <= 0:
                 break
-            if j <= depth:
-                depths[i] += 1
-                tokens, seconds, left = tokens + gain, seconds + cost, left - 1
+            if j > depth or depths[i] != j - 1:
+                continue  # past this depth, or its earlier draft was not taken
+            c = cost + (first[i] if j == 1 else 0.0)
+            if gain * seconds <= tokens * c:
+                continue
+            depths[i] += 1
+            tokens, seconds, left = tokens + gain, seconds + c, left - 1
         if max(depths) == depth and tokens / seconds > best_rate:
             best, best_rate = depths, tokens / seconds
     return best
@@ -175,7 +183,7 @@ class SpecCoordinator:
             if r.request_id not in self._state:
                 self._state[r.request_id] = self._new_state()
             states[r.request_id] = self._state[r.request_id]
-        depths, probes = self._depths(decoding, states)
+        depths, probe_every = self._depths(decoding, states)
         reqs, ks = [], []
         budget = cfg.max_draft_tokens
         for r in sorted(decoding, key=lambda r: -states[r.request_id].acceptance):
@@ -183,7 +191,7 @@ class SpecCoordinator:
             k = min(depths[r.request_id], r.max_tokens - r.num_output_tokens - 1, budget)
             if st.acceptance < cfg.min_acceptance or k < 1:
                 st.idle_steps += 1
-                if st.idle_steps < cfg.probe_interval or not probes:
+                if probe_every is None or st.idle_steps < probe_every:
                     continue
                 k = min(r.max_tokens - r.num_output_tokens - 1, budget, 1)
             if k >= 1:
@@ -201,19 +209,21 @@ class SpecCoordinator:
                 self.draft_steps.append((rows, (time.perf_counter() - t0) / depth))
 
     def _depths(self, decoding: list[Request], states: dict[str, _DraftState]
-                ) -> tuple[dict[str, int], bool]:
+                ) -> tuple[dict[str, int], int | None]:
         """How far each request may draft this step: num_speculative_tokens, or with
         adaptive_depth what choose_depths finds worth its cost (once the step cost model
-        predicts and a draft has been timed); and whether a request left without drafts may
-        probe. With adaptive_depth it may only where a one-token draft would pay in this step
-        if it were sure to be accepted: with many rows in a step a probe's verify row and
-        draft cost more than its token can bring (at 32 requests, one in eight probing cost
-        the 1.5B ~5%). Alone, a request always may, so speculation never stays off for
-        good."""
+        predicts and a draft has been timed); and after how many steps without drafts a
+        request probes (None: not in this step). With adaptive_depth only where a one-token
+        draft would pay in this step if it were sure to be accepted, and every
+        probe_interval steps times the batch's requests, so that a step verifies about one
+        probe in probe_interval whatever the batch: with many rows in a step a probe's
+        verify row and draft cost more than its token can bring (at 32 requests, each
+        probing every 8 steps cost the 1.5B ~5%). Alone, a request always probes, so
+        speculation never stays off for good."""
         cfg = self.config
         full = {r.request_id: cfg.num_speculative_tokens for r in decoding}
         if not cfg.adaptive_depth or not self.draft_steps:
-            return full, True
+            return full, cfg.probe_interval
         rows = len(decoding)
         fitted = self.step_cost()
         if fitted is not None:  # measured on this machine, in this run
@@ -222,7 +232,7 @@ class SpecCoordinator:
             one = self._step_seconds(1) if self._step_seconds else None
             two = self._step_seconds(2) if self._step_seconds else None
             if one is None or two is None:
-                return full, True
+                return full, cfg.probe_interval
             row = max(two - one, 0.0)
             fixed = one - row
         step = fixed + row * rows
@@ -232,10 +242,13 @@ class SpecCoordinator:
         assert draft is not None  # draft_steps is not empty
         limits = [max(0, min(cfg.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1))
                   for r in decoding]
+        # A draft model's catch-up on tokens verified while it paused, at its cost a token.
+        first = [self.drafter.catchup_tokens(r) * draft[1] for r in decoding]
         depths = choose_depths([states[r.request_id].p for r in decoding], limits, step, row,
-                               draft[0], cfg.max_draft_tokens, draft[1])
+                               draft[0], cfg.max_draft_tokens, draft[1], first)
         probes = step > rows * (row + draft[1] + draft[0])
-        return {r.request_id: k for r, k in zip(decoding, depths, strict=True)}, probes
+        return ({r.request_id: k for r, k in zip(decoding, depths, strict=True)},
+                cfg.probe_interval * rows if probes else None)
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         """Count a verification of `drafted` drafts of which the first `accepted` held."""

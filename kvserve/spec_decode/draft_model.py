@@ -77,6 +77,12 @@ class DraftModelDrafter(Drafter):
         self._state: dict[str, _State] = {}
         self.draft_steps = deque(maxlen=DRAFT_STEP_WINDOW)
 
+    def catchup_tokens(self, req: Request) -> int:
+        st = self._state.get(req.request_id)
+        if st is None or st.preemptions != req.timeline.num_preemptions:
+            return req.num_tokens - 1  # nothing of it run yet
+        return req.num_tokens - 1 - st.valid(req)
+
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.model.config, "auto", self.dtype)
 
