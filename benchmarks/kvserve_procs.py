@@ -15,7 +15,7 @@ KVSERVE = [sys.executable, "-m", "kvserve"]
 
 def start(args: list[str], url: str, log=subprocess.DEVNULL,
           timeout: float = 300) -> subprocess.Popen:
-    """`kvserve ARGS` (serve or router) listening at `url`, healthy on return. Refuses a URL
+    """`kvserve ARGS` (serve, or ray) listening at `url`, healthy on return. Refuses a URL
     where something already answers: the figures would be another server's."""
     try:
         httpx.get(f"{url}/health", timeout=2)

@@ -1,9 +1,11 @@
 """kvserve replicas on Ray Serve (kvserve.entrypoints.ray_serve): the replica settings and the
-deployment options they make, the CLI's error without the Ray extra, and two tiny-model
-replicas on a local Ray instance (2 CPUs) behind Ray's HTTP proxy, through the openai client:
-completions and chats, whole and streamed, spread over both replicas and equal to a plain
-LLM's greedy output, Ray's health check, and a stream in flight while the application is
-deleted finishing whole."""
+deployment options they make, the CLI's error without the Ray extra, the prefix-aware
+routing policy and its route keys (no Ray needed), and two tiny-model replicas behind the
+ingress on a local Ray instance (2 CPUs), through the openai client: completions and chats,
+whole and streamed, spread over both replicas and equal to a plain LLM's greedy output;
+shared prefixes on one replica, unrelated prompts on both; a Responses chain and its stored
+responses reaching their replica; Ray's health check; and a stream in flight while the
+application is deleted finishing whole."""
 
 from __future__ import annotations
 
@@ -17,14 +19,24 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm import LLM
+from kvserve.engine.processor import OutputProcessor
 from kvserve.entrypoints.cli import main
-from kvserve.entrypoints.ray_serve.args import APP_NAME, ReplicaArgs
+from kvserve.entrypoints.ray_serve.args import APP_NAME, PREFIX_ROUTER, ReplicaArgs
+from kvserve.entrypoints.ray_serve.route_key import prompt_tokens, route_key
+from kvserve.entrypoints.ray_serve.routing import PrefixTable, RoutePolicy, rank
 from kvserve.entrypoints.server.args import ServerArgs
+from kvserve.entrypoints.server.protocol import ChatCompletionRequest
+from kvserve.entrypoints.server.serving import encode_chat
+from kvserve.kv_cache.hashing import chain_hashes
 from kvserve.sample.sampling_params import SamplingParams
+from kvserve.tokenizer.tokenizer import Tokenizer
 from tests.server_utils import assert_completion_envelope, free_port, openai_client
 
 REPLICA_HEADER = "x-kvserve-replica"
@@ -54,6 +66,12 @@ def test_deployment_options_come_from_the_engine_and_server_settings():
     assert ReplicaArgs(data_parallel_size=2).deployment_options(
         gpu, server, cpus=2)["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 1}
     assert not ReplicaArgs().on_ray and ReplicaArgs(max_replicas=1).on_ray
+    assert fixed["request_router_config"] == {
+        "request_router_class": PREFIX_ROUTER,
+        "request_router_kwargs": {"prefix_aware": True, "balance_slack": 4}}
+    two = ReplicaArgs(data_parallel_size=2, request_router="power-of-two")
+    assert two.deployment_options(engine, server, 2)["request_router_config"][
+        "request_router_kwargs"]["prefix_aware"] is False
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -61,6 +79,7 @@ def test_deployment_options_come_from_the_engine_and_server_settings():
     (["ray", "--min-replicas", "2"], "--min-replicas needs --max-replicas"),
     (["ray", "--min-replicas", "3", "--max-replicas", "2"], "--min-replicas must be in"),
     (["ray", "--threads-per-replica", "0"], "--threads-per-replica must be >= 1"),
+    (["ray", "--balance-slack", "-1"], "--balance-slack must be >= 0"),
 ])
 def test_bad_replica_flags_are_cli_errors(argv, message, capsys):
     assert main([*argv, "--model", "unused"]) == 2
@@ -89,6 +108,113 @@ def test_replicas_refuse_what_they_cannot_do_yet():
             EngineArgs(model="unused", kv_events_config={"enable_kv_cache_events": True}))
     ReplicaArgs(data_parallel_size=1, max_replicas=None).check_engine(
         EngineArgs(model="unused", kv_events_config={"enable_kv_cache_events": True}))
+
+
+# ------------------------------------------------- prefix-aware routing, no Ray cluster needed
+
+SLACK = RoutePolicy()  # the defaults: balance_slack 4, min_match_blocks 4
+
+
+def test_the_table_counts_leading_blocks_and_forgets_the_least_recently_used():
+    table = PrefixTable(capacity=6)
+    table.record([1, 2, 3, 4], "a")
+    table.record([1, 2, 9], "b")
+    assert table.matched([1, 2, 3, 4, 5], ["a", "b", "c"]) == {"a": 4, "b": 2, "c": 0}
+    assert table.matched([5, 1, 2], ["a"]) == {"a": 0}  # leading blocks only
+    table.record([7, 8], "c")  # 7 hashes > 6: the least recently used, 9, goes
+    assert len(table) == 6 and table.matched([1, 2, 3, 4], ["a"])["a"] == 4
+    assert table.matched([1, 2, 9], ["b"])["b"] == 2
+    table.forget("a")
+    assert table.matched([1, 2], ["a", "b"]) == {"a": 0, "b": 2}
+
+
+def test_rank_prefers_the_prefix_owner_until_it_is_busy():
+    table = PrefixTable()
+    key = list(range(100, 110))  # ten blocks
+    table.record(key, "a")
+    table.record(key[:5], "b")
+    ranks, why = rank(table, SLACK, key, {"a": 4, "b": 0, "c": 0})
+    assert why == "prefix hit" and ranks[0] == ["a"] and ranks[1] == ["b"]
+    assert sorted(ranks[-1]) == ["a", "b", "c"]  # then anyone with room
+    ranks, why = rank(table, SLACK, key, {"a": 5, "b": 0, "c": 0})  # 5 > 0 + 4: too busy
+    assert why == "prefix owner busy" and ranks[0][0] in ("b", "c")
+    # a match of fewer than 4 blocks (a chat template's header) is no match
+    ranks, why = rank(table, SLACK, [100, 1, 2, 3, 4], {"a": 0, "b": 3})
+    assert why == "weak match" and ranks[0] == ["a"]  # the least loaded
+    # all of a short key matching is a match
+    table.record([200, 201], "a")
+    assert rank(table, SLACK, [200, 201], {"a": 1, "b": 0}) == ([["a"], ["b", "a"]],
+                                                                 "prefix hit")
+    assert rank(table, SLACK, key[:2], {"a": 1, "b": 0})[0][0] == ["b", "a"]  # both hold it
+    assert rank(table, SLACK, [], {"a": 2, "b": 1})[0][0] == ["b"]  # no key: least loaded
+
+
+def test_new_prefixes_spread_by_their_first_hash():
+    table = PrefixTable()
+    load = {"a": 0, "b": 0}
+    firsts = {rank(table, SLACK, [h, h + 1], load)[0][0][0] for h in range(8)}
+    assert firsts == {"a", "b"}
+    assert rank(table, SLACK, [6, 7], load) == rank(table, SLACK, [6, 7], load)
+
+
+@settings(max_examples=200, deadline=None)
+@given(routed=st.lists(st.tuples(st.lists(st.integers(0, 5), max_size=8),
+                                 st.sampled_from("abc")), max_size=12),
+       key=st.lists(st.integers(0, 5), max_size=8),
+       load=st.dictionaries(st.sampled_from("abcd"), st.integers(0, 9), min_size=1),
+       slack=st.integers(0, 5), need=st.integers(1, 4))
+def test_rank_is_the_policy(routed, key, load, slack, need):
+    """Whatever was routed where: the first choice holds the most leading blocks of the key
+    and is at most `slack` busier than the least loaded, or it is a least loaded replica;
+    every candidate is in the last rank, so a full first choice falls back to anyone."""
+    table, policy = PrefixTable(), RoutePolicy(balance_slack=slack, min_match_blocks=need)
+    for hashes, replica in routed:
+        table.record(hashes, replica)
+    matched = table.matched(key, list(load))
+    ranks, why = rank(table, policy, key, load)
+    assert sorted(ranks[-1]) == sorted(load)
+    first = ranks[0]
+    assert first and all(r in load for r in first)
+    least = min(load.values())
+    if why == "prefix hit":
+        best = max(matched.values())
+        assert best >= min(need, len(key)) and best > 0
+        assert all(matched[r] == best for r in first)
+        assert min(load[r] for r in first) <= least + slack
+    else:
+        assert [load[r] for r in first] == [least]
+
+
+def test_route_keys_are_the_prefix_caches_hashes_with_the_salt(tiny_llama_dir):
+    """The ingress's tokens for a chat are the replica's (serving.encode_chat with the same
+    tokenizer and template); its key is their block-hash chain; a salt changes every hash."""
+    tokenizer = Tokenizer.load(tiny_llama_dir)
+
+    class Processor:  # what serving.encode_chat reads of the replica's processor
+        encode_chat = OutputProcessor.encode_chat
+
+        def __init__(self) -> None:
+            self.tokenizer = tokenizer
+
+    body = {"model": "m", "messages": [{"role": "system", "content": "Be brief. " * 10},
+                                       {"role": "user", "content": "What is the sea?"}]}
+    chat = ChatCompletionRequest.model_validate(body)
+    want = encode_chat(Processor(), chat.messages, True)
+    got, salt = prompt_tokens(tokenizer, "/v1/chat/completions", body)
+    assert got == want and salt is None and len(want) >= 32
+    key = route_key(tokenizer, 16, "/v1/chat/completions", body)
+    assert list(key) == chain_hashes(want, 16) and len(key) == len(want) // 16
+    salted = route_key(tokenizer, 16, "/v1/chat/completions", {**body, "cache_salt": "t1"})
+    other = route_key(tokenizer, 16, "/v1/chat/completions", {**body, "cache_salt": "t2"})
+    assert len(salted) == len(key) and not set(salted) & (set(key) | set(other))
+    text = "the same document " * 8
+    assert route_key(tokenizer, 16, "/v1/completions", {"model": "m", "prompt": text}) == \
+        tuple(chain_hashes(tokenizer.encode(text), 16))
+    # what cannot be keyed is routed by load: a bad body, a stored response's continuation
+    assert route_key(tokenizer, 16, "/v1/completions", {"prompt": 3}) == ()
+    assert route_key(tokenizer, 16, "/v1/responses", {
+        "model": "m", "input": text, "previous_response_id": "resp_1"}) == ()
+    assert route_key(tokenizer, 16, "/v1/responses", {"model": "m", "input": text})
 
 
 # ------------------------------------------------------------------ replicas on a local Ray
@@ -233,10 +359,101 @@ def test_health_is_the_engine_health(ray_url):
 
     r = httpx.get(f"{ray_url}/health", timeout=30)
     assert r.status_code == 200 and r.headers[REPLICA_HEADER]
-    serve.get_app_handle(APP_NAME).check_health.remote().result(timeout_s=30)
+    serve.get_deployment_handle("KVServeDeployment", APP_NAME).check_health.remote().result(
+        timeout_s=30)
     status = serve.status().applications[APP_NAME]
     assert status.status == "RUNNING"
     assert status.deployments["KVServeDeployment"].replica_states == {"RUNNING": 2}
+    assert status.deployments["KVServeIngress"].replica_states == {"RUNNING": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_shared_prefixes_stay_on_one_replica_and_unrelated_prompts_spread(ray_url):
+    """Prompts sharing a long prefix (many KV blocks) go where the first of them went, one
+    after another and at once; prompts with nothing in common use both replicas."""
+    client = openai_client(ray_url)
+    model = client.models.list().data[0].id
+
+    def replica(prompt: str) -> str:
+        raw = client.completions.with_raw_response.create(
+            model=model, prompt=prompt, max_tokens=2, temperature=0)
+        return raw.headers[REPLICA_HEADER]
+
+    groups = {}
+    for g in range(4):
+        prefix = f"Document {g}: " + f"the {g}th tale of ships and tides, " * 6
+        first = replica(prefix + "first question?")
+        with ThreadPoolExecutor(4) as pool:
+            rest = list(pool.map(replica, [prefix + f"question {i}?" for i in range(6)]))
+        assert set(rest) == {first}, (g, first, rest)
+        groups[g] = first
+    unrelated = [replica(f"{i} " + f"unrelated words number {i * 7919} " * 6)
+                 for i in range(10)]
+    assert len(set(unrelated)) == 2, unrelated
+    # a chat with a long shared system prompt too, whatever the user asks
+    system = {"role": "system", "content": "You answer about the sea. " * 12}
+    seen = {client.chat.completions.with_raw_response.create(
+        model=model, max_tokens=2, temperature=0,
+        messages=[system, {"role": "user", "content": f"Question {i}?"}]).headers[
+            REPLICA_HEADER] for i in range(5)}
+    assert len(seen) == 1, seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_responses_chain_and_its_stored_responses_reach_their_replica(ray_url):
+    """Five turns, each continuing the last (whole and streamed in turn), all answered by
+    the replica that holds the conversation; GET and DELETE reach it; unknown ids are 404
+    (and a continuation of one, the replica's own 400)."""
+    client = openai_client(ray_url)
+    model = client.models.list().data[0].id
+    previous, owners, ids = None, set(), []
+    for turn in range(5):
+        kw = {"model": model, "input": f"Turn {turn}: say something.", "temperature": 0,
+              "max_output_tokens": 4, "previous_response_id": previous}
+        if turn % 2:
+            with client.responses.with_streaming_response.create(**kw, stream=True) as raw:
+                owners.add(raw.headers[REPLICA_HEADER])
+                events = list(raw.parse())
+            answer = events[-1].response
+            assert events[0].type == "response.created"
+        else:
+            raw = client.responses.with_raw_response.create(**kw)
+            owners.add(raw.headers[REPLICA_HEADER])
+            answer = raw.parse()
+        assert answer.previous_response_id == previous and answer.status in (
+            "completed", "incomplete")
+        previous = answer.id
+        ids.append(answer.id)
+    assert len(owners) == 1, owners
+    for rid in ids:
+        raw = client.responses.with_raw_response.retrieve(rid)
+        assert raw.parse().id == rid and {raw.headers[REPLICA_HEADER]} == owners
+    client.responses.delete(ids[0])
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(ids[0])
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(ids[0])
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_unknown")
+    r = httpx.delete(f"{ray_url}/v1/responses/resp_unknown", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    with pytest.raises(openai.BadRequestError, match="previous response"):
+        client.responses.create(model=model, input="x", previous_response_id="resp_unknown",
+                                max_output_tokens=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_errors_keep_their_status_and_body(ray_url):
+    r = httpx.post(f"{ray_url}/v1/completions", timeout=30,
+                   json={"model": "no-such-model", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["type"]
+    r = httpx.post(f"{ray_url}/v1/chat/completions", timeout=30, content=b"{not json")
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(f"{ray_url}/v1/messages", timeout=30, json={"model": "m"})
+    assert r.status_code == 400 and r.json()["type"] == "error"  # Anthropic's shape
 
 
 @pytest.mark.slow

@@ -1,2 +1,2 @@
 """What users run: the `kvserve` command line (cli), the OpenAI-compatible server (server)
-and the replica router (router)."""
+and its replicas on Ray Serve with prefix-aware routing (ray_serve)."""

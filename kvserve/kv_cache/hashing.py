@@ -30,3 +30,17 @@ def hash_block(parent_hash: int, token_ids: Sequence[int], extra: bytes = b"") -
     if extra:
         h.update(b"\x00extra\x00" + extra)
     return int.from_bytes(h.digest(), "little")
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
+                 start: int = 0, parent: int = ROOT_HASH) -> list[int]:
+    """The chained hashes of the full blocks of `token_ids`, from block `start` on (`parent`
+    is block start-1's hash, or the root): what the prefix cache keys a request's blocks by,
+    and what a router keys a prompt by, so the two agree. A cache salt enters the first
+    block's hash, and through the chain every later one: tenants share no hash."""
+    out = []
+    for i in range(start, len(token_ids) // block_size):
+        extra = (cache_salt or "").encode() if i == 0 else b""
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra)
+        out.append(parent)
+    return out

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from kvserve.kv_cache.block_pool import BlockPool, KVBlock
 from kvserve.kv_cache.events import KVEventLog
-from kvserve.kv_cache.hashing import ROOT_HASH, BlockKey, hash_block
+from kvserve.kv_cache.hashing import ROOT_HASH, BlockKey, chain_hashes, hash_block
 from kvserve.kv_cache.layout import KVLayout
 from kvserve.kv_cache.tiers import TieredKVStore
 from kvserve.request import Request
@@ -161,12 +161,9 @@ class KVCacheManager:
     def block_hashes(self, req: Request) -> list[int]:
         """Chained hashes of the request's full blocks, extended as tokens arrive."""
         hashes = self._hashes.setdefault(req.request_id, [])
-        for i in range(len(hashes), req.num_tokens // self.block_size):
-            if hashes:
-                hashes.append(hash_block(hashes[-1], self._block_tokens(req, i)))
-            else:
-                salt = (req.cache_salt or "").encode()
-                hashes.append(hash_block(ROOT_HASH, self._block_tokens(req, i), salt))
+        if len(hashes) < req.num_tokens // self.block_size:
+            hashes += chain_hashes(req.all_token_ids, self.block_size, req.cache_salt,
+                                   len(hashes), hashes[-1] if hashes else ROOT_HASH)
         return hashes
 
     def _key(self, req: Request, i: int, group: int = 0) -> BlockKey:

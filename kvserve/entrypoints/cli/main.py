@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if not args.verbose:
-        # httpx logs every request at INFO: the router's health polls alone would be
-        # several lines a second
+        # httpx logs every request at INFO: a client's polls alone would be several lines
+        # a second
         logging.getLogger("httpx").setLevel(logging.WARNING)
     t0 = time.perf_counter()
     try:

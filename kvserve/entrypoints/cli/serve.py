@@ -1,15 +1,12 @@
-"""`kvserve serve`, `kvserve ray`, `kvserve router` and `kvserve trace`: the server, its
-replicas on Ray Serve, replicas behind one endpoint, and one request's timeline read back from
-a server."""
+"""`kvserve serve`, `kvserve ray` and `kvserve trace`: the server, its replicas on Ray Serve
+(prefix-aware routing included), and one request's timeline read back from a server."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-import shlex
 import signal
-import subprocess
 import sys
 
 from kvserve.entrypoints.cli.common import add_engine_args, engine_args_from, ensure_default_model
@@ -38,23 +35,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ReplicaArgs.add_cli_args(ra)
     add_engine_args(ra)
     ra.set_defaults(func=cmd_ray)
-
-    ro = sub.add_parser("router", help="one OpenAI endpoint in front of several kvserve "
-                                       "serve replicas")
-    ro.add_argument("--replica", action="append", metavar="URL",
-                    help="a running replica (repeatable)")
-    ro.add_argument("--spawn", type=int, default=0, help="start this many replicas here")
-    ro.add_argument("--serve-args", default="", help="extra `kvserve serve` flags for them")
-    ro.add_argument("--replica-base-port", type=int, default=8100)
-    ro.add_argument("--policy", default="prefix-aware",
-                    choices=["round-robin", "least-outstanding", "prefix-aware"])
-    ro.add_argument("--health-interval", type=float, default=2.0)
-    ro.add_argument("--balance-slack", type=int, default=4,
-                    help="prefix-aware: in-flight requests a prefix's replica may have beyond "
-                         "the least loaded before a request goes elsewhere")
-    ro.add_argument("--host", default="127.0.0.1")
-    ro.add_argument("--port", type=int, default=8000)
-    ro.set_defaults(func=cmd_router)
 
     tr = sub.add_parser("trace", help="one request's timeline from a server, as text and a "
                                       "waterfall PNG")
@@ -141,35 +121,6 @@ def cmd_ray(args: argparse.Namespace) -> int:
     from kvserve.entrypoints.ray_serve.deployment import serve_forever
 
     return serve_forever(engine_args, server_args, replicas)
-
-
-def cmd_router(args: argparse.Namespace) -> int:
-    """An OpenAI-compatible router in front of replicas given as URLs or started here."""
-    import uvicorn
-
-    from kvserve.entrypoints.router import RouterConfig, build_router_app
-
-    urls = list(args.replica or [])
-    procs: list[subprocess.Popen] = []
-    if args.spawn < 0:
-        raise ValueError("--spawn must be >= 0")
-    for i in range(args.spawn):
-        port = args.replica_base_port + i
-        procs.append(subprocess.Popen([sys.executable, "-m", "kvserve", "serve", "--port",
-                                       str(port), *shlex.split(args.serve_args)]))
-        urls.append(f"http://127.0.0.1:{port}")
-    try:
-        config = RouterConfig(urls, args.policy, health_interval=args.health_interval,
-                              balance_slack=args.balance_slack)
-        absorb_sigterm_reraise()  # so the replicas below are stopped, not orphaned
-        uvicorn.run(build_router_app(config), host=args.host, port=args.port,
-                    log_level="warning")
-    finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            p.wait(60)
-    return 0
 
 
 def cmd_trace(args: argparse.Namespace) -> int:

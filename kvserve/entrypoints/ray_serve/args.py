@@ -14,6 +14,9 @@ from kvserve.settings import add_fields_as_flags, fields_from_flags, setting
 
 INSTALL_HINT = "pip install kvserve[ray]"
 APP_NAME = "kvserve"  # the Ray Serve application's name (serve.status, serve.delete)
+REQUEST_ROUTERS = ("prefix-aware", "power-of-two")
+# KVServeRequestRouter, named by its import path: these settings import no ray
+PREFIX_ROUTER = "kvserve.entrypoints.ray_serve.request_router:KVServeRequestRouter"
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,21 @@ class ReplicaArgs:
     threads_per_replica: int | None = setting(
         None, "torch threads of each replica's engine, and the CPUs Ray reserves for the "
               "replica (default: this machine's CPUs shared among the replicas, at least 1)")
+    request_router: str = setting(
+        "prefix-aware", "how Ray picks a replica for a request: prefix-aware (the replica "
+        "believed to hold the most leading KV blocks of its prompt, keyed by the prefix "
+        "cache's block hashes and cache_salt, unless it is busy) or power-of-two (as Ray's "
+        "default: the less loaded of two at random); stored responses stay on their "
+        "replica either way", choices=REQUEST_ROUTERS)
+    balance_slack: int = setting(
+        4, "prefix-aware: requests in flight a prefix's replica may have beyond the least "
+           "loaded one before a request goes to the least loaded instead")
 
     def __post_init__(self) -> None:
+        if self.request_router not in REQUEST_ROUTERS:
+            raise ValueError(f"--request-router must be one of {', '.join(REQUEST_ROUTERS)}")
+        if self.balance_slack < 0:
+            raise ValueError("--balance-slack must be >= 0")
         if self.data_parallel_size < 1:
             raise ValueError("--data-parallel-size must be >= 1")
         if self.min_replicas is not None and self.max_replicas is None:
@@ -105,8 +121,9 @@ class ReplicaArgs:
                            cpus: int | None = None) -> dict[str, Any]:
         """The Ray Serve options of KVServeDeployment (`Deployment.options`): one engine's
         threads as the replica's CPUs (and one GPU with --device cuda), the replica count or
-        the autoscaling on requests in flight, and the server's --shutdown-timeout as the
-        drain a stopping replica gets."""
+        the autoscaling on requests in flight, the server's --shutdown-timeout as the drain a
+        stopping replica gets, and the request router (KVServeRequestRouter, prefix-aware or
+        power of two choices)."""
         actor: dict[str, Any] = {"num_cpus": self.threads(cpus)}
         if engine_args.device == "cuda":
             actor["num_gpus"] = 1
@@ -121,6 +138,12 @@ class ReplicaArgs:
             # Ray's default 20 times
             "max_constructor_retry_count": 2,
         }
+        # power-of-two too: KVServeRequestRouter then chooses as Ray's default does, and
+        # still sends a stored response's requests to the replica that holds it
+        opts["request_router_config"] = {
+            "request_router_class": PREFIX_ROUTER,
+            "request_router_kwargs": {"prefix_aware": self.request_router == "prefix-aware",
+                                      "balance_slack": self.balance_slack}}
         if self.autoscaling:
             assert self.max_replicas is not None
             low = self.min_replicas if self.min_replicas is not None else 1

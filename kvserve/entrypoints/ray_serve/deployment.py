@@ -1,19 +1,18 @@
 """KVServeDeployment: one kvserve engine per Ray Serve replica, serving the same OpenAI,
-Responses and Anthropic routes as `kvserve serve`.
+Responses and Anthropic routes as `kvserve serve`, behind KVServeIngress (ingress.py).
 
-The ingress is kvserve's own FastAPI app (`build_app`), used as the deployment's ingress
-(`@serve.ingress()` with `__serve_build_asgi_app__`, which builds it on the replica), not a
-second front that forwards to replicas. Why:
+Each replica builds kvserve's own FastAPI app (`build_app`) and runs its lifespan (model
+load, engine stop) and every request through it: `forward` takes the ForwardedRequest the
+ingress sends through its DeploymentHandle and yields the app's response as it is sent
+(forwarding.run_asgi). So:
 - one route table: every route, its validation, errors, auth and OpenAPI document is the
-  plain server's, with nothing restated in a forwarding layer that could drift from it;
-- one hop: Ray's HTTP proxy hands the ASGI request to a replica, which runs the app in its
-  own process; a forwarding ingress would be a second deployment and a second hop per
-  request, and its stream a re-encoding of the replica's;
-- streams pass through unchanged: the app's SSE body goes out as the ASGI messages it sends,
-  which the proxy relays as they come;
-- the app is built on the replica, after its constructor, so each replica holds its own
-  engine and server state (metrics, the Responses store), and the app's lifespan (model
-  load, engine stop) runs there.
+  plain server's, with nothing restated in the ingress that could drift from it;
+- streams pass through unchanged: the app's SSE body goes back piece by piece;
+- each replica holds its own engine and server state (metrics, the Responses store).
+Ray's HTTP proxy hands requests to the ingress, not to these replicas: the ingress reads the
+body and keys it by its prompt's block hashes, which the replicas' request router
+(KVServeRequestRouter, request_router.py) ranks them by; through the proxy a replica's router
+would see no body. That costs one more hop per request (proxy -> ingress -> replica).
 
 A replica is ready once its model has loaded: the lifespan's start waits for the load, so Ray
 routes nothing to a loading replica, and a model that fails to load fails the replica's start
@@ -25,7 +24,8 @@ lifespan stops the engine.
 
 Not the plain server's: the connection guards (GuardedH11: header, read and write timeouts,
 --max-connections) belong to the process that holds the sockets, here Ray's proxy, which
-does not apply them. Each response names its replica in an `x-kvserve-replica` header.
+does not apply them. Each response names its replica in an `x-kvserve-replica` header, which
+the ingress also reads to pin stored responses to their replica.
 """
 
 from __future__ import annotations
@@ -35,22 +35,25 @@ import logging
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import torch
 from ray import serve
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.config import Config
+from uvicorn.lifespan.on import LifespanOn
 
 from kvserve.engine.args import EngineArgs
 from kvserve.entrypoints.ray_serve.args import APP_NAME, ReplicaArgs
+from kvserve.entrypoints.ray_serve.forwarding import ForwardedRequest, ResponseStart, run_asgi
+from kvserve.entrypoints.ray_serve.ingress import REPLICA_HEADER, KVServeIngress
 from kvserve.entrypoints.server.app import build_app
 from kvserve.entrypoints.server.args import ServerArgs
 from kvserve.entrypoints.server.serving import ServerState
 
 log = logging.getLogger("kvserve.entrypoints.ray_serve")
-
-REPLICA_HEADER = "x-kvserve-replica"
 
 
 class ReplicaHeader:
@@ -92,31 +95,47 @@ def _ready_after_load(app: Any, state: ServerState) -> None:
 
 
 @serve.deployment(name="KVServeDeployment")
-@serve.ingress()
 class KVServeDeployment:
     """One replica: kvserve's FastAPI app over its own AsyncEngine, built from the same
-    EngineArgs and ServerArgs as `kvserve serve`, with `threads` torch threads."""
+    EngineArgs and ServerArgs as `kvserve serve`, with `threads` torch threads. The app's
+    lifespan (model load, engine stop) runs from the replica's constructor and destructor,
+    with uvicorn's lifespan runner as a server would: Ray allows one `@serve.ingress` per
+    application, which is the ingress's."""
 
-    def __init__(self, engine_args: EngineArgs, server_args: ServerArgs, threads: int) -> None:
+    async def __init__(self, engine_args: EngineArgs, server_args: ServerArgs,
+                       threads: int) -> None:
         torch.set_num_threads(threads)  # before the engine thread's first parallel op
-        self.engine_args, self.server_args = engine_args, server_args
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.state: ServerState | None = None
-
-    def __serve_build_asgi_app__(self) -> ASGIApp:
-        app = build_app(self.engine_args, self.server_args)
-        self.state = app.state.kvserve
+        app = build_app(engine_args, server_args)
+        self.state: ServerState = app.state.kvserve
         _ready_after_load(app, self.state)
         app.add_middleware(ReplicaHeader, replica=self.replica_id)
+        self.app: ASGIApp = app
+        self._lifespan = LifespanOn(Config(app, lifespan="on", log_level=None,
+                                           log_config=None, access_log=False))
+        await self._lifespan.startup()  # returns once the model has loaded
+        if self._lifespan.should_exit:
+            raise RuntimeError(f"replica {self.replica_id} failed to start: "
+                               f"{self.state.load_error or 'see its log'}")
         log.info("replica %s: %d torch threads", self.replica_id, torch.get_num_threads())
-        return app
+
+    async def __del__(self) -> None:
+        """Ray calls this once the replica has drained: the lifespan stops the engine."""
+        lifespan = getattr(self, "_lifespan", None)
+        if lifespan is not None:
+            await lifespan.shutdown()
+
+    async def forward(self, request: ForwardedRequest
+                      ) -> AsyncIterator[ResponseStart | bytes]:
+        """One request from the ingress through this replica's app: its status and headers,
+        then its body as the app sends it (a stream piece by piece)."""
+        async for item in run_asgi(self.app, request, ("ray-serve-ingress", 0)):
+            yield item
 
     async def check_health(self) -> None:
         """Ray's health check: the engine's health, as /health reports it (on the replica's
         event loop, where the app reads it)."""
         state = self.state
-        if state is None:
-            raise RuntimeError("the app is not built")
         if state.load_error is not None:
             raise RuntimeError(f"model failed to load: {state.load_error}")
         if state.engine is not None and (reason := state.engine.health_error()) is not None:
@@ -125,13 +144,16 @@ class KVServeDeployment:
 
 def application(engine_args: EngineArgs, server_args: ServerArgs, replicas: ReplicaArgs,
                 ray_actor_options: dict[str, Any] | None = None):
-    """The Ray Serve application: KVServeDeployment with the options `replicas` makes
-    (ReplicaArgs.deployment_options); `ray_actor_options` adds to the replicas' (a runtime
-    environment, say)."""
+    """The Ray Serve application: KVServeIngress over KVServeDeployment with the options
+    `replicas` makes (ReplicaArgs.deployment_options, its request router included);
+    `ray_actor_options` adds to both deployments' (a runtime environment, say)."""
     opts = replicas.deployment_options(engine_args, server_args)
     opts["ray_actor_options"] = {**opts["ray_actor_options"], **(ray_actor_options or {})}
     threads = int(opts["ray_actor_options"]["num_cpus"])
-    return KVServeDeployment.options(**opts).bind(engine_args, server_args, threads)
+    model = KVServeDeployment.options(**opts).bind(engine_args, server_args, threads)
+    ingress = KVServeIngress.options(ray_actor_options={"num_cpus": 0,
+                                                        **(ray_actor_options or {})})
+    return ingress.bind(model, engine_args)
 
 
 def _interrupt(*_: Any) -> None:

@@ -1,0 +1,157 @@
+"""KVServeIngress: the Ray Serve application's HTTP ingress, a thin forwarding layer in front
+of the KVServeDeployment replicas, so that Ray's request router sees each request's prompt.
+
+Why a forwarding layer, not the FastAPI app's routes: the route table, its validation,
+errors, auth, limits and OpenAPI document stay the replica's (`build_app`), with nothing
+restated here that could drift from it; the ingress only reads a body far enough to key it.
+And why an ingress at all: through Ray's HTTP proxy a replica's router is handed the ASGI
+scope only, the body unread, so a router on the replicas themselves cannot see the prompt.
+Ray Serve LLM splits its ingress from its model deployment for the same reason.
+
+Each request (any method and path) is read whole, keyed and sent on with
+`handle.forward.remote(ForwardedRequest)` as a stream:
+- POSTs to the prompt routes carry their route key, the prompt's chained block hashes as the
+  replica's prefix cache computes them (route_key.py: the model's tokenizer and chat
+  template, loaded here without the model, and the request's cache_salt), which
+  KVServeRequestRouter ranks the replicas by;
+- a Responses request with `previous_response_id`, and GET/DELETE /v1/responses/{id}, carry a
+  pin: the replica that made that response, remembered here (response id -> Ray Serve
+  replica id, from the first bytes of each answer and its `x-kvserve-replica` header; LRU,
+  RESPONSE_OWNERS ids). An id made by no replica behind this ingress is a 404 here for
+  GET/DELETE, and the replica's own 400 for previous_response_id, as `kvserve serve` says.
+The replica yields its response's status and headers, then the body as its app sends it:
+streams pass through unchanged, errors keep their status and body. A replica that fails
+before answering is a 503 in the API's error shape; one that fails mid-stream ends it.
+
+One ingress replica holds the routing table and the response owners (num_replicas 1, no CPU
+reserved: it reads and tokenizes, the replicas compute). More ingress replicas would each
+learn a table of their own and forget each other's response ids."""
+
+# no `from __future__ import annotations`: Ray's class-based FastAPI view reads the route's
+# annotations as objects, and a string "Request" would make `request` a query parameter
+import asyncio
+import json
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from kvserve.engine.args import EngineArgs
+from kvserve.entrypoints.ray_serve.forwarding import ForwardedRequest, ResponseStart
+from kvserve.entrypoints.ray_serve.route_key import PROMPT_ROUTES, route_key
+from kvserve.entrypoints.server.errors import error_response
+from kvserve.models.paths import resolve_model
+from kvserve.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger("kvserve.entrypoints.ray_serve")
+
+REPLICA_HEADER = "x-kvserve-replica"
+# Response ids remembered with their replica (LRU): as many as 10 replicas' default
+# --responses-store-size, beyond which the replicas have forgotten them too.
+RESPONSE_OWNERS = 10_000
+# The first bytes of a /v1/responses answer hold its id, whole or streamed (response.created).
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
+_SNIFF_BYTES = 4096
+_STORED = re.compile(r"^/v1/responses/([^/]+)$")
+_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+
+
+class ResponseOwners:
+    """response id -> the replica that made it, the newest RESPONSE_OWNERS."""
+
+    def __init__(self, capacity: int = RESPONSE_OWNERS) -> None:
+        self.capacity = capacity
+        self._owners: OrderedDict[str, str] = OrderedDict()
+
+    def remember(self, response_id: str, replica: str) -> None:
+        self._owners[response_id] = replica
+        self._owners.move_to_end(response_id)
+        while len(self._owners) > self.capacity:
+            self._owners.popitem(last=False)
+
+    def owner(self, response_id: str) -> str | None:
+        return self._owners.get(response_id)
+
+    def forget(self, response_id: str) -> None:
+        self._owners.pop(response_id, None)
+
+
+app = FastAPI(title="kvserve on Ray Serve", openapi_url=None, docs_url=None, redoc_url=None)
+
+
+@serve.deployment(name="KVServeIngress", num_replicas=1, ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class KVServeIngress:
+    def __init__(self, model: DeploymentHandle, engine_args: EngineArgs) -> None:
+        self.model = model.options(stream=True)
+        self.tokenizer = Tokenizer.load(resolve_model(engine_args.model))
+        self.block_size = engine_args.block_size
+        self.owners = ResponseOwners()
+
+    @app.api_route("/{path:path}", methods=_METHODS, include_in_schema=False)
+    async def forward(self, request: Request) -> Response:
+        path = request.url.path
+        body = await request.body()
+        key: tuple[int, ...] = ()
+        pin: str | None = None
+        stored = _STORED.match(path)
+        if stored is not None and request.method in ("GET", "DELETE"):
+            pin = self.owners.owner(stored.group(1))
+            if pin is None:
+                return error_response(path, 404, f"response {stored.group(1)!r} not found: "
+                                      "no replica behind this server made it, or it is "
+                                      "older than the last it remembers", "response_id")
+        elif request.method == "POST" and path in PROMPT_ROUTES:
+            try:
+                parsed = json.loads(body or b"null")
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                parsed = None  # the replica answers it with its own 400
+            if isinstance(parsed, dict):
+                previous = parsed.get("previous_response_id")
+                if path == "/v1/responses" and isinstance(previous, str):
+                    pin = self.owners.owner(previous)
+                else:
+                    key = await asyncio.to_thread(route_key, self.tokenizer, self.block_size,
+                                                  path, parsed)
+        forwarded = ForwardedRequest(
+            request.method, path, request.scope.get("query_string", b""),
+            tuple(request.scope["headers"]), body, key, pin)
+        stream = self.model.forward.remote(forwarded)
+        try:
+            start = await stream.__anext__()
+        except Exception as e:  # noqa: BLE001 - any Ray failure before an answer
+            log.warning("%s %s: no replica answered: %s", request.method, path, e)
+            return error_response(path, 503, f"no replica could answer: {type(e).__name__}")
+        assert isinstance(start, ResponseStart), start
+        replica = start.header(REPLICA_HEADER)
+        remember = replica is not None and start.status == 200 and \
+            path == "/v1/responses" and request.method == "POST"
+        if stored is not None and request.method == "DELETE" and start.status == 200:
+            self.owners.forget(stored.group(1))
+
+        async def body_pieces() -> AsyncIterator[bytes]:
+            head, looking, done = b"", remember, False
+            try:
+                async for piece in stream:
+                    if looking:
+                        head += piece
+                        if (m := _RESPONSE_ID.search(head)) is not None:
+                            self.owners.remember(m.group(1).decode(), replica)
+                        looking = m is None and len(head) < _SNIFF_BYTES
+                    yield piece
+                done = True
+            except Exception as e:  # noqa: BLE001 - the replica failed mid-answer
+                log.warning("%s %s: replica %s failed mid-response: %s", request.method, path,
+                            replica, e)
+            finally:
+                if not done:  # the client went away: the replica's app sees it go
+                    stream.cancel()
+
+        response = StreamingResponse(body_pieces(), status_code=start.status)
+        response.raw_headers = list(start.headers)
+        return response
