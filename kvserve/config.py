@@ -10,6 +10,27 @@ from dataclasses import dataclass, field, fields
 import torch
 
 
+def json_fields(value: str | dict | None, flag: str, cls: type) -> dict | None:
+    """A JSON-object flag's fields (from its string or a dict), checked against the
+    dataclass `cls`'s fields; None for None or an empty value. Unknown fields are an error,
+    not silently ignored."""
+    if value is None or value == "" or value == {}:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--{flag} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--{flag} must be a JSON object")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"unknown {flag} field(s): {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(known))}")
+    return value
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """How RoPE frequencies are stretched for long contexts.
@@ -244,20 +265,9 @@ class SpecConfig:
     def parse(cls, value: str | dict | None) -> SpecConfig | None:
         """From a JSON string or dict; None or an empty value means no speculation. Unknown
         fields are an error, not silently ignored."""
-        if value is None or value == "" or value == {}:
+        value = json_fields(value, "speculative-config", cls)
+        if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--speculative-config must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown speculative-config field(s): {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
         if "method" not in value:
             raise ValueError('--speculative-config needs "method" (ngram, draft_model, mtp)')
         try:
@@ -344,21 +354,8 @@ class KVEventsConfig:
         means no events. Unknown fields are an error, not silently ignored."""
         if isinstance(value, KVEventsConfig):
             return value
-        if value is None or value == "" or value == {}:
-            return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--kv-events-config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown kv-events-config field(s): {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
-        return cls(**value)
+        value = json_fields(value, "kv-events-config", cls)
+        return None if value is None else cls(**value)
 
 
 @dataclass(frozen=True)

@@ -577,6 +577,17 @@ def test_the_step_cost_is_fitted_to_observed_decode_steps(tiny_llama_dir):
     assert step == pytest.approx(0.017) and row == pytest.approx(0.003)
 
 
+def _decoding(prefix: str, n: int) -> list[Request]:
+    """n requests that decode in the next step."""
+    reqs = []
+    for i in range(n):
+        r = Request(f"{prefix}{i}", [5, 6, 7], SamplingParams(max_tokens=100), frozenset(), 100)
+        r.status = RequestStatus.RUNNING
+        r.num_computed_tokens = r.num_tokens - 1
+        reqs.append(r)
+    return reqs
+
+
 def test_the_draft_steps_cost_is_fitted_and_shared(tiny_llama_dir):
     """A draft step's cost is fitted to the draft steps timed so far, fixed and per request;
     while they are of one size a request is charged the share a row has of a one-row target
@@ -593,12 +604,7 @@ def test_the_draft_steps_cost_is_fitted_and_shared(tiny_llama_dir):
     coord.draft_steps.extend([(8, 0.018), (4, 0.014)])
     fixed, per = coord.draft_cost(0.1)
     assert fixed == pytest.approx(0.010) and per == pytest.approx(0.001)
-    reqs = []
-    for i in range(2):
-        r = Request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=100), frozenset(), 100)
-        r.status = RequestStatus.RUNNING
-        r.num_computed_tokens = r.num_tokens - 1
-        reqs.append(r)
+    reqs = _decoding("r", 2)
     coord.draft_steps.clear()
     coord.propose(reqs)  # no cost known yet: both draft in full (3 each, 6 in 3 steps)
     assert drafter.asked == [[3, 3]]
@@ -625,16 +631,12 @@ def test_a_new_request_starts_from_everyones_acceptance(tiny_llama_dir):
     for rows, seconds in [(32, 0.114), (40, 0.138)]:
         coord.observe_step(rows, seconds)
     coord.draft_steps.append((1, 0.001))
-    batch = []
-    for i in range(32):
-        r = Request(f"n{i}", [5, 6, 7], SamplingParams(max_tokens=100), frozenset(), 100)
-        r.status = RequestStatus.RUNNING
-        r.num_computed_tokens = r.num_tokens - 1
-        batch.append(r)
-    depths, probes = coord._depths(batch, {r.request_id: coord._new_state() for r in batch})
+    batch = _decoding("n", 32)
+    depths, probe_every = coord._depths(batch, {r.request_id: coord._new_state()
+                                                for r in batch})
     assert set(depths.values()) == {0}
-    assert not probes  # nor do they probe: a sure token would not pay for its row
+    assert probe_every is None  # nor do they probe: a sure token would not pay for its row
     # Alone in a step a request still probes, whatever its acceptance.
     one = batch[:1]
-    _, probes = coord._depths(one, {r.request_id: coord._new_state() for r in one})
-    assert probes
+    _, probe_every = coord._depths(one, {r.request_id: coord._new_state() for r in one})
+    assert probe_every == SpecConfig(method="ngram").probe_interval
