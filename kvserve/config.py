@@ -206,7 +206,9 @@ class SpecConfig:
       the best recent acceptance first, so a step stays small enough to be memory-bound;
     - a request whose recent acceptance (a moving average over about `acceptance_window`
       drafts) is below `min_acceptance` drafts nothing, except one probe token every
-      `probe_interval` steps, so it can recover when the text turns predictable.
+      `probe_interval` steps, so it can recover when the text turns predictable (with
+      `adaptive_depth`, every `probe_interval` steps times the batch's requests, and only
+      where a sure token would pay: see spec_decode.coordinator).
     """
 
     method: str
