@@ -148,8 +148,8 @@ class SpecCoordinator:
         None before any. While they are all of one size, a request's share of the step is
         taken to be `row_share` (a row's share of a one-row target step)."""
         fitted = fit_line(self.draft_steps)
-        if fitted is not None:
-            return fitted
+        if fitted is not None:  # a noisy fit's intercept may dip below zero: no step is free
+            return max(fitted[0], 0.0), fitted[1]
         if not self.draft_steps:
             return None
         rows, seconds = self.draft_steps[-1]
