@@ -93,19 +93,9 @@ class OutputProcessor:
 
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, **template_kwargs) -> list[int]:
-        """Render a conversation with the model's chat template and tokenize it (the
-        template writes BOS itself where the model wants it). With `continue_final_message`
-        the rendering stops at the end of the last message's text, so the model continues
-        it rather than starting a new turn. Raises what the template raises."""
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
-        if continue_final_message:
-            last = messages[-1].get("content") if messages else None
-            if not isinstance(last, str) or not last or last not in text:
-                raise ValueError("continue_final_message needs a last message whose text "
-                                 "the chat template writes out")
-            text = text[:text.rindex(last) + len(last)]
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """The conversation's prompt ids (Tokenizer.encode_chat)."""
+        return self.tokenizer.encode_chat(messages, add_generation_prompt,
+                                          continue_final_message, **template_kwargs)
 
     # ------------------------------------------------------------------ requests in and out
 

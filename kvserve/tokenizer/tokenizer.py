@@ -184,3 +184,20 @@ class Tokenizer:
         return render_chat_template(self.chat_template, {
             **variables, "messages": messages, "tools": tools,
             "add_generation_prompt": add_generation_prompt})
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, **template_kwargs: Any) -> list[int]:
+        """Render a conversation with the model's chat template and tokenize it (the
+        template writes BOS itself where the model wants it). With `continue_final_message`
+        the rendering stops at the end of the last message's text, so the model continues
+        it rather than starting a new turn. Raises what the template raises. The engine and
+        a router's route keys (entrypoints.ray_serve.route_key) both render chats here."""
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        if continue_final_message:
+            last = messages[-1].get("content") if messages else None
+            if not isinstance(last, str) or not last or last not in text:
+                raise ValueError("continue_final_message needs a last message whose text "
+                                 "the chat template writes out")
+            text = text[:text.rindex(last) + len(last)]
+        return self.encode(text, add_special_tokens=False)

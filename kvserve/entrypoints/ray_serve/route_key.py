@@ -26,20 +26,15 @@ PROMPT_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1
 
 
 def chat_tokens(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
-    """The chat's prompt as the replica renders it (serving.encode_chat): the template over
-    the messages, with the tools unless tool_choice is "none"."""
+    """The chat's prompt as the replica renders it (serving.encode_chat, through the same
+    Tokenizer.encode_chat): the template over the messages, with the tools unless
+    tool_choice is "none" (chat_tools.plan_chat's rule)."""
     choice = body.tool_choice if body.tool_choice is not None else \
         ("auto" if body.tools else "none")
     tools = template_tools(body.tools or []) if choice != "none" else None
-    text = tokenizer.apply_chat_template(
-        [m.for_template() for m in body.messages],
-        add_generation_prompt=body.add_generation_prompt, tools=tools,
-        **(body.chat_template_kwargs or {}))
-    if body.continue_final_message:
-        last = body.messages[-1].text() if body.messages else ""
-        if last and last in text:
-            text = text[:text.rindex(last) + len(last)]
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode_chat([m.for_template() for m in body.messages],
+                                 body.add_generation_prompt, body.continue_final_message,
+                                 tools=tools, **(body.chat_template_kwargs or {}))
 
 
 def _chat(make: Callable[[dict], ChatCompletionRequest]) -> Callable:
