@@ -31,6 +31,7 @@ from spec_pair import SETS
 from kvserve.bench.peers import machine
 from kvserve.engine.llm import LLM
 from kvserve.sample.sampling_params import SamplingParams
+from kvserve.spec_decode.coordinator import fit_line
 
 
 def _mark(llm: LLM) -> tuple[int, list[int], list[int]]:
@@ -64,14 +65,8 @@ def _why(llm: LLM, mark, target_step: float) -> str:
     steps = _steps(llm, mark)
     drafted = [r.draft for r in steps if r.draft_tokens > 0]
     draft = f"{statistics.median(drafted) / target_step:.2f}" if drafted else "-"
-    xs = [r.decode_tokens for r in steps]
-    ys = [r.forward + r.sample for r in steps]
-    row = "-"
-    if len(set(xs)) > 1:
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / \
-            sum((x - mx) ** 2 for x in xs)
-        row = f"{1e3 * slope:.2f} ms"
+    fitted = fit_line((r.decode_tokens, r.forward + r.sample) for r in steps)
+    row = f"{1e3 * fitted[1]:.2f} ms" if fitted is not None else "-"
     return f"{' / '.join(at) or '-'} | {draft} | {row}"
 
 
