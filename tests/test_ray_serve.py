@@ -267,9 +267,10 @@ def test_serve_data_parallel_size_starts_replicas_and_stops_on_sigterm(tiny_llam
 # ------------------------------------------------------------- two replicas on a local Ray
 
 @pytest.fixture(scope="module")
-def ray_url(tiny_llama_dir):
+def ray_app(tiny_llama_dir):
     """Two tiny-model replicas (one thread each) on a local Ray instance of 2 CPUs, behind
-    Ray's HTTP proxy; each replica step sleeps STEP_S, so a long stream stays in flight."""
+    Ray's HTTP proxy; each replica step sleeps STEP_S, so a long stream stays in flight.
+    Yields the URL and `deploy(n)`, which redeploys the application with n replicas."""
     _need_ray()
     import ray
     from ray import serve
@@ -283,14 +284,39 @@ def ray_url(tiny_llama_dir):
         engine_args = EngineArgs(model=str(tiny_llama_dir), dtype="float32", max_num_seqs=8)
         server_args = ServerArgs(host="127.0.0.1", port=port, shutdown_timeout=60.0)
         faults = {"env_vars": {"KVSERVE_FAULTS": json.dumps({"slow_step_s": STEP_S})}}
-        app = application(engine_args, server_args,
-                          ReplicaArgs(data_parallel_size=2, threads_per_replica=1),
-                          {"runtime_env": faults})
-        serve.run(app, name=APP_NAME, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+
+        def deploy(replicas: int) -> None:
+            app = application(engine_args, server_args,
+                              ReplicaArgs(data_parallel_size=replicas, threads_per_replica=1),
+                              {"runtime_env": faults})
+            serve.run(app, name=APP_NAME, route_prefix="/")
+
+        deploy(2)
+        yield f"http://127.0.0.1:{port}", deploy
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_url(ray_app):
+    return ray_app[0]
+
+
+def _replicas(url: str) -> list[str]:
+    return [r["id"] for r in httpx.get(f"{url}/v1/engine/replicas", timeout=30).json()["data"]]
+
+
+def _by_replica(url: str, name: str) -> dict[str, float]:
+    """One metric's samples on the ingress' /metrics, summed by their `replica` label."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for s in family.samples:
+            if s.name == name:
+                out[s.labels["replica"]] = out.get(s.labels["replica"], 0.0) + s.value
+    return out
 
 
 @pytest.mark.slow
@@ -454,6 +480,141 @@ def test_errors_keep_their_status_and_body(ray_url):
     assert r.status_code == 400 and "error" in r.json()
     r = httpx.post(f"{ray_url}/v1/messages", timeout=30, json={"model": "m"})
     assert r.status_code == 400 and r.json()["type"] == "error"  # Anthropic's shape
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_metrics_and_dashboard_cover_every_replica(ray_url):
+    """One scrape of the ingress has both replicas' metrics, each labelled; a shared prefix's
+    hits are counted on the replica that holds it, and nowhere else; the dashboard's routes
+    answer for one replica (?replica=) or the sum."""
+    client = openai_client(ray_url)
+    model = client.models.list().data[0].id
+    ids = _replicas(ray_url)
+    assert len(ids) == 2
+    hits = "kvserve:prefix_cache_hits_total"
+    before = _by_replica(ray_url, hits)
+    prefix = "A shared preamble about lighthouses and their keepers, " * 8
+    owners = {client.completions.with_raw_response.create(
+        model=model, prompt=prefix + f"question {i}?", max_tokens=2,
+        temperature=0).headers[REPLICA_HEADER] for i in range(4)}
+    assert len(owners) == 1
+    owner, = owners
+    after = _by_replica(ray_url, hits)
+    # every replica's samples, each under its own label
+    assert set(_by_replica(ray_url, "kvserve:num_requests_running")) == set(ids)
+    gained = {r: after.get(r, 0.0) - before.get(r, 0.0) for r in ids}
+    assert gained[owner] >= 3 * 64  # three repeats, each hitting the preamble's blocks
+    assert all(gained[r] == 0 for r in ids if r != owner), gained
+
+    each = {r: httpx.get(f"{ray_url}/v1/engine/stats", params={"replica": r},
+                         timeout=30).json() for r in ids}
+    total = httpx.get(f"{ray_url}/v1/engine/stats", timeout=30).json()
+    assert total["replicas"] == 2
+    assert total["prefix_cache"]["queried_tokens"] == sum(
+        e["prefix_cache"]["queried_tokens"] for e in each.values())
+    assert total["kv"]["blocks"] == sum(e["kv"]["blocks"] for e in each.values())
+    time.sleep(2.5)  # each replica records a history sample a second
+    history = httpx.get(f"{ray_url}/v1/engine/history", params={"seconds": 2},
+                        timeout=30).json()
+    assert history["replicas"] == 2 and history["data"]
+    assert max(s["replicas"] for s in history["data"]) == 2
+    one = httpx.get(f"{ray_url}/v1/engine/history", params={"seconds": 2, "replica": ids[0]},
+                    timeout=30).json()
+    assert "replicas" not in one and one["data"]  # that replica's own answer
+    r = httpx.get(f"{ray_url}/v1/engine/stats", params={"replica": "nope"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "replica"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_replica_ends_its_streams_with_an_error_and_ray_replaces_it(ray_url):
+    """A replica's actor killed mid-stream: the stream it served ends with an error event
+    (the openai client raises it), not silently; requests after it are answered by the live
+    replica; Ray's controller starts a new replica in its place."""
+    import ray
+
+    client = openai_client(ray_url)
+    model = client.models.list().data[0].id
+    ids = _replicas(ray_url)
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 150, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", f"{ray_url}/v1/completions", json=body, timeout=120) as r:
+        victim = r.headers[REPLICA_HEADER]
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert '"text"' in first
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#KVServeDeployment#{victim}",
+                               namespace="serve"), no_restart=True)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest and rest[-1] != "data: [DONE]"
+    error = json.loads(rest[-1][len("data: "):])["error"]
+    assert error["code"] == 503 and victim in error["message"]
+    assert len(rest) < 150  # it did not finish
+
+    survivor, = set(ids) - {victim}
+    served = [client.completions.with_raw_response.create(
+        model=model, prompt=f"after the loss {i}", max_tokens=2, temperature=0)
+        for i in range(6)]
+    assert {s.headers[REPLICA_HEADER] for s in served} == {survivor}
+    assert all(s.parse().choices[0].finish_reason == "length" for s in served)
+
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        now = _replicas(ray_url)
+        if len(now) == 2 and victim not in now:
+            break
+        time.sleep(1)
+    assert len(now) == 2 and victim not in now and survivor in now, now
+    replacement, = set(now) - {survivor}
+    assert httpx.get(f"{ray_url}/health", timeout=30).status_code == 200
+    stats = httpx.get(f"{ray_url}/v1/engine/stats", params={"replica": replacement},
+                      timeout=30)
+    assert stats.status_code == 200 and stats.json()["running"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_downscale_drains_without_losing_a_request(ray_app):
+    """Redeployed from two replicas to one while streams run on both: the replica Ray stops
+    takes no new requests and finishes its own, every stream gets every token."""
+    url, deploy = ray_app
+    client = openai_client(url)
+    model = client.models.list().data[0].id
+    tokens = 200  # at least STEP_S * 200 = 4 s each
+    started: dict[int, str] = {}  # stream -> its replica, once its first token came
+    results: dict[int, tuple[str, list[str]]] = {}
+
+    def stream(i: int) -> None:
+        body = {"model": model, "prompt": f"{i} " + f"story number {i * 7919} " * 4,
+                "max_tokens": tokens, "stream": True, "ignore_eos": True, "temperature": 0,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    started.setdefault(i, r.headers[REPLICA_HEADER])
+            results[i] = (r.headers[REPLICA_HEADER], events)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while len(set(started.values())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(set(started.values())) == 2 and not results, (started, list(results))
+    deploy(1)  # returns once the application runs one replica: the other has drained
+    for t in threads:
+        t.join(300)
+    assert len(results) == 6
+    assert len({r for r, _ in results.values()}) == 2
+    for replica, events in results.values():
+        assert events[-1] == "data: [DONE]", (replica, events[-3:])
+        chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+        assert not any("error" in c for c in chunks)
+        assert chunks[-1]["usage"]["completion_tokens"] == tokens
+    assert len(_replicas(url)) == 1
 
 
 @pytest.mark.slow

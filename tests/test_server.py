@@ -323,8 +323,8 @@ def test_prefix_cache_reported_in_usage_and_salts_isolate(client, server):
     url, _ = server
     assert metric(url, "kvserve:prefix_cache_queries_total") > 0
     text = httpx.get(f"{url}/metrics").text
-    assert 'kvserve:prefix_cache_hits_total{model_name="SmolLM2-135M-Instruct",tier="device"}' \
-        in text
+    assert 'kvserve:prefix_cache_hits_total{model_name="SmolLM2-135M-Instruct",replica="0",' \
+        'tier="device"}' in text
 
 
 def test_metrics_exposed(server):

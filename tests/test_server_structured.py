@@ -248,7 +248,7 @@ def test_grammar_phase_in_the_step_profile(server, client):
     assert any(s["grammar"] > 0 for s in steps)
     text = httpx.get(f"{server[0]}/metrics").text
     assert 'kvserve:engine_step_seconds_count{model_name="SmolLM2-135M-Instruct",' \
-           'phase="grammar"}' in text
+           'phase="grammar",replica="0"}' in text
 
 
 def test_tool_call_parser_auto_reads_the_template(real_model_path):

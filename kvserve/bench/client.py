@@ -390,7 +390,8 @@ async def fetch_spec_counters(client: httpx.AsyncClient, cfg: ServeBenchConfig
         if name == "config" or name.endswith("_created"):
             continue
         pos = re.search(r'position="(\d+)"', labels or "")
-        out[name + (f"@{pos.group(1)}" if pos else "")] = float(value)
+        key = name + (f"@{pos.group(1)}" if pos else "")
+        out[key] = out.get(key, 0.0) + float(value)  # summed over replicas (their label)
     return out or None
 
 

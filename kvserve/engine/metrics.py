@@ -8,6 +8,11 @@ With latency targets (--target-ttft-ms, --target-itl-ms), every request that fin
 (stopped or at its length; not aborted or failed) counts in `kvserve:goodput_requests` under
 the target it missed: `none` (a good request: goodput), `ttft`, `itl` or `both`. As in vLLM's
 benchmark goodput, the ITL target is checked against the request's time per output token.
+
+The queue, batch and KV-cache gauges are also published under vLLM's names, the ones the
+Gateway API Inference Extension's model-server protocol lists for the metrics its endpoint
+pickers scrape (cited below), so that llm-d's or KServe's picker reads kvserve as it
+reads vLLM.
 """
 
 from __future__ import annotations
@@ -35,6 +40,13 @@ TP_PHASE = "all_reduce"
 KV_IO_PHASE = "kv_io"  # only with prefix-cache tiers
 GRAMMAR_PHASE = "grammar"  # only in steps with structured outputs
 MISSED = ("none", "ttft", "itl", "both")  # goodput_requests' labels: which target was missed
+# The Gateway API Inference Extension's model-server protocol (kubernetes-sigs/gateway-api-
+# inference-extension, docs/proposals/003-model-server-protocol/README.md, as of its commit
+# 25557e290ad41bec74d2313182df35d40b2c0cda): its table names the gauges the endpoint picker
+# scrapes, and their vLLM names: TotalQueuedRequests vllm:num_requests_waiting,
+# TotalRunningRequests vllm:num_requests_running, KVCacheUtilization vllm:kv_cache_usage_perc
+# (as vLLM's, a fraction: 1 is a full cache). The document named vllm:gpu_cache_usage_perc,
+# vLLM's older name, until cfdce59a (Nov 2025); only the current name is published here.
 
 
 class EngineMetrics:
@@ -67,6 +79,20 @@ class EngineMetrics:
                              labels, registry=r).labels(model_name)
         self.kv_usage = Gauge("kvserve:kv_cache_usage_perc", "Fraction of KV blocks in use",
                               labels, registry=r).labels(model_name)
+        # The same three under the names the gateway's endpoint pickers scrape (the
+        # model-server protocol, cited above), set from the same snapshot in observe_stats.
+        self.gateway_running = Gauge("vllm:num_requests_running", "Requests in the running "
+                                     "batch (kvserve:num_requests_running, under the "
+                                     "Gateway API Inference Extension's name)", labels,
+                                     registry=r).labels(model_name)
+        self.gateway_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be "
+                                     "scheduled (kvserve:num_requests_waiting, under the "
+                                     "Gateway API Inference Extension's name)", labels,
+                                     registry=r).labels(model_name)
+        self.gateway_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in "
+                                      "use (kvserve:kv_cache_usage_perc, under the Gateway "
+                                      "API Inference Extension's name)", labels,
+                                      registry=r).labels(model_name)
         self.prompt_tokens = Counter("kvserve:prompt_tokens", "Prompt tokens of finished "
                                      "requests", labels, registry=r).labels(model_name)
         self.generation_tokens = Counter("kvserve:generation_tokens", "Generated tokens",
@@ -177,6 +203,9 @@ class EngineMetrics:
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_usage.set(stats.kv_usage)
+        self.gateway_running.set(stats.running)
+        self.gateway_waiting.set(stats.waiting)
+        self.gateway_kv_usage.set(stats.kv_usage)
         self._advance(self.preemptions, ("preemptions", ""), stats.num_preemptions)
         self._advance(self._prefix_queries.labels(self.model_name), ("queries", ""),
                       stats.prefix_queried_tokens)

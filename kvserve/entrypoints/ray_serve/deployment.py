@@ -25,7 +25,8 @@ lifespan stops the engine.
 Not the plain server's: the connection guards (GuardedH11: header, read and write timeouts,
 --max-connections) belong to the process that holds the sockets, here Ray's proxy, which
 does not apply them. Each response names its replica in an `x-kvserve-replica` header, which
-the ingress also reads to pin stored responses to their replica.
+the ingress also reads to pin stored responses to their replica, and its metrics carry the
+same id as their `replica` label.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class KVServeDeployment:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         app = build_app(engine_args, server_args)
         self.state: ServerState = app.state.kvserve
+        self.state.replica = self.replica_id  # its metrics' `replica` label
         _ready_after_load(app, self.state)
         app.add_middleware(ReplicaHeader, replica=self.replica_id)
         self.app: ASGIApp = app

@@ -23,6 +23,17 @@ The replica yields its response's status and headers, then the body as its app s
 streams pass through unchanged, errors keep their status and body. A replica that fails
 before answering is a 503 in the API's error shape; one that fails mid-stream ends it.
 
+What belongs to every replica is asked of each (GET, the request's own headers, so each
+replica checks its auth) and answered as one:
+- /metrics: every replica's metrics on one page, each sample labelled with its `replica`
+  (metrics_text.merge), so one scrape target sees them all;
+- /v1/engine/replicas: the live replicas' ids;
+- /v1/engine/stats and /v1/engine/history: the replicas' figures summed (aggregate.py), or
+  one replica's with `?replica=ID` (as any /v1/engine/ route: an unknown id is a 404);
+- /v1/requests/{id}/timeline: from the replica that served the request.
+A replica that stops answering mid-stream ends the stream with an error event in the
+route's format (the openai and anthropic clients raise it), not silently.
+
 One ingress replica holds the routing table and the response owners (num_replicas 1, no CPU
 reserved: it reads and tokenizes, the replicas compute). More ingress replicas would each
 learn a table of their own and forget each other's response ids."""
@@ -30,21 +41,27 @@ learn a table of their own and forget each other's response ids."""
 # no `from __future__ import annotations`: Ray's class-based FastAPI view reads the route's
 # annotations as objects, and a string "Request" would make `request` a query parameter
 import asyncio
+import dataclasses
 import json
 import logging
 import re
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from kvserve.engine.args import EngineArgs
+from kvserve.entrypoints.ray_serve import request_router
+from kvserve.entrypoints.ray_serve.aggregate import sum_histories, sum_stats
 from kvserve.entrypoints.ray_serve.forwarding import ForwardedRequest, ResponseStart
 from kvserve.entrypoints.ray_serve.route_key import PROMPT_ROUTES, route_key
 from kvserve.entrypoints.server.errors import error_response
+from kvserve.entrypoints.server.metrics_text import merge
 from kvserve.models.paths import resolve_model
 from kvserve.tokenizer.tokenizer import Tokenizer
 
@@ -59,6 +76,21 @@ _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
 _SNIFF_BYTES = 4096
 _STORED = re.compile(r"^/v1/responses/([^/]+)$")
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+# GET routes answered from every replica's answer (see the module's docstring)
+_EVERY_REPLICA = ("/metrics", "/v1/engine/replicas", "/v1/engine/stats", "/v1/engine/history")
+_TIMELINE = re.compile(r"^/v1/requests/[^/]+/timeline$")
+_ANTHROPIC_ROUTES = ("/v1/messages",)
+
+
+def stream_error(path: str, message: str) -> bytes:
+    """The server-sent event that ends a stream whose replica failed mid-answer: an OpenAI
+    `{"error": ...}` data event, or Anthropic's `event: error` on its routes."""
+    if path in _ANTHROPIC_ROUTES:
+        body = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+    body = {"error": {"message": message, "type": "ServiceUnavailableError", "param": None,
+                      "code": 503}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 class ResponseOwners:
@@ -93,6 +125,77 @@ class KVServeIngress:
         self.block_size = engine_args.block_size
         self.owners = ResponseOwners()
 
+    async def replica_ids(self, request: Request) -> list[str]:
+        """The live replicas, as the handle's router knows them. Ray builds that router on
+        the handle's first request: before it, one request to any replica starts it."""
+        ids = request_router.live_replicas()
+        if not ids:
+            await self.fetch(ForwardedRequest("GET", "/health", b"",
+                                              tuple(request.scope["headers"])))
+            for _ in range(50):
+                if ids := request_router.live_replicas():
+                    break
+                await asyncio.sleep(0.02)
+        return ids
+
+    async def fetch(self, forwarded: ForwardedRequest) -> tuple[ResponseStart, bytes]:
+        """One whole (not streamed) answer of a replica."""
+        stream = self.model.forward.remote(forwarded)
+        start = await stream.__anext__()
+        assert isinstance(start, ResponseStart), start
+        return start, b"".join([piece async for piece in stream])
+
+    async def each_replica(self, request: Request, path: str
+                           ) -> dict[str, tuple[ResponseStart, bytes]]:
+        """This GET's answer from every live replica, by replica id (one that went away
+        meanwhile is left out)."""
+        base = ForwardedRequest("GET", path, request.scope.get("query_string", b""),
+                                tuple(request.scope["headers"]))
+        ids = await self.replica_ids(request)
+        # one replica after another: asked at once (asyncio.gather), one of two pinned
+        # requests never got an answer in one of three test runs with the pinned Ray
+        answers: list[tuple[ResponseStart, bytes] | BaseException] = []
+        for rid in ids:
+            try:
+                answers.append(await self.fetch(dataclasses.replace(base, pin=rid)))
+            except Exception as e:  # noqa: BLE001 - a replica that left meanwhile
+                answers.append(e)
+        out: dict[str, tuple[ResponseStart, bytes]] = {}
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                log.warning("GET %s: a replica did not answer: %s", path, answer)
+                continue
+            replica = answer[0].header(REPLICA_HEADER)
+            # a pin to a replica that left is routed elsewhere: keep one answer a replica
+            if replica is not None and replica not in out:
+                out[replica] = answer
+        return out
+
+    async def from_every_replica(self, request: Request, path: str) -> Response:
+        """A route that belongs to every replica, answered as one (the module's docstring)."""
+        answers = await self.each_replica(request, path)
+        if not answers:
+            return error_response(path, 503, "no replica could answer")
+        ok = [body for start, body in answers.values() if start.status == 200]
+        if not ok:  # auth, a bad parameter, an unknown request: the first replica's answer
+            start, body = next(iter(answers.values()))
+            return Response(body, status_code=start.status, headers={
+                k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers
+                if k.lower() != b"content-length"})
+        if _TIMELINE.match(path) is not None:  # the replica that served it has it
+            return Response(ok[0], media_type="application/json")
+        if path == "/metrics":
+            return Response(merge(ok), media_type=CONTENT_TYPE_LATEST)
+        pages = [json.loads(body) for body in ok]
+        if path == "/v1/engine/replicas":
+            out = {"object": "list", "data": sorted((r for p in pages for r in p["data"]),
+                                                    key=lambda r: r["id"])}
+        elif path == "/v1/engine/stats":
+            out = sum_stats(pages)
+        else:
+            out = sum_histories(pages)
+        return Response(json.dumps(out), media_type="application/json")
+
     @app.api_route("/{path:path}", methods=_METHODS, include_in_schema=False)
     async def forward(self, request: Request) -> Response:
         path = request.url.path
@@ -100,7 +203,18 @@ class KVServeIngress:
         key: tuple[int, ...] = ()
         pin: str | None = None
         stored = _STORED.match(path)
-        if stored is not None and request.method in ("GET", "DELETE"):
+        if request.method == "GET" and (path in _EVERY_REPLICA or path.startswith("/v1/engine/")
+                                        or _TIMELINE.match(path)):
+            query = parse_qs(request.scope.get("query_string", b"").decode("latin-1"))
+            if "replica" not in query:
+                if path in _EVERY_REPLICA or _TIMELINE.match(path):
+                    return await self.from_every_replica(request, path)
+            else:
+                pin = query["replica"][-1]
+                if pin not in await self.replica_ids(request):
+                    return error_response(path, 404, f"no live replica {pin!r}: "
+                                          "GET /v1/engine/replicas lists them", "replica")
+        elif stored is not None and request.method in ("GET", "DELETE"):
             pin = self.owners.owner(stored.group(1))
             if pin is None:
                 return error_response(path, 404, f"response {stored.group(1)!r} not found: "
@@ -134,6 +248,8 @@ class KVServeIngress:
         if stored is not None and request.method == "DELETE" and start.status == 200:
             self.owners.forget(stored.group(1))
 
+        streamed = (start.header("content-type") or "").startswith("text/event-stream")
+
         async def body_pieces() -> AsyncIterator[bytes]:
             head, looking, done = b"", remember, False
             try:
@@ -148,6 +264,9 @@ class KVServeIngress:
             except Exception as e:  # noqa: BLE001 - the replica failed mid-answer
                 log.warning("%s %s: replica %s failed mid-response: %s", request.method, path,
                             replica, e)
+                if streamed:
+                    yield stream_error(path, f"replica {replica} failed mid-response: "
+                                       f"{type(e).__name__}; the request was not finished")
             finally:
                 if not done:  # the client went away: the replica's app sees it go
                     stream.cancel()

@@ -19,8 +19,10 @@ hashes, routing and caching agree block for block."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import random
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -30,6 +32,24 @@ from kvserve.entrypoints.ray_serve.forwarding import ForwardedRequest
 from kvserve.entrypoints.ray_serve.routing import PrefixTable, RoutePolicy, rank
 
 log = logging.getLogger("kvserve.entrypoints.ray_serve")
+
+# The routers of this process: Ray Serve builds one where a deployment's handle is used, the
+# ingress, once the handle has its first request. live_replicas reads their replica sets.
+_ROUTERS: weakref.WeakSet[KVServeRequestRouter] = weakref.WeakSet()
+
+
+def _routers() -> weakref.WeakSet[KVServeRequestRouter]:
+    """The registry of the imported module. Ray can ship code to its workers by value
+    (cloudpickle), each function with copies of the globals it names: looked up at run time,
+    the router that registers and the ingress that reads share one registry."""
+    return importlib.import_module(__name__)._ROUTERS
+
+
+def live_replicas() -> list[str]:
+    """The ids of the replicas the routers in this process route to now (Ray's running
+    replicas, as its controller last told them); empty before the first request."""
+    return sorted({rid.unique_id for router in list(_routers())
+                   for rid in list(router.curr_replicas)})
 
 
 def _forwarded(pending: PendingRequest | None) -> ForwardedRequest | None:
@@ -48,6 +68,7 @@ class KVServeRequestRouter(RequestRouter):
         self.policy = RoutePolicy(balance_slack, min_match_blocks, prefix_entries)
         self.table = PrefixTable(prefix_entries)
         self.decisions: Counter[str] = Counter()  # why, as routing.rank says
+        _routers().add(self)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None

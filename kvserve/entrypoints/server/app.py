@@ -71,6 +71,7 @@ def build_app(engine_args: EngineArgs, args: ServerArgs,
         loader = asyncio.create_task(load())
         state.recorder.start()
         yield
+        state.stopping = True  # /ready says so from here on
         await state.recorder.stop()
         loader.cancel()
         if state.engine is not None:

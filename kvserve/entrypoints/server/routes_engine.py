@@ -1,5 +1,6 @@
-"""The server's own routes: health, version, Prometheus metrics, the web UI and what the
-dashboard and the tools read of the engine (stats, history, steps, timelines, integrity)."""
+"""The server's own routes: health (liveness) and readiness, version, Prometheus metrics, the
+web UI and what the dashboard and the tools read of the engine (stats, history, steps,
+timelines, integrity)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ from pathlib import Path
 
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 import kvserve
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.server.errors import APIError
+from kvserve.entrypoints.server.metrics_text import exposition
 from kvserve.entrypoints.server.serving import (
     State,
     engine_call,
@@ -29,13 +31,47 @@ async def health(state: State) -> Response:
         raise APIError(503, reason)
     return Response(status_code=200)
 
+@router.get("/ready")
+async def ready(state: State) -> Response:
+    """Readiness, for a load balancer or Kubernetes' readiness probe (/health is liveness):
+    200 only when a request sent now would be taken. Otherwise 503, the reason in the error
+    body: while the model loads (or after it failed to), when the engine cannot serve (what
+    /health says), once the server's shutdown has begun, and while --max-waiting-requests are
+    waiting (a request now would get a 429; from the engine's last snapshot, at most a step
+    old).
+
+    Two more refusals are not this route's: after SIGTERM uvicorn closes the listening socket
+    first, so a probe is refused a connection while in-flight requests drain (this route's
+    503 covers the app's shutdown after that); and beyond --max-connections the probe's own
+    connection gets the connection cap's 429 (connections.py answers only /health there).
+    Both fail a probe, as a server that cannot take a request should."""
+    engine = state.ready()  # 503 while loading, or after the load failed
+    if state.stopping:
+        raise APIError(503, "the server is shutting down")
+    reason = engine.health_error()
+    if reason is not None:
+        raise APIError(503, reason)
+    limit = engine.max_waiting_requests
+    if limit is not None and engine.num_waiting >= limit:
+        raise APIError(503, f"{engine.num_waiting} requests are waiting, this server's limit "
+                       "(--max-waiting-requests)")
+    return Response(status_code=200)
+
 @router.get("/version")
 async def version() -> dict:
     return {"version": kvserve.__version__}
 
 @router.get("/metrics")
 async def metrics(state: State) -> Response:
-    return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(exposition(state.registry, state.replica), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/engine/replicas")
+async def engine_replicas(state: State) -> dict:
+    """The replicas behind this address, each by the id its metrics' `replica` label and the
+    dashboard's `replica` parameter use: this server alone (the Ray Serve ingress answers
+    with every live replica)."""
+    return {"object": "list", "data": [{"id": state.replica}]}
 
 @router.get("/v1/requests/{request_id}/timeline")
 async def request_timeline(state: State, request_id: str) -> dict:

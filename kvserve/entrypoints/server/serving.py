@@ -27,6 +27,7 @@ from kvserve.engine.processor import OutputProcessor
 from kvserve.entrypoints.server.args import ServerArgs
 from kvserve.entrypoints.server.errors import APIError
 from kvserve.entrypoints.server.history import HistoryRecorder
+from kvserve.entrypoints.server.metrics_text import PLAIN_REPLICA
 from kvserve.entrypoints.server.protocol_responses import ResponseStore
 from kvserve.entrypoints.server.tool_parsers import (
     TOOL_PARSERS,
@@ -51,10 +52,13 @@ class ServerState:
         self.engine_args, self.args = engine_args, args
         self.model_name = args.served_model_name or default_served_name(engine_args.model)
         self.registry = CollectorRegistry()
+        # the `replica` label of its metrics (metrics_text); a Ray Serve replica sets its id
+        self.replica = PLAIN_REPLICA
         self.metrics = EngineMetrics(self.model_name, self.registry,
                                      engine_args.latency_targets())
         self.engine: AsyncEngine | None = None
         self.load_error: str | None = None
+        self.stopping = False  # the app's shutdown has begun (/ready)
         # the dashboard's time series, recorded while the app runs (build_app's lifespan)
         self.recorder = HistoryRecorder(self.metrics, lambda: self.engine)
         self.responses = ResponseStore(args.responses_store_size)  # previous_response_id
