@@ -68,7 +68,7 @@ def test_deployment_options_come_from_the_engine_and_server_settings():
     assert not ReplicaArgs().on_ray and ReplicaArgs(max_replicas=1).on_ray
     assert fixed["request_router_config"] == {
         "request_router_class": PREFIX_ROUTER,
-        "request_router_kwargs": {"prefix_aware": True, "balance_slack": 4}}
+        "request_router_kwargs": {"prefix_aware": True, "balance_slack": 16}}
     two = ReplicaArgs(data_parallel_size=2, request_router="power-of-two")
     assert two.deployment_options(engine, server, 2)["request_router_config"][
         "request_router_kwargs"]["prefix_aware"] is False
@@ -112,7 +112,7 @@ def test_replicas_refuse_what_they_cannot_do_yet():
 
 # ------------------------------------------------- prefix-aware routing, no Ray cluster needed
 
-SLACK = RoutePolicy()  # the defaults: balance_slack 4, min_match_blocks 4
+SLACK = RoutePolicy(balance_slack=4, min_match_blocks=4)
 
 
 def test_the_table_counts_leading_blocks_and_forgets_the_least_recently_used():
@@ -524,6 +524,36 @@ def test_metrics_and_dashboard_cover_every_replica(ray_url):
     assert "replicas" not in one and one["data"]  # that replica's own answer
     r = httpx.get(f"{ray_url}/v1/engine/stats", params={"replica": "nope"}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["param"] == "replica"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_ingress_lets_as_many_streams_through_as_the_replicas_take(ray_url):
+    """Every request stays in flight at the ingress until its answer ends: at Ray's default
+    of 5 per replica, the ingress alone would hold two replicas of 8 sequences to 5 streams.
+    12 streams at once all run in the engines together."""
+    client = openai_client(ray_url)
+    model = client.models.list().data[0].id
+    done: list[int] = []
+
+    def stream(i: int) -> None:
+        body = {"model": model, "prompt": f"{i} " + f"stream number {i * 31} " * 3,
+                "max_tokens": 150, "stream": True, "ignore_eos": True, "temperature": 0}
+        with httpx.stream("POST", f"{ray_url}/v1/completions", json=body, timeout=300) as r:
+            done.append(sum(1 for ln in r.iter_lines() if ln.startswith("data: ")))
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    most, deadline = 0, time.monotonic() + 30
+    while most < 12 and time.monotonic() < deadline and len(done) < 12:
+        stats = httpx.get(f"{ray_url}/v1/engine/stats", timeout=30).json()
+        most = max(most, stats["running"] + stats["waiting"])
+        time.sleep(0.05)
+    for t in threads:
+        t.join(300)
+    assert most == 12, f"at most {most} of 12 streams reached the engines at once"
+    assert done == [151] * 12  # 150 tokens and [DONE]
 
 
 @pytest.mark.slow

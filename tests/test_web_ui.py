@@ -256,6 +256,47 @@ def test_dashboard_draws_the_time_series(tiny_server, browser, monkeypatch):
     _check_rounded({"spec": chart})
 
 
+def test_dashboard_picks_one_replica_or_their_sum(tiny_server, browser):
+    """A plain server lists itself only: no picker. Where /v1/engine/replicas lists several
+    (Ray Serve's ingress), the dashboard offers their sum (the default, no parameter) and
+    each replica, and asks for the one picked."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    url, app = tiny_server
+    model = httpx.get(f"{url}/v1/models", headers=_auth()).json()["data"][0]["id"]
+    open_ui(browser, url, model)
+    browser.find_element(By.ID, "tab-dash").click()
+    picker = browser.find_element(By.ID, "replica-pick")
+    wait_for(lambda: len(Select(browser.find_element(By.ID, "replica")).options) == 2,
+             what="the replica list")
+    assert "hidden" in picker.get_attribute("class")
+
+    async def two(_request):  # as the ingress answers with two live replicas
+        return JSONResponse({"object": "list", "data": [{"id": "r-a"}, {"id": "r-b"}]})
+
+    app.router.routes.insert(0, Route("/v1/engine/replicas", two))
+    try:
+        browser.find_element(By.ID, "tab-chat").click()
+        browser.find_element(By.ID, "tab-dash").click()
+        pick = wait_for(lambda: (sel := Select(browser.find_element(By.ID, "replica")))
+                        and len(sel.options) == 3 and sel, what="three choices")
+        assert [o.get_attribute("value") for o in pick.options] == ["", "r-a", "r-b"]
+        assert pick.first_selected_option.text == "all 2 replicas (sum)"
+        assert "hidden" not in picker.get_attribute("class")
+        pick.select_by_value("r-b")
+        asked = "return performance.getEntriesByType('resource').map((e) => e.name)"
+        wait_for(lambda: any("/v1/engine/stats?replica=r-b" in u
+                             for u in browser.execute_script(asked))
+                 and any("/v1/engine/history?seconds=" in u and u.endswith("&replica=r-b")
+                         for u in browser.execute_script(asked)),
+                 what="the stats and history of replica r-b asked for")
+    finally:
+        app.router.routes.pop(0)
+
+
 def _charts(driver) -> dict[str, dict]:
     """Each chart's state, read in one script (the page redraws them every second)."""
     return {c["id"]: c for c in driver.execute_script("""

@@ -47,8 +47,9 @@ class ReplicaArgs:
         "default: the less loaded of two at random); stored responses stay on their "
         "replica either way", choices=REQUEST_ROUTERS)
     balance_slack: int = setting(
-        4, "prefix-aware: requests in flight a prefix's replica may have beyond the least "
-           "loaded one before a request goes to the least loaded instead")
+        16, "prefix-aware: requests in flight a prefix's replica may have beyond the least "
+            "loaded one before a request goes to the least loaded instead (a hit saves the "
+            "prefix's prefill; a replica runs up to --max-num-seqs requests in one step)")
 
     def __post_init__(self) -> None:
         if self.request_router not in REQUEST_ROUTERS:

@@ -153,8 +153,12 @@ def application(engine_args: EngineArgs, server_args: ServerArgs, replicas: Repl
     opts["ray_actor_options"] = {**opts["ray_actor_options"], **(ray_actor_options or {})}
     threads = int(opts["ray_actor_options"]["num_cpus"])
     model = KVServeDeployment.options(**opts).bind(engine_args, server_args, threads)
-    ingress = KVServeIngress.options(ray_actor_options={"num_cpus": 0,
-                                                        **(ray_actor_options or {})})
+    # Ray's default of 5 requests in flight per replica would hold the ingress, where every
+    # request stays until its answer ends, to 5 streams for all replicas together; it may
+    # take as many as the replicas can (requests beyond wait in the replicas' router)
+    ingress = KVServeIngress.options(
+        max_ongoing_requests=replicas.most_replicas * opts["max_ongoing_requests"],
+        ray_actor_options={"num_cpus": 0, **(ray_actor_options or {})})
     return ingress.bind(model, engine_args)
 
 

@@ -59,7 +59,7 @@ def _forwarded(pending: PendingRequest | None) -> ForwardedRequest | None:
 
 
 class KVServeRequestRouter(RequestRouter):
-    def initialize_state(self, prefix_aware: bool = True, balance_slack: int = 4,
+    def initialize_state(self, prefix_aware: bool = True, balance_slack: int = 16,
                          min_match_blocks: int = 4, prefix_entries: int = 100_000,
                          **_: Any) -> None:
         """`prefix_aware` False: Ray's power of two choices (two replicas at random, the
