@@ -230,6 +230,12 @@ class SpecConfig:
     min_acceptance: float = 0.3
     acceptance_window: int = 32
     probe_interval: int = 8
+    # adaptive_depth: a step drafts only where its expected tokens a second beat the step
+    # without drafts by this fraction, for what the fitted costs miss (a verify row's cost
+    # is not linear in the rows; drafting has overheads of its own). With the trained MTP
+    # drafter for the 1.5B at 8 requests: 0.97x of no speculation at 0, 0.99x at 0.05,
+    # 1.00x at 0.1 (benchmarks/spec_concurrency.py, docs/results-history.md).
+    min_gain: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -255,6 +261,8 @@ class SpecConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not 0.0 <= self.min_acceptance <= 1.0:
             raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
+        if not 0.0 <= self.min_gain <= 1.0:
+            raise ValueError(f"min_gain must be in [0, 1], got {self.min_gain}")
         if not isinstance(self.adaptive_depth, bool):
             raise ValueError(f"adaptive_depth must be true or false, got {self.adaptive_depth!r}")
         if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0:

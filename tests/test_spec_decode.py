@@ -484,6 +484,22 @@ def test_choose_depths_takes_the_best_drafts_only(p, k, step, row, draft, draft_
             assert best >= expected_rate(p, depths, step, cost, draft) * (1 - 1e-9)
 
 
+def test_choose_depths_drafts_only_for_more_than_its_margin():
+    """min_gain: no drafts unless the best step beats the step without drafts by that
+    fraction; above it, the same depths as without a margin."""
+    from kvserve.spec_decode.coordinator import choose_depths
+
+    # 8 streams of ~54 ms a step, 3.6 ms a verify row, a nearly free drafter, p = 0.57:
+    # one draft each expects 12.6 tokens in 82.8 ms, 2.4% more tokens a second than 8 in 54
+    args = ([0.57] * 8, [3] * 8, 0.054, 0.0036, 0.0, 12)
+    assert choose_depths(*args) == [1] * 8
+    assert choose_depths(*args, min_gain=0.02) == [1] * 8
+    assert choose_depths(*args, min_gain=0.05) == [0] * 8
+    # one stream whose text the drafter reads well gains far more than any margin
+    assert choose_depths([0.95], [4], 0.022, 0.003, 0.008, 12, min_gain=0.1) == \
+        choose_depths([0.95], [4], 0.022, 0.003, 0.008, 12) == [4]
+
+
 def test_choose_depths_follows_acceptance_and_cost():
     from kvserve.spec_decode.coordinator import choose_depths
 

@@ -22,9 +22,11 @@ Draft tokens are added in order of that probability while the expected tokens pe
 the step still rise: a draft with probability q joins a step of expected E tokens in T
 seconds when q / c > E / T, c its cost; that is done for each depth the step could draft
 to, and the best depth wins. So a step never drafts where speculation would be slower by
-these measures, a request whose text the drafter reads well drafts deeper, and a batch
-shares its draft steps. A request left without drafts probes as above, where a probe would
-pay if it were sure to be accepted (see _depths).
+these measures (nor where it expects less than `min_gain` more tokens a second: the costs
+are fitted, and a margin keeps their error from making it slower), a request whose text the
+drafter reads well drafts deeper, and a batch shares its draft steps. A request left
+without drafts probes as above, where a probe would pay if it were sure to be accepted (see
+_depths).
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ def fit_line(points: Iterable[tuple[float, float]]) -> tuple[float, float] | Non
 
 
 def choose_depths(p: list[float], limits: list[int], step: float, row: float, draft: float,
-                  budget: int, draft_row: float = 0.0, first: list[float] | None = None
-                  ) -> list[int]:
+                  budget: int, draft_row: float = 0.0, first: list[float] | None = None,
+                  min_gain: float = 0.0) -> list[int]:
     """Draft tokens per request (see the module docstring): request i's j-th draft is
     accepted with probability p[i] ** j. A step of len(p) decode rows takes `step` seconds;
     a draft costs a verify row (`row`) and a row of a draft step (`draft_row`), and every
@@ -90,7 +92,9 @@ def choose_depths(p: list[float], limits: list[int], step: float, row: float, dr
     step's expected tokens per second, at most limits[i] for request i and `budget` in
     all; the L whose step has the most expected tokens per second wins. first[i]: what
     request i's first draft costs besides (a draft model catching up on the tokens verified
-    while it paused); a request whose first draft does not pay drafts nothing."""
+    while it paused); a request whose first draft does not pay drafts nothing. No drafts at
+    all unless the best step's rate beats the step without drafts by `min_gain` (a fraction):
+    a margin for what these costs do not model."""
     first = first if first is not None else [0.0] * len(p)
     offers = sorted(((p[i] ** j, j, i) for i in range(len(p))
                      for j in range(1, limits[i] + 1)), key=lambda o: -o[0])
@@ -111,7 +115,7 @@ def choose_depths(p: list[float], limits: list[int], step: float, row: float, dr
             tokens, seconds, left = tokens + gain, seconds + c, left - 1
         if max(depths) == depth and tokens / seconds > best_rate:
             best, best_rate = depths, tokens / seconds
-    return best
+    return best if best_rate > (1 + min_gain) * len(p) / step else [0] * len(p)
 
 
 class SpecCoordinator:
@@ -245,7 +249,7 @@ class SpecCoordinator:
         # A draft model's catch-up on tokens verified while it paused, at its cost a token.
         first = [self.drafter.catchup_tokens(r) * draft[1] for r in decoding]
         depths = choose_depths([states[r.request_id].p for r in decoding], limits, step, row,
-                               draft[0], cfg.max_draft_tokens, draft[1], first)
+                               draft[0], cfg.max_draft_tokens, draft[1], first, cfg.min_gain)
         probes = step > rows * (row + draft[1] + draft[0])
         return ({r.request_id: k for r, k in zip(decoding, depths, strict=True)},
                 cfg.probe_interval * rows if probes else None)
