@@ -68,7 +68,9 @@ class RopeScaling:
 class ModelConfig:
     """Shape of a Llama-family decoder, read from GGUF metadata or config.json."""
 
-    architecture: str  # "llama", "qwen2", "qwen3", "gemma3" or "phi3" (mistral loads as llama)
+    # "llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen2moe" or "qwen3moe" (mistral and
+    # mixtral load as llama)
+    architecture: str
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -95,10 +97,27 @@ class ModelConfig:
     sandwich_norms: bool = False
     hidden_act: str = "silu"  # or "gelu_tanh"
     name: str = ""
+    # Mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral; 0 experts: a dense model). A sparse
+    # layer's MLP is `num_experts` experts of `moe_intermediate_size`, `num_experts_per_tok`
+    # of them run per token and weighted by the router's softmax, renormalized over the
+    # chosen ones with `norm_topk_prob`; plus, where `shared_expert_intermediate_size` is
+    # set (Qwen2-MoE), a shared expert every token runs, gated by a sigmoid. `dense_layers`:
+    # the layers of an MoE model whose MLP is dense (`intermediate_size`), as Qwen's
+    # mlp_only_layers and decoder_sparse_step resolve (or a GGUF's tensors say).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
 
     def window(self, layer: int) -> int:
         """The sliding window of `layer`'s attention (0: none)."""
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    def sparse(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -115,6 +134,19 @@ class ModelConfig:
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"model config: unsupported activation {self.hidden_act!r} "
                              "(supported: silu, gelu_tanh)")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"model config: {self.num_experts_per_tok} experts per token "
+                                 f"of {self.num_experts}")
+            if self.moe_intermediate_size <= 0:
+                raise ValueError("model config: moe_intermediate_size must be > 0, got "
+                                 f"{self.moe_intermediate_size}")
+            if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+                raise ValueError(f"model config: dense layers {self.dense_layers} outside "
+                                 f"0..{self.num_layers - 1}")
+        elif self.num_experts_per_tok or self.shared_expert_intermediate_size or \
+                self.dense_layers:
+            raise ValueError("model config: expert settings without experts")
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")

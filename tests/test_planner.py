@@ -66,9 +66,10 @@ def test_engine_block_count_equals_the_plan(tiny_llama_dir, kv, dtype):
     assert allocated == plan.kv_bytes <= 1 << 20
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied; tied with qkv biases
-def test_param_count_matches_the_loaded_model(arch, tiny_llama_dir, tiny_qwen2_dir):
-    path = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
+# untied; tied with qkv biases; q/k norms; sandwich norms
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_param_count_matches_the_loaded_model(arch, request):
+    path = request.getfixturevalue(f"tiny_{arch}_dir")
     model = load_model(path, torch.float32, torch.device("cpu"),
                        lambda c: TorchPagedAttention(c.num_heads, c.num_kv_heads, c.head_dim))
     assert param_count(model.config) == sum(p.numel() for p in model.model.parameters())

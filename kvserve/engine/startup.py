@@ -183,6 +183,9 @@ def build_parts(config: StartupConfig) -> CoreParts:
     if args.tensor_parallel_size > 1:
         cfg = read_model_config(config.model_path)  # metadata only: refuse a bad split first
         check_split(cfg.num_heads, cfg.num_kv_heads, args.tensor_parallel_size)
+        if cfg.num_experts:
+            raise ValueError("mixture-of-experts models do not run under tensor parallelism "
+                             "yet (experts split across ranks: issue 41); use one rank")
         workers = TensorParallelWorkers(
             str(config.model_path), config.dtype, str(device), config.kv_cache_dtype,
             config.quantization, args.block_size, args.tensor_parallel_size, args.tp_timeout,
@@ -257,6 +260,15 @@ def _build(config: StartupConfig, device: torch.device, tp: TensorParallel,
              path.name, cfg.architecture, cfg.num_layers, loaded.weight_format,
              dtype_name(dtype), quantization, loaded.model.weight_kernel(),
              time.perf_counter() - t0)
+    if cfg.num_experts:
+        log.info("mixture of experts: %d experts, %d a token%s%s, in %d of %d layers",
+                 cfg.num_experts, cfg.num_experts_per_tok,
+                 " (weights renormalized)" if cfg.norm_topk_prob else "",
+                 " and a shared expert" if cfg.shared_expert_intermediate_size else "",
+                 cfg.num_layers - len(cfg.dense_layers), cfg.num_layers)
+    if loaded.model.module_path_reason is not None:
+        log.info("decoder layers run as torch modules, not the fused C++ layer loop: %s",
+                 loaded.model.module_path_reason)
     variant = loaded.model.batch_variant_parts()
     if variant:
         log.warning("not batch-invariant here: a request's tokens may depend on what else "
@@ -266,8 +278,9 @@ def _build(config: StartupConfig, device: torch.device, tp: TensorParallel,
         if runner.can_capture_graphs():
             runner.capture_decode_graphs(args.max_num_seqs, sched.max_model_len)
         else:
-            log.info("decode steps run eagerly: CUDA graphs need one rank and attention "
-                     "on the Triton kernels (bf16/float16/float32, K/V unquantized)")
+            log.info("decode steps run eagerly: CUDA graphs need one rank, attention "
+                     "on the Triton kernels (bf16/float16/float32, K/V unquantized) and no "
+                     "experts")
     return CoreParts(config=engine_config, model_config=cfg, tokenizer=tokenizer,
                      grammars=grammars, quantization=quantization, kv_layout=layout,
                      runner=runner, kv=kv, scheduler=scheduler, speculation=speculation,

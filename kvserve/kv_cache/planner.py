@@ -135,14 +135,21 @@ def capacity_gain(cfg: ModelConfig, kv_cache_dtype: str, compute_dtype: torch.dt
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """Parameters of the Llama-family model `cfg` describes (a tied lm head counted once)."""
+    """Parameters of the Llama-family model `cfg` describes (a tied lm head counted once;
+    every expert of a mixture of experts, with its router and shared expert)."""
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if cfg.qkv_bias else 0)
-    mlp = 3 * h * cfg.intermediate_size  # gate, up, down
-    layer = attn + mlp + 2 * h  # + input and post-attention norms
+    attn += 2 * cfg.head_dim if cfg.qk_norm else 0
+    norms = 2 * h * (2 if cfg.sandwich_norms else 1)  # input, post-attention (+ outputs')
+    dense = 3 * h * cfg.intermediate_size  # gate, up, down
+    shared = cfg.shared_expert_intermediate_size
+    sparse = (cfg.num_experts * (3 * h * cfg.moe_intermediate_size + h)  # experts, router
+              + (3 * h * shared + h if shared else 0))  # the shared expert and its gate
+    layers = sum(attn + norms + (sparse if cfg.sparse(i) else dense)
+                 for i in range(cfg.num_layers))
     embed = cfg.vocab_size * h
     lm_head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
-    return embed + cfg.num_layers * layer + h + lm_head
+    return embed + layers + h + lm_head
 
 
 def weight_bytes(cfg: ModelConfig, compute_dtype: torch.dtype) -> int:

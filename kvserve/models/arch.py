@@ -9,7 +9,20 @@ import torch
 
 from kvserve.config import ModelConfig
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+# GGUF architecture names (Mixtral's files are "llama" with an expert count).
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen2moe", "qwen3moe")
+# Whether an MoE architecture renormalizes the chosen experts' weights, where a GGUF does not
+# say (expert_weights_norm): what llama.cpp and transformers do for each.
+MOE_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False}
+# Architectures refused by name, with what serving them still needs (GGUF and Hugging Face
+# names).
+_GPT_OSS = ("gpt-oss is not supported yet (issue 41); it needs what kvserve lacks: experts in "
+            "MXFP4 (GGUF type MXFP4, no kernel reads it), a router with a bias over a top-4 "
+            "softmax, the clamped SwiGLU (alpha, limit), attention sinks (a learned logit per "
+            "head in the softmax's denominator), alternating sliding-window (128) and full "
+            "layers with YaRN RoPE, and the o200k_harmony tokenizer and harmony chat format "
+            "(analysis/final/commentary channels)")
+REFUSED_ARCHS = {"gpt-oss": _GPT_OSS, "gpt_oss": _GPT_OSS}
 GEMMA3_GLOBAL_EVERY = 6  # Gemma 3: every 6th layer global, the others sliding-window
 GEMMA3_LOCAL_THETA = 10000.0  # ... with this RoPE base (llama.cpp's and transformers' default)
 

@@ -25,6 +25,8 @@ from kvserve.layers.quant import (
 from kvserve.models.arch import (
     GEMMA3_GLOBAL_EVERY,
     GEMMA3_LOCAL_THETA,
+    MOE_NORM_TOPK,
+    REFUSED_ARCHS,
     SUPPORTED_ARCHS,
     GgufSource,
     split_fused,
@@ -34,17 +36,54 @@ from kvserve.models.gguf_quants import decode_groups
 log = logging.getLogger(__name__)
 
 
-
-
-
-
 def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
 
 
+def _moe_fields(reader, arch: str, layers: int) -> dict[str, object]:
+    """ModelConfig's expert fields from a GGUF's metadata (none for a dense model). Sizes the
+    metadata leaves out (Mixtral's experts are feed_forward_length wide; older Qwen2-MoE
+    files) come from the tensors' shapes; a layer without a router is dense."""
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if not experts:
+        return {}
+    if arch not in MOE_NORM_TOPK:
+        raise ValueError(f"{arch} GGUF with {experts} experts: kvserve serves experts in "
+                         f"{', '.join(MOE_NORM_TOPK)} files only")
+    shapes = {t.name: [int(x) for x in t.shape] for t in reader.tensors}
+    first = next((i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" in shapes), None)
+    if first is None:
+        raise ValueError(f"{arch} GGUF with {experts} experts but no blk.N.ffn_gate_exps "
+                         "tensors: each expert as a tensor of its own (llama.cpp's layout "
+                         "before 2024) is not supported; convert the model again")
+    gating = _field(reader, f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ValueError(f"unsupported expert gating function {gating} (supported: softmax)")
+    scale = float(_field(reader, f"{arch}.expert_weights_scale", 1.0))
+    if scale != 1.0:
+        raise ValueError(f"unsupported expert weights scale {scale} (supported: 1)")
+    size = _field(reader, f"{arch}.expert_feed_forward_length")
+    shared = _field(reader, f"{arch}.expert_shared_feed_forward_length")
+    if shared is None and f"blk.{first}.ffn_gate_shexp.weight" in shapes:
+        shared = shapes[f"blk.{first}.ffn_gate_shexp.weight"][1]
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count", 0) or 0),
+        "moe_intermediate_size": int(size if size is not None else
+                                     shapes[f"blk.{first}.ffn_gate_exps.weight"][1]),
+        "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm",
+                                      MOE_NORM_TOPK[arch])),
+        "shared_expert_intermediate_size": int(shared or 0),
+        "dense_layers": tuple(i for i in range(layers)
+                              if f"blk.{i}.ffn_gate_inp.weight" not in shapes),
+    }
+
+
 def gguf_model_config(reader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
+    if arch in REFUSED_ARCHS:
+        raise ValueError(REFUSED_ARCHS[arch])
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"unsupported model architecture {arch!r} "
                          f"(supported: {', '.join(SUPPORTED_ARCHS)})")
@@ -121,6 +160,7 @@ def gguf_model_config(reader) -> ModelConfig:
         sandwich_norms=gemma,
         hidden_act="gelu_tanh" if gemma else "silu",
         name=str(_field(reader, "general.name", "")),
+        **_moe_fields(reader, arch, layers),
     )
 
 
@@ -137,7 +177,12 @@ _GGUF_LAYER = {
     "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down_proj",
     "attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "attn_qkv": "qkv",
     "post_attention_norm": "attn_out_norm", "post_ffw_norm": "mlp_out_norm",
+    # mixtures of experts (kvserve.models.moe.SparseMoE.load)
+    "ffn_gate_inp": "router", "ffn_gate_shexp": "shared.gate", "ffn_up_shexp": "shared.up",
+    "ffn_down_shexp": "shared.down_proj", "ffn_gate_inp_shexp": "shared_gate",
 }
+# Experts' stacks [n_expert, rows, cols], each expert's matrix its own (canonical) tensor.
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down_proj"}
 
 
 def _row_order(rows: int, n_heads: int) -> torch.Tensor:
@@ -145,17 +190,18 @@ def _row_order(rows: int, n_heads: int) -> torch.Tensor:
     return _unpermute(torch.arange(rows)[:, None], n_heads)[:, 0].contiguous()
 
 
-def _in_place(t, kind: str, cfg: ModelConfig, heads: int | None) -> GGUFTensor:
-    """A 2-D tensor of a type gguf_linear reads, as a view of the file's memory map; its
-    groups (for a layer that cannot read it in place) decoded only when asked for."""
-    cols, rows = (int(x) for x in t.shape)  # GGUF lists the inner dimension first
+def _in_place(raw: np.ndarray, kind: str, rows: int, cols: int, heads: int | None
+              ) -> GGUFTensor:
+    """A matrix [rows, cols] of a type gguf_linear reads (`raw`: its blocks, [rows, bytes a
+    row]), as a view of the file's memory map; its groups (for a layer that cannot read it in
+    place) decoded only when asked for."""
     with warnings.catch_warnings():  # the map is read-only, and nothing writes through it
         warnings.simplefilter("ignore", UserWarning)
-        data = torch.from_numpy(t.data)
+        data = torch.from_numpy(raw)
     order = _row_order(rows, heads) if heads else None
 
     def groups():
-        g = decode_groups(t.data, kind, rows, cols)
+        g = decode_groups(raw, kind, rows, cols)
         if g is not None and heads:
             g.q, g.d, g.m = (_unpermute(x, heads) for x in (g.q, g.d, g.m))
         return g
@@ -184,11 +230,15 @@ def iter_gguf_tensors(reader, cfg: ModelConfig
         heads = None
         if cfg.architecture == "llama" and name in ("q", "k"):
             heads = cfg.num_heads if name == "q" else cfg.num_kv_heads
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_EXPERTS:
+            yield from _experts(t, kind, f"layers.{parts[1]}.experts", _GGUF_EXPERTS[parts[2]])
+            continue
         in_place = len(t.shape) == 2 and gguf_native(kind) and (
             t.name in ("token_embd.weight", "output.weight") or name in _PROJECTIONS
             and not (cfg.architecture == "phi3" and name in ("qkv", "up")))
         if in_place:
-            w = _in_place(t, kind, cfg, heads)
+            cols, rows = (int(x) for x in t.shape)  # GGUF lists the inner dimension first
+            w = _in_place(t.data, kind, rows, cols, heads)
             if t.name == "token_embd.weight":
                 yield "embed_tokens.weight", w, None
             elif t.name == "output.weight":
@@ -235,7 +285,35 @@ def iter_gguf_tensors(reader, cfg: ModelConfig
             log.warning("ignoring unknown GGUF tensor %s", t.name)
 
 
-_PROJECTIONS = {"q", "k", "v", "qkv", "o_proj", "gate", "up", "down_proj"}
+_PROJECTIONS = {"q", "k", "v", "qkv", "o_proj", "gate", "up", "down_proj", "shared.gate",
+                "shared.up", "shared.down_proj"}
+
+
+def _experts(t, kind: str, prefix: str, proj: str
+             ) -> Iterator[tuple[str, torch.Tensor | GGUFTensor, GgufSource | None]]:
+    """A stack of experts' matrices (GGUF shape [cols, rows, n_expert]) as one tensor per
+    expert, `{prefix}.{e}.{proj}.weight`. Each expert's rows are contiguous in the file:
+    where gguf_linear reads the type, an expert is a view of the file's blocks, as a dense
+    layer's matrix is (and goes where that would: read in place, or its codes onto the
+    int4/int8 kernel); otherwise it is dequantized one expert at a time, so the stack is
+    never held in float32 at once."""
+    from gguf import quants
+
+    if len(t.shape) != 3:
+        raise ValueError(f"tensor {t.name}: {len(t.shape)} dimensions, expected 3 "
+                         "(cols, rows, experts)")
+    cols, rows, count = (int(x) for x in t.shape)
+    for e in range(count):
+        name = f"{prefix}.{e}.{proj}.weight"
+        if gguf_native(kind):
+            yield name, _in_place(t.data[e], kind, rows, cols, None), (kind, None)
+            continue
+        try:
+            arr = quants.dequantize(t.data[e], t.tensor_type)
+        except NotImplementedError as err:
+            raise ValueError(f"tensor {t.name}: unsupported GGUF tensor type {kind}") from err
+        yield name, torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(rows, cols), \
+            (kind, None)
 
 
 # Types whose kernel groups give back gguf's dequantized floats bit for bit (q * d + m in
@@ -265,7 +343,8 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, in_place: bool) -> WeightB
     load (Q4_K, Q6_K); the embedding is looked up in place when the head is served so. Any other
     quantized matrix counts the int4 or int8 tiles it is packed into (0.625 or 1.125 bytes a
     weight), the embedding `dtype`'s floats and a tied head an int8 copy; float tensors
-    count `dtype`'s size."""
+    count `dtype`'s size. An MoE layer's stack of experts counts as its matrices, every
+    expert in `per_token` (a step whose tokens touch them all; one token reads k of them)."""
     if path.suffix != ".gguf":
         return None
     reader = open_gguf(path)
@@ -282,12 +361,12 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, in_place: bool) -> WeightB
     item = torch.empty(0, dtype=dtype).element_size()
     for t in reader.tensors:
         kind, count = t.tensor_type.name, int(np.prod([int(x) for x in t.shape]))
-        quantized = len(t.shape) == 2 and (gguf_native(kind) or kind in INT4_SOURCES |
-                                           INT8_SOURCES)
+        matrix = len(t.shape) >= 2  # 3-D: a stack of experts' matrices
+        quantized = matrix and (gguf_native(kind) or kind in INT4_SOURCES | INT8_SOURCES)
         embedding = t.name == "token_embd.weight"
         head = 0
-        if len(t.shape) == 2 and (served(kind) and not embedding or
-                                  embedding and head_served and gguf_native(kind)):
+        if matrix and (served(kind) and not embedding or
+                       embedding and head_served and gguf_native(kind)):
             size = int(t.n_bytes)
             if in_place or not interleaved_at_load(kind) or embedding and not tied:
                 mapped += size

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from kvserve.config import ModelConfig, RopeScaling
 from kvserve.models.arch import (
     GEMMA3_GLOBAL_EVERY,
     GEMMA3_LOCAL_THETA,
+    REFUSED_ARCHS,
     GgufSource,
     split_fused,
 )
@@ -25,7 +27,8 @@ log = logging.getLogger(__name__)
 
 # Hugging Face model types and the architecture that serves them.
 HF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-            "gemma3_text": "gemma3", "phi3": "phi3"}
+            "gemma3_text": "gemma3", "phi3": "phi3", "qwen2_moe": "qwen2moe",
+            "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 
 
 def _rope_scaling(cfg: dict, params: dict) -> RopeScaling:
@@ -61,7 +64,7 @@ def _rope_scaling(cfg: dict, params: dict) -> RopeScaling:
 def _layer_windows(cfg: dict, model_type: str, layers: int, gemma: bool) -> tuple[int, ...]:
     """Each layer's sliding window (0: whole context), or () when no layer has one."""
     window = int(cfg.get("sliding_window") or 0)
-    if model_type == "qwen3" and not cfg.get("use_sliding_window"):
+    if model_type in ("qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window"):
         window = 0
     types = cfg.get("layer_types")
     if types:
@@ -76,9 +79,40 @@ def _layer_windows(cfg: dict, model_type: str, layers: int, gemma: bool) -> tupl
     return windows
 
 
+def _moe_fields(cfg: dict, model_type: str, arch: str, layers: int) -> dict[str, object]:
+    """ModelConfig's expert fields from config.json (none for a dense model). Qwen's
+    mlp_only_layers and decoder_sparse_step name the dense layers as transformers reads them:
+    a layer is sparse unless listed, and only every decoder_sparse_step-th one."""
+    if model_type not in ("qwen2_moe", "qwen3_moe", "mixtral"):
+        return {}
+    # Qwen's own checkpoints say num_experts; transformers 5 writes num_local_experts for
+    # Qwen3-MoE too (its attribute map), as Mixtral's always did.
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if experts <= 0:
+        raise ValueError(f"{model_type} config.json names no experts (num_experts or "
+                         "num_local_experts)")
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only = set(cfg.get("mlp_only_layers") or ())
+    mixtral = model_type == "mixtral"
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": int(cfg["intermediate_size" if mixtral else
+                                         "moe_intermediate_size"]),
+        # transformers' default, where config.json leaves it out: False for Qwen's MoEs
+        "norm_topk_prob": mixtral or bool(cfg.get("norm_topk_prob", False)),
+        "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size")
+                                               or 0) if arch == "qwen2moe" else 0,
+        "dense_layers": () if mixtral else tuple(
+            i for i in range(layers) if i in only or (i + 1) % step),
+    }
+
+
 def hf_model_config(path: Path) -> ModelConfig:
     cfg = json.loads((path / "config.json").read_text())
     model_type = cfg.get("model_type")
+    if model_type in REFUSED_ARCHS:
+        raise ValueError(REFUSED_ARCHS[model_type])
     arch = HF_ARCHS.get(model_type)
     if arch is None:
         raise ValueError(f"unsupported model architecture {model_type!r} "
@@ -112,8 +146,9 @@ def hf_model_config(path: Path) -> ModelConfig:
         rope_scaling=scaling,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)) or
+        bool(cfg.get("qkv_bias", False)),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
         layer_windows=windows,
         rope_local_theta=float(local_theta) if gemma else 0.0,
         attention_scale=float(scalar) ** -0.5 if scalar else 0.0,
@@ -122,6 +157,7 @@ def hf_model_config(path: Path) -> ModelConfig:
         sandwich_norms=gemma,
         hidden_act="gelu_tanh" if gemma else "silu",
         name=path.name,
+        **_moe_fields(cfg, model_type, arch, layers),
     )
 
 
@@ -142,6 +178,9 @@ def iter_hf_tensors(path: Path, cfg: ModelConfig
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 name = key.removeprefix("model.")
+                if cfg.num_experts and (moe := _moe_tensors(name, f, key)) is not None:
+                    yield from moe
+                    continue
                 for old, new in proj.items():
                     name = name.replace(f".{old}.", f".{new}.")
                 name = name.replace("self_attn.", "").replace("mlp.", "")
@@ -157,3 +196,45 @@ def iter_hf_tensors(path: Path, cfg: ModelConfig
                     yield from split_fused(cfg, parts[1], parts[2], parts[3], w, None)
                     continue
                 yield name, w, None
+
+
+# Expert tensors as checkpoints name them: per expert (Qwen's gate_proj/up_proj/down_proj,
+# Mixtral's w1/w3/w2) or, as transformers 5 holds them (save_original_format=False), one
+# stack per layer: gate_up_proj [E, 2 x I, H] (gate rows, then up) and down_proj [E, H, I].
+_MOE_BLOCK = r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\."
+_HF_EXPERT = re.compile(_MOE_BLOCK + r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
+                        r"\.weight$")
+_HF_STACK = re.compile(_MOE_BLOCK + r"experts\.(gate_up_proj|down_proj)$")
+_HF_MOE = re.compile(_MOE_BLOCK + r"(gate|shared_expert_gate|shared_expert\.(?:gate_proj|"
+                     r"up_proj|down_proj))\.weight$")
+_EXPERT_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                "down_proj": "down_proj", "w2": "down_proj"}
+
+
+def _moe_tensors(name: str, f, key: str
+                 ) -> list[tuple[str, torch.Tensor, GgufSource | None]] | None:
+    """The canonical tensors (kvserve.models.moe.SparseMoE.load) of an MoE checkpoint tensor,
+    or None for a tensor that is not an expert's, a router's or a shared expert's."""
+    if m := _HF_EXPERT.match(name):
+        layer, e, proj = m.groups()
+        return [(f"layers.{layer}.experts.{e}.{_EXPERT_PROJ[proj]}.weight",
+                 f.get_tensor(key).float(), None)]
+    if m := _HF_STACK.match(name):
+        layer, kind = m.groups()
+        stack = f.get_tensor(key)
+        out = []
+        for e in range(stack.shape[0]):
+            w = stack[e].float()
+            if kind == "down_proj":
+                out.append((f"layers.{layer}.experts.{e}.down_proj.weight", w, None))
+            else:
+                gate, up = w.chunk(2, dim=0)
+                out += [(f"layers.{layer}.experts.{e}.gate.weight", gate, None),
+                        (f"layers.{layer}.experts.{e}.up.weight", up, None)]
+        return out
+    if m := _HF_MOE.match(name):
+        layer, what = m.groups()
+        canonical = {"gate": "router", "shared_expert_gate": "shared_gate"}.get(
+            what, "shared." + _EXPERT_PROJ.get(what.removeprefix("shared_expert."), ""))
+        return [(f"layers.{layer}.{canonical}.weight", f.get_tensor(key).float(), None)]
+    return None

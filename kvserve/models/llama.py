@@ -1,7 +1,9 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Gemma 3) over a paged KV
-cache. What the families differ in is a field of ModelConfig: q/k norms, sliding windows per
-layer and their RoPE base, the attention scale, Gemma's embedding scale, float32 norm
-scaling, norms on the attention's and MLP's outputs, and the MLP's activation.
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3, and the
+mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral) over a paged KV cache. What the families
+differ in is a field of ModelConfig: q/k norms, sliding windows per layer and their RoPE base,
+the attention scale, Gemma's embedding scale, float32 norm scaling, norms on the attention's
+and MLP's outputs, the MLP's activation, and experts in place of a layer's dense MLP
+(kvserve.models.moe).
 
 The model sees one flat batch of tokens from many requests; which request a token belongs to
 and where its K/V live is the attention backend's business (`meta`).
@@ -12,7 +14,6 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
@@ -21,15 +22,19 @@ from kvserve.distributed.parallel import SINGLE, TensorParallel, head_shard
 from kvserve.kernels import isa, norm_kernels, ops
 from kvserve.layers.linear import (
     LinearBase,
-    MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from kvserve.layers.mlp import GatedMLP
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quant import IN_PLACE, INT4_GROUP, DenseWeight, GGUFWeight, QuantizedWeight
 from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.models.moe import SparseMoE
+
+# Values a step of torch's vectorized elementwise loops takes (two 512-bit vectors of bf16).
+ELEMENTWISE_STEP = 64
 
 
 class Attention(nn.Module):
@@ -64,28 +69,15 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
-        self.gelu = cfg.hidden_act == "gelu_tanh"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * up)
-
-
 class DecoderLayer(nn.Module):
     """x + attn(norm(x)), then x + mlp(norm(x)); with sandwich norms (Gemma) the attention's
     and the MLP's outputs are normed too before they are added. `post_attention_layernorm`
     is the MLP's input norm, as Llama checkpoints name it (Gemma's pre_feedforward_layernorm;
-    its post_attention_layernorm is `attn_out_norm` here)."""
+    its post_attention_layernorm is `attn_out_norm` here). A `sparse` layer's MLP is a
+    mixture of experts."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, window: int = 0,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, sparse: bool = False) -> None:
         super().__init__()
 
         def norm() -> RMSNorm:
@@ -95,7 +87,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, backend, window, tp)
         self.attn_out_norm = norm() if cfg.sandwich_norms else None
         self.post_attention_layernorm = norm()
-        self.mlp = MLP(cfg, tp)
+        self.mlp: GatedMLP | SparseMoE = (
+            SparseMoE(cfg, tp) if sparse else
+            GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act == "gelu_tanh", tp))
         self.mlp_out_norm = norm() if cfg.sandwich_norms else None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
@@ -120,10 +114,15 @@ class LlamaForCausalLM(nn.Module):
             cfg.head_dim, cfg.max_position, cfg.rope_local_theta,
             RopeScaling()) if cfg.rope_local_theta else None
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, cfg.window(i), tp) for i in range(cfg.num_layers))
+            DecoderLayer(cfg, backend, cfg.window(i), tp, cfg.sparse(i))
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_in_float32)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         self._fused = None  # fused_weights(), built on first use
+        # Why the layers run as modules rather than the C++ run_layers loop (None: they may).
+        self.module_path_reason: str | None = (
+            "mixture-of-experts layers (run_layers has no expert loop yet)"
+            if cfg.num_experts else None)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -140,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         metas = meta if isinstance(meta, list) else [meta]
         attn = self.layers[0].self_attn
         fused = None
-        if self.tp.size == 1:
+        if self.tp.size == 1 and self.module_path_reason is None:
             by_meta = {id(m): attn.backend.fused_inputs(m, x.dtype) for m in metas}
             if all(f is not None for f in by_meta.values()):
                 fused = [by_meta[id(m)] for m in metas]
@@ -166,6 +165,8 @@ class LlamaForCausalLM(nn.Module):
         """Every layer's tensors by name, as the C++ run_layers reads them (its
         DecoderWeights): norms, optional q/k norms, and (weight, packed, scales, bias) of
         each projection; an empty tensor for what a layer lacks. Built once."""
+        if self.module_path_reason is not None:
+            raise ValueError(f"no fused layer loop for this model: {self.module_path_reason}")
         if self._fused is None:
             k = ops()
             none = torch.empty(0)
@@ -251,6 +252,14 @@ class LlamaForCausalLM(nn.Module):
             parts.append("matmuls on torch's F.linear")
         if norm_kernels(dtype, device) is None:
             parts.append("RMSNorm on torch's ops")
+        # torch's elementwise kernels (the MLP's SiLU/GELU) take a scalar path for the last
+        # values of a tensor, which differs from the vector path in the last bit: a row's
+        # activations are its own only when the rows fill whole vector steps.
+        odd = sorted({n for m in self.modules() if isinstance(m, GatedMLP)
+                      if (n := m.gate_up_proj.out_features // 2) % ELEMENTWISE_STEP})
+        if odd:
+            parts.append(f"the MLP activation over {', '.join(map(str, odd))} features (not a "
+                         f"multiple of {ELEMENTWISE_STEP}: torch's elementwise tail)")
         if self.tp.size > 2:
             parts.append(f"the all-reduce over {self.tp.size} ranks (its summation order "
                          "follows the message size)")

@@ -24,6 +24,7 @@ from kvserve.models.arch import GgufSource
 from kvserve.models.gguf_file import gguf_model_config, iter_gguf_tensors
 from kvserve.models.hf_dir import hf_model_config, iter_hf_tensors
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.moe import SparseMoE, moe_tensor_names
 
 log = logging.getLogger(__name__)
 
@@ -93,17 +94,22 @@ def load_weights(model: LlamaForCausalLM,
             if not model.config.tie_word_embeddings:
                 model.lm_head.load(w)
         else:
-            _, idx, kind, what = name.split(".")
-            layer = model.layers[int(idx)]
+            parts = name.split(".")
+            layer = model.layers[int(parts[1])]
             attn, mlp = layer.self_attn, layer.mlp
+            if isinstance(mlp, SparseMoE) and parts[2] in ("router", "experts", "shared",
+                                                          "shared_gate"):
+                mlp.load(parts[2:], w, source)
+                continue
+            if len(parts) != 4:
+                raise ValueError(f"unexpected tensor {name}")
+            _, _, kind, what = parts
             if kind in ("q", "k", "v"):
                 attn.qkv_proj.load_qkv(kind, w, what, source)
-            elif kind in ("gate", "up"):
-                mlp.gate_up_proj.load_part(0 if kind == "gate" else 1, w, what, source)
+            elif kind in ("gate", "up", "down_proj") and not isinstance(mlp, SparseMoE):
+                mlp.load(kind, w, what, source)
             elif kind == "o_proj":
                 attn.o_proj.load(w, gguf=source)
-            elif kind == "down_proj":
-                mlp.down_proj.load(w, gguf=source)
             elif kind in ("input_layernorm", "post_attention_layernorm", "attn_out_norm",
                           "mlp_out_norm") and getattr(layer, kind) is not None:
                 _copy(getattr(layer, kind).weight, w, name)
@@ -115,8 +121,9 @@ def load_weights(model: LlamaForCausalLM,
     required = {"embed_tokens.weight", "norm.weight"}
     for i in range(cfg.num_layers):
         required |= {f"layers.{i}.{k}.weight" for k in
-                     ("q", "k", "v", "o_proj", "gate", "up", "down_proj",
-                      "input_layernorm", "post_attention_layernorm")}
+                     ("q", "k", "v", "o_proj", "input_layernorm", "post_attention_layernorm")}
+        required |= (moe_tensor_names(cfg, i) if cfg.sparse(i) else
+                     {f"layers.{i}.{k}.weight" for k in ("gate", "up", "down_proj")})
         if cfg.qk_norm:
             required |= {f"layers.{i}.q_norm.weight", f"layers.{i}.k_norm.weight"}
         if cfg.sandwich_norms:
@@ -160,8 +167,9 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
             raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
         cfg = gguf_model_config(reader)
         tensors = iter_gguf_tensors(reader, cfg)
+        # the layers' most common matrix type (an MoE's expert stack counts as one matrix)
         kinds = Counter(t.tensor_type.name for t in reader.tensors
-                        if t.name.startswith("blk.") and len(t.shape) == 2)
+                        if t.name.startswith("blk.") and len(t.shape) >= 2)
         weight_format = kinds.most_common(1)[0][0] if kinds else "F32"
     else:
         cfg = hf_model_config(path)

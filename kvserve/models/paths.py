@@ -94,7 +94,8 @@ def interleaved_bytes(path: str | os.PathLike) -> int:
     tied = not any(t.name == "output.weight" for t in tensors)
     total = 0
     for t in tensors:
-        rows = int(t.shape[-1]) if len(t.shape) == 2 else 0  # gguf lists [cols, rows]
+        # gguf lists [cols, rows] (an MoE's expert stack: [cols, rows, experts])
+        rows = int(t.shape[1]) if len(t.shape) in (2, 3) else 0
         if t.tensor_type.name in INTERLEAVED_TYPES and rows % 8 == 0 and rows > 0 and \
                 (tied or t.name != "token_embd.weight"):
             total += int(t.n_bytes)

@@ -87,7 +87,8 @@ _PKG = Path(__file__).resolve().parents[1]
 # retires the entries it made.
 _CODE = [_PKG / p for p in (
     "config.py", "distributed/parallel.py", "layers/linear.py", "layers/quant.py",
-    "layers/norm.py", "models/gguf_quants.py", "models/llama.py", "models/loader.py",
+    "layers/norm.py", "layers/mlp.py", "models/gguf_quants.py", "models/llama.py",
+    "models/moe.py", "models/loader.py",
     "models/weight_cache.py", "models/gguf_file.py", "models/hf_dir.py", "models/arch.py")]
 # The load-time state of a linear layer besides its parameters (LinearBase.load and pack_).
 _LINEAR_STATE = ("packed", "row_absmax", "gguf_types", "gguf_groups")

@@ -220,8 +220,11 @@ class ModelRunner:
 
     def can_capture_graphs(self) -> bool:
         """Whether decode steps can run as CUDA graphs: one rank (a graph would hold the
-        collectives too; not done) on an attention backend that runs from static buffers."""
-        return self.workers is None and self.backend.graph_safe(self.dtype, self.device)
+        collectives too; not done) on an attention backend that runs from static buffers,
+        and no experts (their rows per expert are data-dependent shapes a graph cannot
+        replay)."""
+        return (self.workers is None and self.backend.graph_safe(self.dtype, self.device)
+                and not self.model.config.num_experts)
 
     def capture_decode_graphs(self, max_seqs: int, max_model_len: int,
                               capture: Callable[[Callable[[], torch.Tensor], object], Captured]

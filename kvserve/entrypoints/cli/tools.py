@@ -128,7 +128,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     mib = 2**20
     print(f"model: {cfg.name or path.name} ({cfg.architecture}): {cfg.num_layers} layers, "
           f"{cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}, "
-          f"context {cfg.max_position}")
+          f"context {cfg.max_position}" + (
+              f", {cfg.num_experts} experts ({cfg.num_experts_per_tok} a token)"
+              if cfg.num_experts else ""))
     resident = _print_weights(args, cfg, path, dtype)
     print(f"KV budget: {budget:,} B ({budget / mib:.1f} MiB), blocks of {args.block_size} "
           f"tokens; a sequence = {args.prompt_len} prompt + {args.output_len} output = "

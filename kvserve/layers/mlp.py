@@ -1,0 +1,40 @@
+"""The gated MLP of Llama-family decoders: down(act(gate(x)) * up(x)), gate and up one matmul.
+A dense layer's MLP, and each expert (and the shared expert) of a mixture of experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.distributed.parallel import SINGLE, TensorParallel
+from kvserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from kvserve.layers.quant import GGUFTensor, QuantGroups
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU (`gelu`: GELU-tanh gating, Gemma's) of `intermediate` features, column- then
+    row-parallel under tensor parallelism."""
+
+    def __init__(self, hidden: int, intermediate: int, gelu: bool = False,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, False, tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, tp)
+        self.gelu = gelu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
+
+    def load(self, kind: str, w: torch.Tensor | GGUFTensor, what: str = "weight",
+             source: tuple[str, QuantGroups | None] | None = None) -> None:
+        """A checkpoint's full `gate`, `up` or `down_proj` tensor (`what`: weight or bias)
+        into this rank's shard; `source`: its GGUF type and groups (LinearBase.pack_)."""
+        if kind in ("gate", "up"):
+            self.gate_up_proj.load_part(0 if kind == "gate" else 1, w, what, source)
+        elif kind == "down_proj":
+            self.down_proj.load(w, gguf=source)
+        else:
+            raise ValueError(f"unexpected MLP tensor {kind}.{what}")
