@@ -39,11 +39,16 @@ def _completions(out) -> list[Completion]:
             for c in out.outputs]
 
 
-def run_workload(args: EngineArgs, requests: list[tuple[list[int], SamplingParams, int]]
+def run_workload(args: EngineArgs, requests: list[tuple[list[int], SamplingParams, int]],
+                 counts: dict[str, int] | None = None, must_be_invariant: bool = False
                  ) -> list[list[Completion]]:
     """Each request (prompt ids, params, arrival step) added at its step of one engine;
-    returns every request's completions (token ids, their logprobs), in request order."""
+    returns every request's completions (token ids, their logprobs), in request order.
+    `counts` gets the run's "preemptions". An engine without batch-invariant kernels skips
+    the test, or fails it with `must_be_invariant`."""
     engine = build_engine(args)
+    if must_be_invariant:
+        assert not engine.local_core.runner.model.batch_variant_parts()
     _invariant_or_skip(engine)
     order = sorted(range(len(requests)), key=lambda i: requests[i][2])
     done: dict[str, list[Completion]] = {}
@@ -58,6 +63,8 @@ def run_workload(args: EngineArgs, requests: list[tuple[list[int], SamplingParam
                 done[out.request_id] = _completions(out)
         step += 1
     engine.check_integrity()
+    if counts is not None:
+        counts["preemptions"] = engine.local_core.scheduler.num_preemptions
     engine.close()
     return [done[str(i)] for i in range(len(requests))]
 

@@ -22,6 +22,31 @@ def _backend(c):
     return TorchPagedAttention.for_model(c)
 
 
+def write_shape(w: gguf.GGUFWriter, cfg: dict) -> dict:
+    """A Hugging Face config's shape as GGUF metadata (layers, context, widths, heads, head
+    dim, RoPE base); returns the config's RoPE parameters."""
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    rope = cfg.get("rope_parameters") or cfg
+    w.add_rope_freq_base(rope["rope_theta"])
+    return rope
+
+
+def write_tokens(w: gguf.GGUFWriter, n: int) -> None:
+    """A placeholder vocabulary of n tokens ("t0", "t1", ...; GPT-2 style, no merges)."""
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(n)])
+    w.add_token_types([1] * n)
+    w.add_token_merges([])
+
+
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's conversion of q/k rows to its pairwise RoPE order."""
     return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
@@ -42,17 +67,7 @@ def write_gguf(hf_dir, out, arch: str | None = None,
     arch = arch or model_arch
     sd = {k: v.float().numpy() for k, v in load_file(hf_dir / "model.safetensors").items()}
     w = gguf.GGUFWriter(str(out), arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    if cfg.get("head_dim"):
-        w.add_key_length(cfg["head_dim"])
-        w.add_value_length(cfg["head_dim"])
-    rope = cfg.get("rope_parameters") or cfg
-    w.add_rope_freq_base(rope["rope_theta"])
+    rope = write_shape(w, cfg)
     if rope.get("rope_type") == "longrope":  # Phi-3: its factors as llama.cpp stores them
         w.add_uint32(f"{arch}.rope.scaling.original_context_length",
                      rope["original_max_position_embeddings"])
@@ -64,11 +79,7 @@ def write_gguf(hf_dir, out, arch: str | None = None,
                          np.asarray(rope[f"{kind}_factor"], dtype=np.float32))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_tokenizer_model("gpt2")
-    toks = [f"t{i}" for i in range(cfg["vocab_size"])]
-    w.add_token_list(toks)
-    w.add_token_types([1] * len(toks))
-    w.add_token_merges([])
+    write_tokens(w, cfg["vocab_size"])
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
              "output_norm.weight", "lm_head.weight": "output.weight"}
     per_layer = {"input_layernorm.weight": "attn_norm.weight",

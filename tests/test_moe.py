@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.distributed.parallel import TensorParallel
-from kvserve.engine.llm_engine import build_engine
 from kvserve.kv_cache.planner import param_count
 from kvserve.layers.quant import GGUFTensor, GGUFWeight, QuantizedWeight
 from kvserve.models.loader import build_model, load_model, read_model_config
@@ -26,12 +25,11 @@ from kvserve.sample.sampling_params import SamplingParams
 from tests.conftest import TINY_CHAT_TEMPLATE, byte_level_tokenizer_json, make_llm
 from tests.test_determinism import (
     Alone,
-    Completion,
-    _completions,
     _property,
     engine_args,
+    run_workload,
 )
-from tests.test_gguf import _permute, _random_blocks
+from tests.test_gguf import _permute, _random_blocks, write_shape, write_tokens
 from tests.test_model import paged_logits
 
 ARCHS = ("qwen3moe", "qwen2moe", "mixtral")
@@ -296,28 +294,6 @@ def test_forward_rows_do_not_depend_on_the_batch(moe_dirs, dtype):
         assert torch.equal(alone[0], together[i])
 
 
-def _run(args, requests) -> tuple[list[list[Completion]], int]:
-    """run_workload's loop (tests/test_determinism.py), also counting preemptions."""
-    engine = build_engine(args)
-    assert not engine.local_core.runner.model.batch_variant_parts()
-    order = sorted(range(len(requests)), key=lambda i: requests[i][2])
-    done: dict[str, list[Completion]] = {}
-    step = 0
-    while order or engine.has_unfinished_requests():
-        while order and requests[order[0]][2] <= step:
-            i = order.pop(0)
-            engine.add_request(str(i), requests[i][0], requests[i][1])
-        for out in engine.step():
-            if out.finished:
-                assert out.error is None, out.error
-                done[out.request_id] = _completions(out)
-        step += 1
-    engine.check_integrity()
-    preemptions = engine.local_core.scheduler.num_preemptions
-    engine.close()
-    return [done[str(i)] for i in range(len(requests))], preemptions
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_requests_are_independent_of_their_batch(moe_dirs, arch, tmp_path):
     """Each request's tokens and logprobs, bit for bit, as it gives alone: batched with
@@ -343,8 +319,9 @@ def test_requests_are_independent_of_their_batch(moe_dirs, arch, tmp_path):
                "block_size": 4, "num_kv_blocks": blocks, "enable_prefix_caching": caching,
                "short_prompt_steps": True, "tier": None, "speculation": spec}
         args = engine_args(cfg, "float32", tmp_path)
-        got, n = _run(args, requests)
-        preempted += n
+        counts: dict[str, int] = {}
+        got = run_workload(args, requests, counts, must_be_invariant=True)
+        preempted += counts["preemptions"]
         for (prompt, params, _), out in zip(requests, got, strict=True):
             assert out == alone(args, prompt, params), (budget, prompt, params)
     assert preempted > 0
@@ -379,16 +356,7 @@ def write_moe_gguf(hf_dir: Path, out: Path, arch: str,
           for k, v in load_file(hf_dir / "model.safetensors").items()}
     file_arch = "llama" if arch == "mixtral" else arch
     w = gguf.GGUFWriter(str(out), file_arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    if cfg.get("head_dim"):
-        w.add_key_length(cfg["head_dim"])
-        w.add_value_length(cfg["head_dim"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    write_shape(w, cfg)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     experts = cfg.get("num_experts") or cfg["num_local_experts"]
@@ -398,11 +366,7 @@ def write_moe_gguf(hf_dir: Path, out: Path, arch: str,
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    w.add_tokenizer_model("gpt2")
-    toks = [f"t{i}" for i in range(cfg["vocab_size"])]
-    w.add_token_list(toks)
-    w.add_token_types([1] * len(toks))
-    w.add_token_merges([])
+    write_tokens(w, cfg["vocab_size"])
 
     def add(name: str, arr: np.ndarray, kind=gguf.GGMLQuantizationType.F32) -> None:
         if kind == gguf.GGMLQuantizationType.F32:
