@@ -54,6 +54,25 @@ def quantize_tool(peers: harness.Peers) -> Path:
     return tool
 
 
+def copy_tokenizer(w, src) -> None:
+    """The tokenizer's metadata of GGUFReader `src` copied into GGUFWriter `w`."""
+    import gguf
+
+    for key, field in src.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, value)
+        elif kind == gguf.GGUFValueType.STRING:
+            w.add_string(key, value)
+        elif kind == gguf.GGUFValueType.BOOL:
+            w.add_bool(key, value)
+        else:
+            w.add_uint32(key, int(value))
+
+
 def write_f16(path: Path, tokenizer_gguf: Path, shape: str = "1b", seed: int = 0) -> None:
     """The random F16 model, the tokenizer's metadata copied from `tokenizer_gguf`."""
     import gguf
@@ -73,19 +92,7 @@ def write_f16(path: Path, tokenizer_gguf: Path, shape: str = "1b", seed: int = 0
     w.add_layer_norm_rms_eps(s["eps"])
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    for key, field in src.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        value = field.contents()
-        kind = field.types[0]
-        if kind == gguf.GGUFValueType.ARRAY:
-            w.add_array(key, value)
-        elif kind == gguf.GGUFValueType.STRING:
-            w.add_string(key, value)
-        elif kind == gguf.GGUFValueType.BOOL:
-            w.add_bool(key, value)
-        else:
-            w.add_uint32(key, int(value))
+    copy_tokenizer(w, src)
     rng = np.random.default_rng(seed)
 
     def normal(*shape: int) -> np.ndarray:

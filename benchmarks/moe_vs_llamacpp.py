@@ -1,0 +1,160 @@
+"""A small random Qwen3-MoE GGUF for issue 41's first measurements against llama.cpp: random
+weights in Qwen3-MoE's layout (q/k norms, an F32 router, experts stacked per layer as
+ffn_{gate,up,down}_exps, no shared expert, an output matrix of its own), scaled down so a run
+is quick (8 layers, hidden 1024, 16 query / 4 KV heads of 64, 64 experts of 512 features, 8
+used, renormalized), with the default model's tokenizer (49,152 tokens), written as F16 with
+`gguf`'s writer and quantized to Q4_K_M with llama.cpp's own `llama-quantize`, as
+benchmarks/model_1b.py does for its dense models (whose helpers it uses).
+
+    python benchmarks/moe_vs_llamacpp.py [--out FILE] [--type Q4_K_M] [--rounds 3]
+        [--no-run] [paired.py's options...]
+
+Writes the file once (reused when it exists: ~/.cache/kvserve-bench/models/
+random-qwen3moe-small-Q4_K_M.gguf), prints its path and the CPU (model name, family/model),
+then runs benchmarks/paired.py on it (both servers up at once, one request at a time in
+turn): the TTFT of a 500-token prompt and batch-1 decode TPOT, medians of --rounds, and both
+servers' peak RSS. `--no-run` only writes the file.
+
+The weights are N(0, 0.02) (norms 1), so the text is noise; the routing spreads tokens over
+the experts much as a trained router does at batch 1 (k of E read per token), and the
+compute, the bytes read and the quantized formats are those of a real model of this shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from model_1b import copy_tokenizer, quantize_tool
+
+from kvserve.bench import peers as harness
+
+SHAPE = dict(name="random Qwen3-MoE (small)", layers=8, hidden=1024, heads=16, kv_heads=4,
+             head_dim=64, experts=64, experts_used=8, expert_ffn=512, context=8192,
+             rope_theta=1000000.0, eps=1e-6)
+
+
+def cpu_name() -> str:
+    """lscpu's model name with its family/model/stepping (the name alone, e.g. `AMD EPYC`
+    on a virtual machine, does not say which generation)."""
+    info: dict[str, str] = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    return (f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, model "
+            f"{info.get('model', '?')}, stepping {info.get('stepping', '?')}), "
+            f"{os.cpu_count()} CPUs")
+
+
+def write_f16(path: Path, tokenizer_gguf: Path, seed: int = 0) -> None:
+    """The random F16 model (router and norms F32), written one tensor at a time."""
+    import gguf
+
+    s = SHAPE
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_name(s["name"])
+    w.add_block_count(s["layers"])
+    w.add_context_length(s["context"])
+    w.add_embedding_length(s["hidden"])
+    w.add_feed_forward_length(s["expert_ffn"] * 6)  # unused: no dense layer
+    w.add_head_count(s["heads"])
+    w.add_head_count_kv(s["kv_heads"])
+    w.add_key_length(s["head_dim"])
+    w.add_value_length(s["head_dim"])
+    w.add_rope_freq_base(s["rope_theta"])
+    w.add_layer_norm_rms_eps(s["eps"])
+    w.add_expert_count(s["experts"])
+    w.add_expert_used_count(s["experts_used"])
+    w.add_expert_feed_forward_length(s["expert_ffn"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    src = gguf.GGUFReader(str(tokenizer_gguf))
+    copy_tokenizer(w, src)
+    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    w.add_vocab_size(vocab)
+
+    h, d, e, f = s["hidden"], s["head_dim"], s["experts"], s["expert_ffn"]
+    q, kv = s["heads"] * d, s["kv_heads"] * d
+    # (name, shape, dtype): matrices random (F16; the router F32), norms F32 ones
+    f16, f32 = np.dtype(np.float16), np.dtype(np.float32)
+    tensors: list[tuple[str, tuple[int, ...], np.dtype]] = [
+        ("token_embd.weight", (vocab, h), f16), ("output_norm.weight", (h,), f32),
+        ("output.weight", (vocab, h), f16)]
+    for i in range(s["layers"]):
+        tensors += [(f"blk.{i}.{name}.weight", shape, dtype) for name, shape, dtype in (
+            ("attn_norm", (h,), f32), ("attn_q", (q, h), f16), ("attn_k", (kv, h), f16),
+            ("attn_v", (kv, h), f16), ("attn_q_norm", (d,), f32), ("attn_k_norm", (d,), f32),
+            ("attn_output", (h, q), f16), ("ffn_norm", (h,), f32),
+            ("ffn_gate_inp", (e, h), f32), ("ffn_gate_exps", (e, f, h), f16),
+            ("ffn_up_exps", (e, f, h), f16), ("ffn_down_exps", (e, h, f), f16))]
+    rng = np.random.default_rng(seed)
+
+    def make(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        if len(shape) == 1:
+            return np.ones(shape, dtype=np.float32)
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(dtype)
+
+    for name, shape, dtype in tensors:  # infos first, then the data one tensor at a time
+        w.add_tensor_info(name, shape, dtype, int(np.prod(shape)) * dtype.itemsize)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for _, shape, dtype in tensors:
+        w.write_tensor_data(make(shape, dtype))
+    w.close()
+
+
+def ensure_model(out: Path, qtype: str, cache: Path) -> Path:
+    if out.is_file():
+        return out
+    from kvserve.models.paths import default_model_path
+
+    tokenizer = default_model_path()
+    if tokenizer is None:
+        raise SystemExit("the default model (its tokenizer) is not installed")
+    tool = quantize_tool(harness.Peers(cache))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    f16 = out.with_name(out.stem + ".F16.gguf")
+    t0 = time.perf_counter()
+    write_f16(f16, tokenizer)
+    harness.log(f"wrote {f16} ({f16.stat().st_size / 2**30:.2f} GiB) in "
+                f"{time.perf_counter() - t0:.0f} s")
+    harness.run_logged([str(tool), str(f16), str(out), qtype],
+                       cache / "llama-quantize.log", "llama-quantize")
+    f16.unlink()
+    harness.log(f"quantized to {qtype}: {out.stat().st_size / 2**20:.0f} MiB")
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cache = Path(os.environ.get("KVSERVE_BENCH_CACHE", "~/.cache/kvserve-bench")).expanduser()
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--type", default="Q4_K_M", help="llama-quantize's type name")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-run", action="store_true", help="only write the model file")
+    args, paired_args = p.parse_known_args()
+    out = (args.out or cache / "models" / f"random-qwen3moe-small-{args.type}.gguf").expanduser()
+    ensure_model(out, args.type, cache)
+    print(out)
+    s = SHAPE
+    print(f"shape: qwen3moe, {s['layers']} layers, hidden {s['hidden']}, {s['heads']}/"
+          f"{s['kv_heads']} heads of {s['head_dim']}, {s['experts']} experts of "
+          f"{s['expert_ffn']}, {s['experts_used']} used; {args.type}, "
+          f"{out.stat().st_size / 2**20:.0f} MiB")
+    print(f"CPU: {cpu_name()}", flush=True)
+    if args.no_run:
+        return 0
+    paired = Path(__file__).resolve().with_name("paired.py")
+    cmd = [sys.executable, str(paired), "--model", str(out), "--rounds", str(args.rounds),
+           *paired_args]
+    print("$ " + " ".join(cmd), flush=True)
+    return subprocess.call(cmd, cwd=paired.parent)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
