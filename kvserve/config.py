@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -339,6 +339,17 @@ def check_zmq_endpoint(name: str, endpoint: object) -> str:
                      "inproc://NAME")
 
 
+def _offset_endpoint(endpoint: str, rank: int) -> str:
+    m = _TCP_ENDPOINT.fullmatch(endpoint)
+    if m is not None:
+        port = int(m.group(2)) + rank
+        if port >= 65536:
+            raise ValueError(f"kv-events endpoint {endpoint!r} for rank {rank}: port {port} "
+                             "is past 65535")
+        return endpoint[:m.start(2)] + str(port) + endpoint[m.end(2):]
+    return f"{endpoint}_dp{rank}"  # ipc:// and inproc://
+
+
 @dataclass(frozen=True)
 class KVEventsConfig:
     """KV-cache events, as `--kv-events-config` takes them (JSON, vLLM's KVEventsConfig
@@ -389,6 +400,33 @@ class KVEventsConfig:
     def enabled(self) -> bool:
         """Whether the engine collects events at all (vLLM's rule: only when enabled)."""
         return self.enable_kv_cache_events
+
+    def for_rank(self, rank: int) -> KVEventsConfig:
+        """The endpoints of data-parallel rank `rank`, so that one config serves every replica
+        (vLLM's rule): a tcp endpoint's port plus the rank, an ipc or inproc name with
+        `_dp{rank}` appended; rank 0's are the ones given."""
+        if rank == 0:
+            return self
+        return replace(self, endpoint=_offset_endpoint(self.endpoint, rank),
+                       replay_endpoint=None if self.replay_endpoint is None
+                       else _offset_endpoint(self.replay_endpoint, rank))
+
+    def check_ranks(self, ranks: int) -> None:
+        """ValueError where ranks 0..ranks-1 would share an endpoint (a replay endpoint a few
+        ports above the events' would be another rank's events endpoint)."""
+        seen: dict[str, int] = {}
+        for rank in range(ranks):
+            cfg = self.for_rank(rank)
+            for endpoint in (cfg.endpoint, cfg.replay_endpoint):
+                if endpoint is None:
+                    continue
+                if endpoint in seen:
+                    raise ValueError(
+                        f"kv-events: with {ranks} replicas, rank {rank} and rank "
+                        f"{seen[endpoint]} would both use {endpoint} (each rank adds its "
+                        "number to the ports): put replay_endpoint at least that many ports "
+                        "away from endpoint")
+                seen[endpoint] = rank
 
     @classmethod
     def parse(cls, value: str | dict | KVEventsConfig | None) -> KVEventsConfig | None:

@@ -394,6 +394,46 @@ def test_llm_publishes_prompt_blocks_evictions_and_reset(tiny_llama_dir, tmp_pat
     assert not kv_threads()
 
 
+def test_each_rank_gets_its_own_endpoints():
+    """vLLM's rule for data-parallel ranks: a tcp port plus the rank, an ipc or inproc name
+    with _dp{rank}; rank 0 as given; and a config whose ranks would meet is refused."""
+    tcp = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:5557",
+                         replay_endpoint="tcp://127.0.0.1:6000")
+    assert tcp.for_rank(0) is tcp
+    three = tcp.for_rank(3)
+    assert (three.endpoint, three.replay_endpoint) == ("tcp://*:5560", "tcp://127.0.0.1:6003")
+    assert three.topic == tcp.topic and three.enabled
+    ipc = KVEventsConfig(enable_kv_cache_events=True, endpoint="ipc:///tmp/kv",
+                         replay_endpoint="inproc://replay")
+    assert (ipc.for_rank(2).endpoint, ipc.for_rank(2).replay_endpoint) == \
+        ("ipc:///tmp/kv_dp2", "inproc://replay_dp2")
+    tcp.check_ranks(443)  # 5557..5999 and 6000..6442: apart
+    with pytest.raises(ValueError, match="rank 443 and rank 0 would both use tcp://"):
+        KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:5557",
+                       replay_endpoint="tcp://*:6000").check_ranks(444)
+    with pytest.raises(ValueError, match="past 65535"):
+        KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:65535").for_rank(1)
+
+
+def test_a_ranked_engine_publishes_on_its_endpoint_with_its_rank(tiny_llama_dir, tmp_path):
+    """--data-parallel-rank 2: the engine binds the endpoints of rank 2 and its batches say
+    data_parallel_rank 2, so one --kv-events-config serves every replica."""
+    config = ipc_config(tmp_path)
+    llm = make_llm(tiny_llama_dir, target_itl_ms=0, data_parallel_rank=2,
+                   kv_events_config=json.dumps(asdict(config)))
+    sub = Subscriber(config.for_rank(2))
+    try:
+        llm.generate([tokens(1, 18)], ONE_TOKEN)
+        (seq, batch), = sub.drain()
+        assert seq == 0 and batch.data_parallel_rank == 2 and batch.events
+        assert sub.replay(0)[0][0] == 0  # the replay endpoint is rank 2's too
+    finally:
+        sub.close()
+        llm.close()
+    with pytest.raises(ValueError, match="--data-parallel-rank must be >= 0"):
+        make_llm(tiny_llama_dir, data_parallel_rank=-1)
+
+
 @pytest.mark.slow
 def test_tier_events_carry_their_medium(tiny_llama_dir, tmp_path):
     """A pool of 8 blocks over a host tier of 4 that spills to disk: the events of each

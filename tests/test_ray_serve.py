@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 
 import httpx
 import openai
@@ -24,6 +25,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.config import KVEventsConfig
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm import LLM
 from kvserve.engine.processor import OutputProcessor
@@ -100,14 +102,18 @@ def test_without_ray_the_cli_names_the_extra(argv, monkeypatch, capsys):
 
 
 def test_replicas_refuse_what_they_cannot_do_yet():
+    """Tensor parallelism in a replica; KV-event endpoints that two ranks would share."""
     with pytest.raises(ValueError, match="tensor-parallel"):
         ReplicaArgs(data_parallel_size=2).check_engine(
             EngineArgs(model="unused", tensor_parallel_size=2))
-    with pytest.raises(ValueError, match="kv-events-config"):
-        ReplicaArgs(data_parallel_size=2).check_engine(
-            EngineArgs(model="unused", kv_events_config={"enable_kv_cache_events": True}))
-    ReplicaArgs(data_parallel_size=1, max_replicas=None).check_engine(
-        EngineArgs(model="unused", kv_events_config={"enable_kv_cache_events": True}))
+    # KV events: each replica on its rank's endpoints, which must not meet
+    events = {"enable_kv_cache_events": True, "endpoint": "tcp://*:5557",
+              "replay_endpoint": "tcp://*:5560"}
+    ReplicaArgs(data_parallel_size=3).check_engine(EngineArgs(model="unused",
+                                                              kv_events_config=events))
+    with pytest.raises(ValueError, match="rank 3 and rank 0 would both use tcp://"):
+        ReplicaArgs(data_parallel_size=1, max_replicas=4).check_engine(
+            EngineArgs(model="unused", kv_events_config=events))
 
 
 # ------------------------------------------------- prefix-aware routing, no Ray cluster needed
@@ -270,7 +276,8 @@ def test_serve_data_parallel_size_starts_replicas_and_stops_on_sigterm(tiny_llam
 def ray_app(tiny_llama_dir):
     """Two tiny-model replicas (one thread each) on a local Ray instance of 2 CPUs, behind
     Ray's HTTP proxy; each replica step sleeps STEP_S, so a long stream stays in flight.
-    Yields the URL and `deploy(n)`, which redeploys the application with n replicas."""
+    Yields the URL, `deploy(n)`, which redeploys the application with n replicas, and the
+    KV-event config every replica publishes with (on its rank's endpoint)."""
     _need_ray()
     import ray
     from ray import serve
@@ -281,7 +288,11 @@ def ray_app(tiny_llama_dir):
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        engine_args = EngineArgs(model=str(tiny_llama_dir), dtype="float32", max_num_seqs=8)
+        ev = free_port()  # each replica publishes KV events on ev + its rank
+        events = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{ev}",
+                                topic="kvserve")
+        engine_args = EngineArgs(model=str(tiny_llama_dir), dtype="float32", max_num_seqs=8,
+                                 kv_events_config=asdict(events))
         server_args = ServerArgs(host="127.0.0.1", port=port, shutdown_timeout=60.0)
         faults = {"env_vars": {"KVSERVE_FAULTS": json.dumps({"slow_step_s": STEP_S})}}
 
@@ -292,7 +303,7 @@ def ray_app(tiny_llama_dir):
             serve.run(app, name=APP_NAME, route_prefix="/")
 
         deploy(2)
-        yield f"http://127.0.0.1:{port}", deploy
+        yield f"http://127.0.0.1:{port}", deploy, events
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -556,13 +567,53 @@ def test_the_ingress_lets_as_many_streams_through_as_the_replicas_take(ray_url):
     assert done == [151] * 12  # 150 tokens and [DONE]
 
 
+def _ranks_serving(url: str, events: KVEventsConfig, prompts: int = 12
+                   ) -> dict[str, set[int]]:
+    """Each replica's KV-event ranks: unrelated prompts, one at a time, and which rank's
+    endpoint published the batch of the blocks each one stored."""
+    from tests.test_kv_events import Subscriber
+
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    subs = [Subscriber(events.for_rank(rank)) for rank in (0, 1)]
+    seen: dict[str, set[int]] = {}
+    try:
+        for i in range(prompts):
+            prompt = f"{i} " + f"distinct words number {i * 7919 + time.time_ns()} " * 6
+            r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "model": model, "prompt": prompt, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            for rank, sub in enumerate(subs):
+                for _, batch in sub.drain(settle_ms=200):
+                    assert batch.data_parallel_rank == rank
+                    seen.setdefault(r.headers[REPLICA_HEADER], set()).add(rank)
+    finally:
+        for sub in subs:
+            sub.close()
+    return seen
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_killed_replica_ends_its_streams_with_an_error_and_ray_replaces_it(ray_url):
+def test_each_replica_publishes_kv_events_on_its_ranks_endpoint(ray_app):
+    """One --kv-events-config for both replicas: each binds its rank's endpoint (port plus
+    rank) and its batches carry its rank, so a KV-aware router can index each replica."""
+    url, _, events = ray_app
+    seen = _ranks_serving(url, events)
+    assert len(seen) == 2 and sorted(len(r) for r in seen.values()) == [1, 1], seen
+    assert set().union(*seen.values()) == {0, 1}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_replica_ends_its_streams_with_an_error_and_ray_replaces_it(ray_app):
     """A replica's actor killed mid-stream: the stream it served ends with an error event
     (the openai client raises it), not silently; requests after it are answered by the live
-    replica; Ray's controller starts a new replica in its place."""
+    replica; Ray's controller starts a new replica in its place, which takes the dead one's
+    rank (its KV events come on that rank's endpoint)."""
     import ray
+
+    ray_url, _, events = ray_app
+    ranks = _ranks_serving(ray_url, events)
 
     client = openai_client(ray_url)
     model = client.models.list().data[0].id
@@ -601,6 +652,8 @@ def test_a_killed_replica_ends_its_streams_with_an_error_and_ray_replaces_it(ray
     stats = httpx.get(f"{ray_url}/v1/engine/stats", params={"replica": replacement},
                       timeout=30)
     assert stats.status_code == 200 and stats.json()["running"] == 0
+    after = _ranks_serving(ray_url, events)
+    assert after == {survivor: ranks[survivor], replacement: ranks[victim]}, (ranks, after)
 
 
 @pytest.mark.slow
@@ -608,7 +661,7 @@ def test_a_killed_replica_ends_its_streams_with_an_error_and_ray_replaces_it(ray
 def test_a_downscale_drains_without_losing_a_request(ray_app):
     """Redeployed from two replicas to one while streams run on both: the replica Ray stops
     takes no new requests and finishes its own, every stream gets every token."""
-    url, deploy = ray_app
+    url, deploy, _ = ray_app
     client = openai_client(url)
     model = client.models.list().data[0].id
     tokens = 200  # at least STEP_S * 200 = 4 s each

@@ -106,6 +106,10 @@ class EngineArgs:
               "\"endpoint\": \"tcp://*:5557\"}'; fields: enable_kv_cache_events, publisher "
               "(zmq, null), endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, "
               "topic", metavar="JSON")
+    data_parallel_rank: int = setting(
+        0, "this engine's rank among data-parallel replicas (vLLM's flag): its KV-event "
+           "batches carry it, and its --kv-events-config endpoints' ports are offset by it "
+           "(set for each replica under --data-parallel-size)")
     timeline_buffer_size: int = setting(
         1000, "finished requests whose timelines stay available (0: none)")
     step_buffer_size: int = setting(1000, "recent engine steps kept by the step profiler "

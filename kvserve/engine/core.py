@@ -52,6 +52,7 @@ class EngineCore(StartupCalibration):
         self.runner, self.kv, self.scheduler = parts.runner, parts.kv, parts.scheduler
         self.speculation, self.workers = parts.speculation, parts.workers
         self._speculative_config = args.speculative_config  # the calibration cache's key
+        self._data_parallel_rank = args.data_parallel_rank  # in each KV-event batch
         targets = config.targets
         self.steps: deque[StepRecord] = deque(maxlen=max(args.step_buffer_size, 1))
         self._keep_steps = args.step_buffer_size > 0
@@ -171,8 +172,9 @@ class EngineCore(StartupCalibration):
         events = self.kv.events
         if self.kv_events is None or events is None or not len(events):
             return
-        # data_parallel_rank 0, as a vLLM engine without data parallelism sends it
-        self.kv_events.publish(KVEventBatch(time.time(), events.take(), 0))
+        # 0 unless --data-parallel-rank (a replica's), as vLLM's engines send it
+        self.kv_events.publish(KVEventBatch(time.time(), events.take(),
+                                            self._data_parallel_rank))
 
     def reset_prefix_cache(self) -> None:
         """Forget every block hash in the pool, as vLLM's reset_prefix_cache does (after new

@@ -99,6 +99,8 @@ def create_config(args: EngineArgs) -> StartupConfig:
     context, a tensor-parallel split of its heads) is checked as soon as it is read."""
     if args.timeline_buffer_size < 0 or args.step_buffer_size < 0:
         raise ValueError("timeline and step buffer sizes must be >= 0")
+    if args.data_parallel_rank < 0:
+        raise ValueError("--data-parallel-rank must be >= 0")
     try:
         device = torch.device(args.device)
     except RuntimeError as e:
@@ -118,6 +120,8 @@ def create_config(args: EngineArgs) -> StartupConfig:
     kv_events = KVEventsConfig.parse(args.kv_events_config)
     if kv_events is not None and not kv_events.enabled:
         kv_events = None  # vLLM's rule: any publisher, events off unless enabled
+    if kv_events is not None:
+        kv_events = kv_events.for_rank(args.data_parallel_rank)
     if kv_events is not None and not args.enable_prefix_caching:
         raise ValueError("--kv-events-config: KV-cache events describe the prefix cache; "
                          "they need prefix caching (drop --no-enable-prefix-caching)")

@@ -110,10 +110,13 @@ class ReplicaArgs:
             raise ValueError("--tensor-parallel-size > 1 with Ray Serve replicas is not "
                              "supported yet; run the tensor-parallel engine with a plain "
                              "`kvserve serve`")
-        events = engine_args.kv_events_config
-        if events and self.most_replicas > 1:
-            raise ValueError("--kv-events-config with more than one replica is not supported "
-                             "yet: every replica would bind the same endpoint")
+        from kvserve.config import KVEventsConfig  # here: kvserve.config imports torch
+
+        events = KVEventsConfig.parse(engine_args.kv_events_config)
+        if events is not None and events.enabled:
+            # each replica publishes on the endpoints offset by its rank (KVEventsConfig.
+            # for_rank); no two ranks may meet on one
+            events.check_ranks(self.most_replicas)
         if engine_args.device not in ("cpu", "cpu:0", "cuda"):
             raise ValueError(f"--device {engine_args.device}: Ray places each replica on a "
                              "device of its own; give cpu or cuda")

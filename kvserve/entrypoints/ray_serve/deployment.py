@@ -32,6 +32,7 @@ same id as their `replica` label.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -106,7 +107,12 @@ class KVServeDeployment:
     async def __init__(self, engine_args: EngineArgs, server_args: ServerArgs,
                        threads: int) -> None:
         torch.set_num_threads(threads)  # before the engine thread's first parallel op
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        # Ray's rank of this replica (0..replicas-1, a replacement takes the rank of the one
+        # it replaces): its KV events' rank and endpoints (KVEventsConfig.for_rank)
+        rank = context.rank.rank
+        engine_args = dataclasses.replace(engine_args, data_parallel_rank=rank)
         app = build_app(engine_args, server_args)
         self.state: ServerState = app.state.kvserve
         self.state.replica = self.replica_id  # its metrics' `replica` label
@@ -119,7 +125,8 @@ class KVServeDeployment:
         if self._lifespan.should_exit:
             raise RuntimeError(f"replica {self.replica_id} failed to start: "
                                f"{self.state.load_error or 'see its log'}")
-        log.info("replica %s: %d torch threads", self.replica_id, torch.get_num_threads())
+        log.info("replica %s (rank %d): %d torch threads", self.replica_id, rank,
+                 torch.get_num_threads())
 
     async def __del__(self) -> None:
         """Ray calls this once the replica has drained: the lifespan stops the engine."""
