@@ -571,3 +571,9 @@ def test_k_quant_experts_under_auto_are_interleaved_in_place(tmp_path, monkeypat
     floats = sum(int(t.n_elements) * 4 for t in tensors if t.tensor_type.name == "F32")
     held = gguf_weight_bytes(path, torch.float32, in_place=False)
     assert quantized == taken and held.resident == quantized + floats
+    # a token reads its k of E experts: kvserve plan's batch-1 floor
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    k, e = cfg["num_experts_per_tok"], cfg.get("num_experts") or cfg["num_local_experts"]
+    stacks = [int(t.n_bytes) for t in tensors if "_exps." in t.name]
+    assert k < e and stacks
+    assert held.one_token == held.per_token - sum(s - s * k // e for s in stacks)

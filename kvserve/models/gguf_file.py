@@ -328,11 +328,14 @@ class WeightBytes:
     """A GGUF model's weights as a --quantization serves them: `resident`, the bytes held,
     and `per_token`, the bytes a decode step reads (every layer matrix and the LM head, not
     the embedding, whose lookups read one row per token); `in_place`, of resident, the
-    file's own pages (a read-only map: shared, evictable)."""
+    file's own pages (a read-only map: shared, evictable). `one_token`: what a step of one
+    token reads, the same but for a mixture of experts, whose token reads only its k of each
+    layer's E experts (k/E of each expert stack)."""
 
     resident: int
     per_token: int
     in_place: int
+    one_token: int
 
 
 def gguf_weight_bytes(path: Path, dtype: torch.dtype, in_place: bool) -> WeightBytes | None:
@@ -344,10 +347,13 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, in_place: bool) -> WeightB
     quantized matrix counts the int4 or int8 tiles it is packed into (0.625 or 1.125 bytes a
     weight), the embedding `dtype`'s floats and a tied head an int8 copy; float tensors
     count `dtype`'s size. An MoE layer's stack of experts counts as its matrices, every
-    expert in `per_token` (a step whose tokens touch them all; one token reads k of them)."""
+    expert in `per_token` (a step whose tokens touch them all), k of E in `one_token`."""
     if path.suffix != ".gguf":
         return None
     reader = open_gguf(path)
+    arch = str(_field(reader, "general.architecture", ""))
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    used = int(_field(reader, f"{arch}.expert_used_count", 0) or 0)
     kinds = {t.name: t.tensor_type.name for t in reader.tensors}
     tied = "output.weight" not in kinds
 
@@ -357,7 +363,7 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, in_place: bool) -> WeightB
         return gguf_native(kind) and (in_place or kind in auto_types)
 
     head_served = served(kinds.get("output.weight", kinds.get("token_embd.weight", "")))
-    resident = per_token = mapped = 0
+    resident = per_token = mapped = one_token = 0
     item = torch.empty(0, dtype=dtype).element_size()
     for t in reader.tensors:
         kind, count = t.tensor_type.name, int(np.prod([int(x) for x in t.shape]))
@@ -380,6 +386,9 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, in_place: bool) -> WeightB
         resident += size + head
         if t.name.startswith("blk.") or t.name == "output.weight":
             per_token += size
+            stack = "_exps." in t.name and experts and used
+            one_token += size * used // experts if stack else size
         elif embedding and tied:
             per_token += size if head_served else head
-    return WeightBytes(resident, per_token, mapped)
+            one_token += size if head_served else head
+    return WeightBytes(resident, per_token, mapped, one_token)

@@ -177,13 +177,19 @@ def _print_weights(args: argparse.Namespace, cfg, path: Path, dtype) -> int:
     mapped = gguf_weight_bytes(path, dtype, in_place=True)
     assert mapped is not None
     pages = f" ({held.in_place / mib:.1f} MiB of it the file's pages)" if held.in_place else ""
+    def reads(b) -> str:
+        if b.one_token == b.per_token:
+            return f"a decode step reads {b.per_token / mib:.1f} MiB"
+        return (f"a decode step of one token reads {b.one_token / mib:.1f} MiB "
+                f"({cfg.num_experts_per_tok} of {cfg.num_experts} experts a layer), "
+                f"{b.per_token / mib:.1f} MiB with every expert touched")
+
     print(f"weights: {param_count(cfg):,} parameters = {held.resident / mib:.1f} MiB as "
-          f"--quantization auto holds them{pages}; a decode step reads "
-          f"{held.per_token / mib:.1f} MiB")
+          f"--quantization auto holds them{pages}; {reads(held)}")
     print(f"  --quantization gguf: {mapped.resident / mib:.1f} MiB "
-          f"({mapped.in_place / mib:.1f} MiB of it read in place from the file); a decode "
-          f"step reads {mapped.per_token / mib:.1f} MiB")
-    _print_decode_floor(args, held.per_token, mapped.per_token)
+          f"({mapped.in_place / mib:.1f} MiB of it read in place from the file); "
+          f"{reads(mapped)}")
+    _print_decode_floor(args, held.one_token, mapped.one_token)
     return held.resident
 
 
