@@ -60,7 +60,7 @@ from kvserve.entrypoints.ray_serve import request_router
 from kvserve.entrypoints.ray_serve.aggregate import sum_histories, sum_stats
 from kvserve.entrypoints.ray_serve.forwarding import ForwardedRequest, ResponseStart
 from kvserve.entrypoints.ray_serve.route_key import PROMPT_ROUTES, route_key
-from kvserve.entrypoints.server.errors import error_response
+from kvserve.entrypoints.server.errors import ANTHROPIC_PATHS, error_body_for, error_response
 from kvserve.entrypoints.server.metrics_text import merge
 from kvserve.models.paths import resolve_model
 from kvserve.tokenizer.tokenizer import Tokenizer
@@ -79,18 +79,14 @@ _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 # GET routes answered from every replica's answer (see the module's docstring)
 _EVERY_REPLICA = ("/metrics", "/v1/engine/replicas", "/v1/engine/stats", "/v1/engine/history")
 _TIMELINE = re.compile(r"^/v1/requests/[^/]+/timeline$")
-_ANTHROPIC_ROUTES = ("/v1/messages",)
 
 
 def stream_error(path: str, message: str) -> bytes:
-    """The server-sent event that ends a stream whose replica failed mid-answer: an OpenAI
-    `{"error": ...}` data event, or Anthropic's `event: error` on its routes."""
-    if path in _ANTHROPIC_ROUTES:
-        body = {"type": "error", "error": {"type": "api_error", "message": message}}
-        return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
-    body = {"error": {"message": message, "type": "ServiceUnavailableError", "param": None,
-                      "code": 503}}
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
+    """The server-sent event that ends a stream whose replica failed mid-answer: the 503
+    body of the route's API (errors.error_body_for, as a replica's own failing stream sends
+    it), as a data event, or Anthropic's `event: error` on its routes."""
+    event = "event: error\n" if path.startswith(ANTHROPIC_PATHS) else ""
+    return f"{event}data: {json.dumps(error_body_for(path, 503, message))}\n\n".encode()
 
 
 class ResponseOwners:
@@ -203,11 +199,11 @@ class KVServeIngress:
         key: tuple[int, ...] = ()
         pin: str | None = None
         stored = _STORED.match(path)
-        if request.method == "GET" and (path in _EVERY_REPLICA or path.startswith("/v1/engine/")
-                                        or _TIMELINE.match(path)):
+        every = path in _EVERY_REPLICA or _TIMELINE.match(path) is not None
+        if request.method == "GET" and (every or path.startswith("/v1/engine/")):
             query = parse_qs(request.scope.get("query_string", b"").decode("latin-1"))
             if "replica" not in query:
-                if path in _EVERY_REPLICA or _TIMELINE.match(path):
+                if every:
                     return await self.from_every_replica(request, path)
             else:
                 pin = query["replica"][-1]
