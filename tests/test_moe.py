@@ -1,7 +1,8 @@
-"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral) in the module path: tiny random
-models built with transformers' own classes, served from their Hugging Face directories and
-from GGUF files written here, against transformers on the same weights; routing and
-determinism; gpt-oss refused by name."""
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral): tiny random models built with
+transformers' own classes, served from their Hugging Face directories and from GGUF files
+written here, against transformers on the same weights; the C++ layer loop (run_layers'
+moe_mlp) against the torch modules bit for bit; routing and determinism; gpt-oss refused by
+name."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kvserve import kernels
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.distributed.parallel import TensorParallel
 from kvserve.kv_cache.planner import param_count
@@ -210,24 +212,67 @@ def test_tiny_moe_matches_transformers(moe_dirs, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_continuations_equal_transformers(moe_dirs, arch, caplog):
-    """The engine (weights packed, the layers as modules: the start-up log says why not the
-    fused loop) against transformers' argmax, token by token."""
+def test_greedy_continuations_equal_transformers(moe_dirs, arch):
+    """The engine (weights packed, its layers in the C++ loop) against transformers' argmax,
+    token by token."""
     ref = _reference(moe_dirs[arch])
     prompts = [IDS[:9], IDS[5:30]]
-    with caplog.at_level(logging.INFO, logger="kvserve.engine.startup"):
-        llm = make_llm(moe_dirs[arch])
-    assert any("not the fused C++ layer loop: mixture-of-experts" in r.getMessage()
-               for r in caplog.records)
+    llm = make_llm(moe_dirs[arch])
     model = llm.engine.local_core.runner.model
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        model.fused_weights()
+    if kernels.ops() is not None:
+        fused = model.fused_weights()
+        assert sum(layer.moe.top_k > 0 for layer in fused.layers) == len(
+            [layer for layer in model.layers if isinstance(layer.mlp, SparseMoE)]) > 0
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     for prompt, out in zip(prompts, outs, strict=True):
         ids = list(prompt)
         for _ in range(12):
             ids.append(int(_hf_logits(ref, ids)[-1].argmax()))
         assert out.outputs[0].token_ids == ids[len(prompt):]
+
+
+def _module_path_logits(model, chunks: list[int]) -> torch.Tensor:
+    """paged_logits with the layers run as torch modules (the backend offers run_layers no
+    inputs), the reference the C++ loop is held to."""
+    backend = model.layers[0].self_attn.backend
+    backend.fused_inputs = lambda meta, dtype: None
+    try:
+        return paged_logits(model, IDS, chunks, "cpu")
+    finally:
+        del backend.fused_inputs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("form", ["none", "bf16", "q8_0", "k-quants"])
+def test_layer_loop_is_the_module_path(moe_dirs, tmp_path, monkeypatch, arch, form):
+    """run_layers' expert loop gives the modules' logits bit for bit, prompt whole and
+    chunked: experts on kvserve's dense kernel one after another (none, bf16), and in GGUF
+    blocks all at once on gguf_grouped (Q8_0 read in place; Q4_K/Q6_K interleaved under
+    auto, on every machine as tests/test_gguf.py forces it)."""
+    from kvserve.layers import quant
+
+    if kernels.ops() is None:
+        pytest.fail("the C++ kernels are built on every test machine")
+    dtype = torch.bfloat16 if form == "bf16" else torch.float32
+    if form in ("none", "bf16"):
+        model = load_model(moe_dirs[arch], dtype, torch.device("cpu"), _backend).model
+        model.pack_("none")
+    else:
+        path = tmp_path / f"tiny-{arch}-{form}.gguf"
+        if form == "q8_0":
+            write_moe_gguf(moe_dirs[arch], path, arch, gguf.GGMLQuantizationType.Q8_0)
+        else:
+            monkeypatch.setattr(quant, "gguf_auto_types", lambda: quant.GGUF_AUTO_TYPES)
+            hf_dir = build_tiny_moe(tmp_path / "hf", arch, hidden=256, experts_size=256)
+            write_moe_gguf(hf_dir, path, arch, random_k_quants=True)
+        model = load_model(path, dtype, torch.device("cpu"), _backend).model
+        model.pack_("gguf" if form == "q8_0" else "auto")
+    sparse = [layer.moe for layer in model.fused_weights().layers if layer.moe.top_k]
+    assert sparse and all(m.grouped == (form in ("q8_0", "k-quants")) for m in sparse)
+    want = _module_path_logits(model, [37])
+    for chunks in ([37], [1] * 5 + [32], [10, 17, 1, 9]):
+        assert torch.equal(paged_logits(model, IDS, chunks, "cpu"),
+                           want if chunks == [37] else _module_path_logits(model, chunks))
 
 
 def test_converted_expert_stacks_load_as_the_original_layout(moe_dirs, tmp_path):
@@ -280,10 +325,16 @@ def test_forward_rows_do_not_depend_on_the_batch(moe_dirs, dtype):
     items = [ForwardItem(torch.randint(2, 300, (3 + 5 * i,), generator=g).tolist(), 0,
                          list(range(16 * i, 16 * i + 16)), 1) for i in range(12)]
     caches = allocate_kv_caches(model, 16 * 12 * 4, dtype, torch.device("cpu"))
+    together = run_forward(model, caches, 4, items, torch.device("cpu"))
+    # the routing, seen by the modules' router (the layers run as modules once)
     logits = []
     hook = model.layers[0].mlp.router.register_forward_hook(
         lambda module, args, out: logits.append(out))
-    together = run_forward(model, caches, 4, items, torch.device("cpu"))
+    backend = model.layers[0].self_attn.backend
+    backend.fused_inputs = lambda meta, dtype: None
+    caches = allocate_kv_caches(model, 16 * 12 * 4, dtype, torch.device("cpu"))
+    assert torch.equal(run_forward(model, caches, 4, items, torch.device("cpu")), together)
+    del backend.fused_inputs
     hook.remove()
     # the step's rows do not all pick the same pair of experts (of 4): rows share some
     pairs = {tuple(p) for p in route(logits[0], 2, False)[1].tolist()}

@@ -270,9 +270,6 @@ def _build(config: StartupConfig, device: torch.device, tp: TensorParallel,
                  " (weights renormalized)" if cfg.norm_topk_prob else "",
                  " and a shared expert" if cfg.shared_expert_intermediate_size else "",
                  cfg.num_layers - len(cfg.dense_layers), cfg.num_layers)
-    if loaded.model.module_path_reason is not None:
-        log.info("decoder layers run as torch modules, not the fused C++ layer loop: %s",
-                 loaded.model.module_path_reason)
     variant = loaded.model.batch_variant_parts()
     if variant:
         log.warning("not batch-invariant here: a request's tokens may depend on what else "

@@ -119,10 +119,6 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_in_float32)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         self._fused = None  # fused_weights(), built on first use
-        # Why the layers run as modules rather than the C++ run_layers loop (None: they may).
-        self.module_path_reason: str | None = (
-            "mixture-of-experts layers (run_layers has no expert loop yet)"
-            if cfg.num_experts else None)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -139,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         metas = meta if isinstance(meta, list) else [meta]
         attn = self.layers[0].self_attn
         fused = None
-        if self.tp.size == 1 and self.module_path_reason is None:
+        if self.tp.size == 1:
             by_meta = {id(m): attn.backend.fused_inputs(m, x.dtype) for m in metas}
             if all(f is not None for f in by_meta.values()):
                 fused = [by_meta[id(m)] for m in metas]
@@ -165,8 +161,6 @@ class LlamaForCausalLM(nn.Module):
         """Every layer's tensors by name, as the C++ run_layers reads them (its
         DecoderWeights): norms, optional q/k norms, and (weight, packed, scales, bias) of
         each projection; an empty tensor for what a layer lacks. Built once."""
-        if self.module_path_reason is not None:
-            raise ValueError(f"no fused layer loop for this model: {self.module_path_reason}")
         if self._fused is None:
             k = ops()
             none = torch.empty(0)
@@ -183,16 +177,36 @@ class LlamaForCausalLM(nn.Module):
             def weight(norm: RMSNorm | None) -> torch.Tensor:
                 return none if norm is None else norm.weight
 
+            absent = k.LinearWeights(none, none, none, none)
+
+            def mlp(m: GatedMLP | SparseMoE) -> dict:
+                """The MLP's fields: a dense layer's gate_up and down, or a sparse layer's
+                experts (MoEWeights; run_layers' moe_mlp)."""
+                if isinstance(m, GatedMLP):
+                    return {"gelu": m.gelu, "gate_up": linear(m.gate_up_proj),
+                            "down": linear(m.down_proj)}
+                shared = m.shared_expert
+                return {"gelu": m.experts[0].gelu, "gate_up": absent, "down": absent,
+                        "moe": k.MoEWeights(
+                            top_k=m.top_k, normalize=m.normalize, router=linear(m.router),
+                            gate_up=[linear(e.gate_up_proj) for e in m.experts],
+                            down=[linear(e.down_proj) for e in m.experts],
+                            shared_gate=absent if m.shared_gate is None
+                            else linear(m.shared_gate),
+                            shared_gate_up=absent if shared is None
+                            else linear(shared.gate_up_proj),
+                            shared_down=absent if shared is None
+                            else linear(shared.down_proj))}
+
             self._fused = k.DecoderWeights([k.LayerWeights(
                 window=layer.self_attn.window, local_rope=self._local_rope(layer),
-                gelu=layer.mlp.gelu, input_norm=layer.input_layernorm.weight,
+                input_norm=layer.input_layernorm.weight,
                 post_attention_norm=layer.post_attention_layernorm.weight,
                 attn_out_norm=weight(layer.attn_out_norm),
                 mlp_out_norm=weight(layer.mlp_out_norm),
                 q_norm=weight(layer.self_attn.q_norm), k_norm=weight(layer.self_attn.k_norm),
                 qkv=linear(layer.self_attn.qkv_proj), o=linear(layer.self_attn.o_proj),
-                gate_up=linear(layer.mlp.gate_up_proj), down=linear(layer.mlp.down_proj))
-                for layer in self.layers])
+                **mlp(layer.mlp)) for layer in self.layers])
         return self._fused
 
     def weight_kernel(self) -> str:

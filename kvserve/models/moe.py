@@ -1,4 +1,7 @@
-"""The mixture-of-experts MLP of Qwen3-MoE, Qwen2-MoE and Mixtral, in the module path.
+"""The mixture-of-experts MLP of Qwen3-MoE, Qwen2-MoE and Mixtral as torch modules: the
+reference for the C++ layer loop, which computes the same bits in one call a step (run_layers'
+moe_mlp: moe_route, every used expert's rows on gguf_grouped, moe_combine; tests/test_moe.py
+compares the two), and the path where that loop does not run (no C++ kernels, another device).
 
 A sparse layer's MLP routes each token to `k` of its experts:
 

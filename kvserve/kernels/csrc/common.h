@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -51,12 +52,26 @@ at::Tensor quant_pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed);
 
 // gguf_linear.cpp
+// One matrix in a GGUF file's blocks, as gguf_linear takes it: its parts (outputs side by
+// side), their GGML (or interleaved) types, and each part's row order (empty: as stored).
+struct GGUFMatrix {
+  std::vector<at::Tensor> parts;
+  std::vector<int64_t> types;
+  std::vector<at::Tensor> rows;
+};
 bool gguf_supports(int64_t type);
 std::string gguf_path();
 std::vector<std::string> gguf_paths();
 at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts,
                        const std::vector<int64_t>& types, const std::vector<at::Tensor>& rows,
                        const std::string& path);
+at::Tensor gguf_grouped(const at::Tensor& x, const std::vector<int64_t>& offsets,
+                        const std::vector<const GGUFMatrix*>& mats, const std::string& path);
+// moe.cpp
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t k,
+                                             bool normalize);
+at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& pos, const at::Tensor& weights);
+
 at::Tensor gguf_rows(const at::Tensor& part, int64_t type, int64_t K, const at::Tensor& ids,
                      at::ScalarType dtype);
 int64_t gguf_repacked_type(int64_t type);

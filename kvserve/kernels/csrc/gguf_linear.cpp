@@ -1422,17 +1422,25 @@ PairFn pick_pair(int64_t x8, Path path, int64_t M) {
 // once, kept 16 (within noise of 64: 22.9 against 23.2 ms, 10 runs each).
 int64_t unit_rows(int64_t M) { return M > kRows ? 64 : 16; }
 
+// One matrix against activation rows [m_begin, m_end): gguf_linear's whole call, or one
+// expert's rows of gguf_grouped.
+struct Job {
+  const GGUFMatrix* w;
+  int64_t m_begin, m_end;
+};
+
+// The jobs' rows, each job's matrix giving the N columns of its rows of y [M, N]. Units of
+// work are a job's part's runs of output rows, so a row's results come from its own
+// activations and its matrix alone, whichever jobs share the call.
 template <typename T>
-at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
-               const std::vector<int64_t>& types, const std::vector<at::Tensor>& rows,
-               Path path) {
+at::Tensor run(const at::Tensor& x, const std::vector<Job>& jobs, Path path) {
   const int64_t M = x.size(0), K = x.size(1);
-  const size_t P = parts.size();
   // Everything a row needs, read off the tensors once: their accessors cost tens of
   // nanoseconds a call, and a call has up to 150k rows (an LM head) times M / kRows passes.
   struct Part {
     const uint8_t* base;
     int64_t stride, blocks, bytes, begin, n;  // begin: its first output column; n: its rows
+    int64_t m_begin, m_end;                    // the activation rows it is applied to
     const int64_t* order;
     RowsFn fn;      // a row at a time (the file's layouts)
     GroupFn group;  // 8 rows at a time (the x8 layouts), else null
@@ -1440,64 +1448,74 @@ at::Tensor run(const at::Tensor& x, const std::vector<at::Tensor>& parts,
     const QuantX* x;
   };
   QuantX x32, x256;
-  std::vector<Part> part(P);
+  std::vector<Part> part;
   std::vector<std::pair<size_t, int64_t>> units;  // (part, first row)
-  const int64_t unit = unit_rows(M);
   bool need32 = false, need256 = false;
-  int64_t N = 0;
-  for (size_t p = 0; p < P; ++p) {
-    TypeInfo info;
-    type_info(types[p], &info);
-    (info.block == 32 ? need32 : need256) = true;
-    const bool x8 = info.group > 1;
-    const int64_t n = x8 ? parts[p].size(0) * info.group
-                         : rows[p].numel() ? rows[p].numel() : parts[p].size(0);
-    part[p] = {static_cast<const uint8_t*>(parts[p].data_ptr()), parts[p].stride(0),
-               K / info.block, info.bytes, N, n,
-               rows[p].numel() ? rows[p].data_ptr<int64_t>() : nullptr,
-               x8 ? nullptr : pick(types[p], path), x8 ? pick_group(types[p], path, M) : nullptr,
-               x8 ? pick_pair(types[p], path, M) : nullptr,
-               info.block == 32 ? &x32 : &x256};
-    for (int64_t r = 0; r < n; r += unit) units.emplace_back(p, r);
-    N += n;
+  int64_t N = -1;
+  for (const Job& job : jobs) {
+    const GGUFMatrix& w = *job.w;
+    const int64_t rows_here = job.m_end - job.m_begin, unit = unit_rows(rows_here);
+    int64_t n_job = 0;
+    for (size_t p = 0; p < w.parts.size(); ++p) {
+      TypeInfo info;
+      type_info(w.types[p], &info);
+      (info.block == 32 ? need32 : need256) = true;
+      const bool x8 = info.group > 1;
+      const at::Tensor& order = w.rows[p];
+      const int64_t n = x8 ? w.parts[p].size(0) * info.group
+                           : order.numel() ? order.numel() : w.parts[p].size(0);
+      for (int64_t r = 0; r < n; r += unit) units.emplace_back(part.size(), r);
+      part.push_back({static_cast<const uint8_t*>(w.parts[p].data_ptr()), w.parts[p].stride(0),
+                      K / info.block, info.bytes, n_job, n, job.m_begin, job.m_end,
+                      order.numel() ? order.data_ptr<int64_t>() : nullptr,
+                      x8 ? nullptr : pick(w.types[p], path),
+                      x8 ? pick_group(w.types[p], path, rows_here) : nullptr,
+                      x8 ? pick_pair(w.types[p], path, rows_here) : nullptr,
+                      info.block == 32 ? &x32 : &x256});
+      n_job += n;
+    }
+    TORCH_CHECK(N < 0 || n_job == N, "gguf_grouped: every matrix must have the same outputs");
+    N = n_job;
   }
   const T* xp = x.data_ptr<T>();
   if (need32) quantize_x(xp, M, K, 32, x32, path);
   if (need256) quantize_x(xp, M, K, 256, x256, path);
-  auto y = at::empty({M, N}, x.options());
+  auto y = at::empty({M, std::max<int64_t>(N, 0)}, x.options());
   T* yp = y.data_ptr<T>();
-  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
-    float out[kPairRows * 16];
-    for (int64_t u = begin; u < end; ++u) {
-      const Part& q = part[units[u].first];
-      const int64_t r0 = units[u].second, r1 = std::min(q.n, r0 + unit);
-      if (q.group != nullptr) {
-        const int64_t pass = q.pair != nullptr ? kPairRows : kRows;
-        for (int64_t m0 = 0; m0 < M; m0 += pass) {  // 2 and 3 rows were no faster
-          const int nr = static_cast<int>(std::min<int64_t>(pass, M - m0));
-          for (int64_t r = r0; r < r1;) {
-            const uint8_t* g = q.base + (r / 8) * q.stride;
-            const int n = q.pair != nullptr && r + 16 <= r1 ? 16 : 8;
-            if (n == 16)
-              q.pair(g, q.stride, q.blocks, *q.x, m0, nr, out);
-            else
-              q.group(g, q.blocks, *q.x, m0, nr, out);
-            for (int a = 0; a < nr; ++a)
-              store_out(yp + (m0 + a) * N + q.begin + r, out + n * a, n, path);
-            r += n;
-          }
+  // One unit: its weight rows against every activation row of its part's job.
+  const auto unit_work = [&](size_t u, float* out) {
+    const Part& q = part[units[u].first];
+    const int64_t r0 = units[u].second, r1 = std::min(q.n, r0 + unit_rows(q.m_end - q.m_begin));
+    if (q.group != nullptr) {
+      const int64_t pass = q.pair != nullptr ? kPairRows : kRows;
+      for (int64_t m0 = q.m_begin; m0 < q.m_end; m0 += pass) {  // 2 and 3 rows: no faster
+        const int nr = static_cast<int>(std::min<int64_t>(pass, q.m_end - m0));
+        for (int64_t r = r0; r < r1;) {
+          const uint8_t* g = q.base + (r / 8) * q.stride;
+          const int n = q.pair != nullptr && r + 16 <= r1 ? 16 : 8;
+          if (n == 16)
+            q.pair(g, q.stride, q.blocks, *q.x, m0, nr, out);
+          else
+            q.group(g, q.blocks, *q.x, m0, nr, out);
+          for (int a = 0; a < nr; ++a)
+            store_out(yp + (m0 + a) * N + q.begin + r, out + n * a, n, path);
+          r += n;
         }
-        continue;
       }
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        const int nr = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-        for (int64_t r = r0; r < r1; ++r) {
-          const uint8_t* w = q.base + (q.order ? q.order[r] : r) * q.stride;
-          q.fn(w, q.blocks, q.bytes, *q.x, m0, nr, out);
-          for (int a = 0; a < nr; ++a) yp[(m0 + a) * N + q.begin + r] = static_cast<T>(out[a]);
-        }
+      return;
+    }
+    for (int64_t m0 = q.m_begin; m0 < q.m_end; m0 += kRows) {
+      const int nr = static_cast<int>(std::min<int64_t>(kRows, q.m_end - m0));
+      for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* w = q.base + (q.order ? q.order[r] : r) * q.stride;
+        q.fn(w, q.blocks, q.bytes, *q.x, m0, nr, out);
+        for (int a = 0; a < nr; ++a) yp[(m0 + a) * N + q.begin + r] = static_cast<T>(out[a]);
       }
     }
+  };
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    float out[kPairRows * 16];
+    for (int64_t u = begin; u < end; ++u) unit_work(static_cast<size_t>(u), out);
   });
   return y;
 }
@@ -1594,6 +1612,34 @@ const int64_t* check_order(const char* fn, const at::Tensor& order, int64_t rows
   return r;
 }
 
+// A matrix's parts checked against K inputs (`fn` names the caller in errors).
+void check_matrix(const char* fn, const GGUFMatrix& w, int64_t K) {
+  kvs::check_cpu(fn, w.parts);
+  kvs::check_cpu(fn, w.rows);
+  TORCH_CHECK(!w.parts.empty() && w.parts.size() == w.types.size() &&
+                  w.rows.size() == w.parts.size(),
+              fn, ": one type and one row list per part");
+  for (size_t p = 0; p < w.parts.size(); ++p) {
+    check_part(fn, w.parts[p], w.types[p], K);
+    TORCH_CHECK(w.types[p] < kX8 || w.rows[p].numel() == 0,
+                fn, ": an interleaved part takes no row order (gguf_repack applies it)");
+    check_order(fn, w.rows[p], w.parts[p].size(0));
+  }
+}
+
+void check_x(const char* fn, const at::Tensor& x) {
+  kvs::check_cpu(fn, x);
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat ||
+                               x.scalar_type() == at::kBFloat16),
+              fn, ": x must be [M, K] float32 or bf16");
+}
+
+at::Tensor run_jobs(const at::Tensor& x, const std::vector<Job>& jobs, Path path) {
+  auto xc = x.contiguous();
+  return x.scalar_type() == at::kFloat ? run<float>(xc, jobs, path)
+                                       : run<c10::BFloat16>(xc, jobs, path);
+}
+
 }  // namespace
 
 bool gguf_supports(int64_t type) {
@@ -1663,24 +1709,33 @@ at::Tensor gguf_linear(const at::Tensor& x, const std::vector<at::Tensor>& parts
                        const std::vector<int64_t>& types, const std::vector<at::Tensor>& rows,
                        const std::string& path_name) {
   const Path path = parse_path(path_name);
-  kvs::check_cpu("gguf_linear", x);
-  kvs::check_cpu("gguf_linear", parts);
-  kvs::check_cpu("gguf_linear", rows);
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat ||
-                               x.scalar_type() == at::kBFloat16),
-              "gguf_linear: x must be [M, K] float32 or bf16");
-  TORCH_CHECK(!parts.empty() && parts.size() == types.size() && rows.size() == parts.size(),
-              "gguf_linear: one type and one row list per part");
-  const int64_t K = x.size(1);
-  for (size_t p = 0; p < parts.size(); ++p) {
-    check_part("gguf_linear", parts[p], types[p], K);
-    TORCH_CHECK(types[p] < kX8 || rows[p].numel() == 0,
-                "gguf_linear: an interleaved part takes no row order (gguf_repack applies it)");
-    check_order("gguf_linear", rows[p], parts[p].size(0));
+  check_x("gguf_linear", x);
+  const GGUFMatrix w{parts, types, rows};
+  check_matrix("gguf_linear", w, x.size(1));
+  return run_jobs(x, {Job{&w, 0, x.size(0)}}, path);
+}
+
+// x [M, K] float32 or bf16, its rows offsets[e] .. offsets[e + 1] - 1 times matrix e (each as
+// gguf_linear takes one; all with the same outputs N) -> [M, N] in x's dtype: the experts of a
+// mixture, each on the rows routed to it, in one call (one quantization of x, one pool of
+// work over every expert's rows). A matrix with no rows is not read. Row m's results are
+// gguf_linear's for row m alone against its matrix, bit for bit.
+at::Tensor gguf_grouped(const at::Tensor& x, const std::vector<int64_t>& offsets,
+                        const std::vector<const GGUFMatrix*>& mats, const std::string& path_name) {
+  const Path path = parse_path(path_name);
+  check_x("gguf_grouped", x);
+  TORCH_CHECK(offsets.size() == mats.size() + 1 && !mats.empty() && offsets.front() == 0 &&
+                  offsets.back() == x.size(0),
+              "gguf_grouped: offsets must be [0, ..., M], one more than the matrices");
+  std::vector<Job> jobs;
+  for (size_t e = 0; e < mats.size(); ++e) {
+    TORCH_CHECK(offsets[e] <= offsets[e + 1], "gguf_grouped: offsets must not decrease");
+    if (offsets[e] == offsets[e + 1]) continue;
+    check_matrix("gguf_grouped", *mats[e], x.size(1));
+    jobs.push_back({mats[e], offsets[e], offsets[e + 1]});
   }
-  auto xc = x.contiguous();
-  return x.scalar_type() == at::kFloat ? run<float>(xc, parts, types, rows, path)
-                                       : run<c10::BFloat16>(xc, parts, types, rows, path);
+  if (jobs.empty()) return at::empty({0, 0}, x.options());
+  return run_jobs(x, jobs, path);
 }
 
 // Rows `ids` of a [N, row bytes] part of GGML type `type` with K inputs, dequantized into

@@ -134,8 +134,18 @@ void store_kv(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor
 // or a GGUF file's own blocks (parts, their GGML types and row orders: gguf_linear).
 struct LinearWeights {
   at::Tensor weight, packed, scales, bias;
-  std::vector<at::Tensor> parts, rows;
-  std::vector<int64_t> types;
+  GGUFMatrix gguf;
+};
+
+// A sparse layer's MLP (kvserve.models.moe.SparseMoE); top_k 0 in a dense layer. The router
+// and the shared expert's gate are dense tiles padded to 16 outputs (RouterLinear), cut to
+// `experts` and 1 outputs.
+struct MoEWeights {
+  int64_t top_k = 0, experts = 0;
+  bool normalize = false;
+  LinearWeights router, shared_gate, shared_gate_up, shared_down;  // shared_*: Qwen2-MoE's
+  std::vector<LinearWeights> gate_up, down;                         // one per expert
+  bool grouped = false;  // every expert in GGUF blocks: gguf_grouped runs them together
 };
 
 struct LayerWeights {
@@ -146,6 +156,7 @@ struct LayerWeights {
   at::Tensor attn_out_norm, mlp_out_norm;      // norms on their outputs (Gemma)
   at::Tensor q_norm, k_norm;  // per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
   LinearWeights qkv, o, gate_up, down;
+  MoEWeights moe;
 };
 
 // Every layer's weights, held on the C++ side so a step passes one reference.
@@ -161,8 +172,8 @@ namespace {
 at::Tensor linear(const at::Tensor& x, const LinearWeights& w, int64_t group) {
   const at::Tensor& q = w.packed;
   at::Tensor y;
-  if (!w.parts.empty()) {
-    y = gguf_linear(x, w.parts, w.types, w.rows, "");
+  if (!w.gguf.parts.empty()) {
+    y = gguf_linear(x, w.gguf.parts, w.gguf.types, w.gguf.rows, "");
   } else if (q.dim() == 3) {
     y = q.scalar_type() == at::kByte || q.scalar_type() == at::kChar ? quant_linear(x, q)
                                                                        : dense_linear(x, q);
@@ -179,6 +190,74 @@ at::Tensor linear(const at::Tensor& x, const LinearWeights& w, int64_t group) {
 at::Tensor head_norm(const at::Tensor& heads, const at::Tensor& weight, double eps) {
   const auto shape = heads.sizes().vec();
   return rms_norm(heads.reshape({-1, shape.back()}).contiguous(), weight, eps).view(shape);
+}
+
+// down(act(gate(x)) * up(x)), as kvserve.layers.mlp.GatedMLP computes it.
+at::Tensor gated_mlp(const at::Tensor& x, const LinearWeights& gate_up, const LinearWeights& down,
+                     bool gelu, int64_t group) {
+  auto gu = linear(x, gate_up, group).chunk(2, -1);
+  auto act = gelu ? at::gelu(gu[0], "tanh") : at::silu(gu[0]);
+  return linear(act * gu[1], down, group);
+}
+
+// The router's (or shared gate's) outputs: its padded tile's first n.
+at::Tensor router_out(const at::Tensor& x, const LinearWeights& w, int64_t n, int64_t group) {
+  auto y = linear(x, w, group);
+  return y.size(1) == n ? y : y.narrow(1, 0, n).contiguous();
+}
+
+// A sparse layer's MLP on x [T, H], as SparseMoE.forward computes it: route; the step's T * k
+// slots (slot t k + j: token t's j-th expert by id) grouped by expert, in slot order within
+// one (a counting sort: stable); each used expert's gated MLP on its slots' rows, in one
+// gguf_grouped call per matrix where the experts are GGUF blocks, else one after another;
+// the weighted sum (moe_combine); plus the shared expert times sigmoid(its gate).
+at::Tensor moe_mlp(const at::Tensor& x, const MoEWeights& m, bool gelu, int64_t group) {
+  auto [weights, ids] = moe_route(router_out(x, m.router, m.experts, group), m.top_k,
+                                  m.normalize);
+  const int64_t T = x.size(0), k = m.top_k, S = T * k;
+  if (T == 0) return at::zeros_like(x);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  std::vector<int64_t> offsets(m.experts + 1, 0);
+  for (int64_t s = 0; s < S; ++s) ++offsets[ip[s] + 1];
+  for (int64_t e = 0; e < m.experts; ++e) offsets[e + 1] += offsets[e];
+  auto pos = at::empty({T, k}, ids.options());
+  auto token = at::empty({S}, ids.options());  // the token of each grouped row
+  int64_t* pp = pos.data_ptr<int64_t>();
+  int64_t* tp = token.data_ptr<int64_t>();
+  std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t row = next[ip[s]]++;
+    pp[s] = row;
+    tp[row] = s / k;
+  }
+  const auto xs = x.index_select(0, token);
+  at::Tensor y;
+  if (m.grouped) {
+    std::vector<const GGUFMatrix*> gate_up(m.experts), down(m.experts);
+    for (int64_t e = 0; e < m.experts; ++e) {
+      gate_up[e] = &m.gate_up[e].gguf;
+      down[e] = &m.down[e].gguf;
+    }
+    auto gu = gguf_grouped(xs, offsets, gate_up, "").chunk(2, -1);
+    auto act = gelu ? at::gelu(gu[0], "tanh") : at::silu(gu[0]);
+    y = gguf_grouped(act * gu[1], offsets, down, "");
+  } else {
+    y = at::empty_like(xs);
+    for (int64_t e = 0; e < m.experts; ++e) {
+      const int64_t n = offsets[e + 1] - offsets[e];
+      if (n == 0) continue;  // an expert no row uses is not read
+      y.narrow(0, offsets[e], n)
+          .copy_(gated_mlp(xs.narrow(0, offsets[e], n), m.gate_up[e], m.down[e], gelu, group));
+    }
+  }
+  auto out = moe_combine(y, pos, weights);
+  if (m.shared_gate_up.weight.numel() || m.shared_gate_up.packed.numel() ||
+      !m.shared_gate_up.gguf.parts.empty()) {
+    const auto g = router_out(x, m.shared_gate, 1, group);
+    const auto gate = at::softmax(at::cat({g, at::zeros_like(g)}, 1), 1).narrow(1, 0, 1);
+    out = out + gate * gated_mlp(x, m.shared_gate_up, m.shared_down, gelu, group);
+  }
+  return out;
 }
 
 }  // namespace
@@ -225,10 +304,10 @@ at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
     auto attn = paged_attention(qk.narrow(1, 0, heads), cache, seqs, tables[g], block_size, scale,
                                 w.window);
     x = x + out_norm(linear(attn.flatten(1), w.o, int4_group), w.attn_out_norm);
-    auto gate_up = linear(rms_norm(x, w.post_attention_norm, eps), w.gate_up, int4_group)
-                       .chunk(2, -1);
-    auto act = w.gelu ? at::gelu(gate_up[0], "tanh") : at::silu(gate_up[0]);
-    x = x + out_norm(linear(act * gate_up[1], w.down, int4_group), w.mlp_out_norm);
+    const auto h = rms_norm(x, w.post_attention_norm, eps);
+    x = x + out_norm(w.moe.top_k ? moe_mlp(h, w.moe, w.gelu, int4_group)
+                                 : gated_mlp(h, w.gate_up, w.down, w.gelu, int4_group),
+                     w.mlp_out_norm);
   }
   return x;
 }
@@ -270,6 +349,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_paths", &gguf_paths, "the paths gguf_linear can take here, best first");
   m.def("gguf_linear", &gguf_linear, "x @ W.T, W a GGUF file's own blocks (CPU)", py::arg("x"),
         py::arg("parts"), py::arg("types"), py::arg("rows"), py::arg("path") = "", nogil());
+  m.def("gguf_grouped",
+        [](const at::Tensor& x, const std::vector<int64_t>& offsets,
+           const std::vector<std::vector<at::Tensor>>& parts,
+           const std::vector<std::vector<int64_t>>& types,
+           const std::vector<std::vector<at::Tensor>>& rows, const std::string& path) {
+          TORCH_CHECK(parts.size() == types.size() && rows.size() == parts.size(),
+                      "gguf_grouped: parts, types and rows for every matrix");
+          std::vector<GGUFMatrix> mats;
+          for (size_t e = 0; e < parts.size(); ++e) mats.push_back({parts[e], types[e], rows[e]});
+          std::vector<const GGUFMatrix*> ptrs;
+          for (const auto& w : mats) ptrs.push_back(&w);
+          return gguf_grouped(x, offsets, ptrs, path);
+        },
+        "x's rows offsets[e] .. offsets[e + 1] - 1 times GGUF matrix e (CPU)", py::arg("x"),
+        py::arg("offsets"), py::arg("parts"), py::arg("types"), py::arg("rows"),
+        py::arg("path") = "", nogil());
+  m.def("moe_route", &moe_route, "router logits -> (weights, expert ids), k per row (CPU)",
+        py::arg("logits"), py::arg("k"), py::arg("normalize"), nogil());
+  m.def("moe_combine", &moe_combine, "each token's experts' outputs, weighted, summed (CPU)",
+        py::arg("y"), py::arg("pos"), py::arg("weights"), nogil());
   m.def("gguf_rows", &gguf_rows, "rows of a GGUF tensor, dequantized as gguf does (CPU)",
         py::arg("part"), py::arg("type"), py::arg("k"), py::arg("ids"), py::arg("dtype"),
         nogil());
@@ -282,28 +381,61 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](at::Tensor weight, at::Tensor packed, at::Tensor scales, at::Tensor bias,
                        std::vector<at::Tensor> parts, std::vector<int64_t> types,
                        std::vector<at::Tensor> rows) {
-             return LinearWeights{weight, packed, scales, bias, parts, rows, types};
+             return LinearWeights{weight, packed, scales, bias, GGUFMatrix{parts, types, rows}};
            }),
            py::arg("weight"), py::arg("packed"), py::arg("scales"), py::arg("bias"),
            py::arg("parts") = std::vector<at::Tensor>{},
            py::arg("types") = std::vector<int64_t>{},
            py::arg("rows") = std::vector<at::Tensor>{});
+  py::class_<MoEWeights>(m, "MoEWeights", py::module_local())
+      .def(py::init([](int64_t top_k, bool normalize, LinearWeights router,
+                       std::vector<LinearWeights> gate_up, std::vector<LinearWeights> down,
+                       LinearWeights shared_gate, LinearWeights shared_gate_up,
+                       LinearWeights shared_down) {
+             TORCH_CHECK(top_k >= 1 && !gate_up.empty() && gate_up.size() == down.size() &&
+                             top_k <= static_cast<int64_t>(gate_up.size()),
+                         "MoEWeights: 1 <= top_k <= experts, a gate_up and a down per expert");
+             MoEWeights m;
+             m.top_k = top_k;
+             m.experts = static_cast<int64_t>(gate_up.size());
+             m.normalize = normalize;
+             m.router = std::move(router);
+             m.gate_up = std::move(gate_up);
+             m.down = std::move(down);
+             m.shared_gate = std::move(shared_gate);
+             m.shared_gate_up = std::move(shared_gate_up);
+             m.shared_down = std::move(shared_down);
+             m.grouped = true;
+             for (size_t e = 0; e < m.gate_up.size(); ++e)
+               m.grouped = m.grouped && !m.gate_up[e].gguf.parts.empty() &&
+                           !m.down[e].gguf.parts.empty() && !m.gate_up[e].bias.numel() &&
+                           !m.down[e].bias.numel();
+             return m;
+           }),
+           py::kw_only(), py::arg("top_k"), py::arg("normalize"), py::arg("router"),
+           py::arg("gate_up"), py::arg("down"), py::arg("shared_gate"),
+           py::arg("shared_gate_up"), py::arg("shared_down"))
+      .def_readonly("top_k", &MoEWeights::top_k, "experts a token uses (0: a dense layer)")
+      .def_readonly("grouped", &MoEWeights::grouped,
+                    "whether the experts run together on gguf_grouped");
   py::class_<LayerWeights>(m, "LayerWeights", py::module_local())
       .def(py::init([](int64_t window, bool local_rope, bool gelu, at::Tensor input_norm,
                        at::Tensor post_attention_norm, at::Tensor attn_out_norm,
                        at::Tensor mlp_out_norm, at::Tensor q_norm, at::Tensor k_norm,
                        LinearWeights qkv, LinearWeights o, LinearWeights gate_up,
-                       LinearWeights down) {
+                       LinearWeights down, MoEWeights moe) {
              return LayerWeights{window,        local_rope,   gelu,   input_norm,
                                  post_attention_norm, attn_out_norm, mlp_out_norm, q_norm,
                                  k_norm,        qkv,          o,      gate_up,
-                                 down};
+                                 down,          std::move(moe)};
            }),
            py::kw_only(), py::arg("window"), py::arg("local_rope"), py::arg("gelu"),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("attn_out_norm"),
            py::arg("mlp_out_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
-           py::arg("o"), py::arg("gate_up"), py::arg("down"));
+           py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("moe") = MoEWeights{})
+      .def_readonly("moe", &LayerWeights::moe);
   py::class_<DecoderWeights>(m, "DecoderWeights", py::module_local())
-      .def(py::init<std::vector<LayerWeights>>(), py::arg("layers"));
+      .def(py::init<std::vector<LayerWeights>>(), py::arg("layers"))
+      .def_readonly("layers", &DecoderWeights::layers);
   m.def("run_layers", &run_layers, "all decoder layers of a step (CPU)", nogil());
 }
