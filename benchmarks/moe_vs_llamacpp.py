@@ -1,16 +1,22 @@
-"""A small random Qwen3-MoE GGUF for issue 41's first measurements against llama.cpp: random
-weights in Qwen3-MoE's layout (q/k norms, an F32 router, experts stacked per layer as
-ffn_{gate,up,down}_exps, no shared expert, an output matrix of its own), scaled down so a run
-is quick (8 layers, hidden 1024, 16 query / 4 KV heads of 64, 64 experts of 512 features, 8
-used, renormalized), with the default model's tokenizer (49,152 tokens), written as F16 with
-`gguf`'s writer and quantized to Q4_K_M with llama.cpp's own `llama-quantize`, as
-benchmarks/model_1b.py does for its dense models (whose helpers it uses).
+"""Random Qwen3-MoE GGUFs for issue 41's measurements against llama.cpp: random weights in
+Qwen3-MoE's layout (q/k norms, an F32 router, experts stacked per layer as
+ffn_{gate,up,down}_exps, no shared expert, an output matrix of its own), with the default
+model's tokenizer (49,152 tokens), written as F16 with `gguf`'s writer and quantized to
+Q4_K_M with llama.cpp's own `llama-quantize`, as benchmarks/model_1b.py does for its dense
+models (whose helpers it uses). Two shapes (--shape):
 
-    python benchmarks/moe_vs_llamacpp.py [--out FILE] [--type Q4_K_M] [--rounds 3]
-        [--no-run] [paired.py's options...]
+  small       8 layers, hidden 1024, 16 query / 4 KV heads of 64, 64 experts of 512
+              features, 8 used: 0.9B parameters, quick to build and run
+  a3b-12l     Qwen3-30B-A3B's layer (hidden 2048, 32 query / 4 KV heads of 128, 128 experts
+              of 768 features, 8 used, renormalized) in 12 of its 48 layers: 7.7B parameters,
+              0.78B read a token (the issue's 4-8B total, 0.5-1B active); ~4.4 GiB as Q4_K_M,
+              ~15 GiB of F16 on disk while it is built
+
+    python benchmarks/moe_vs_llamacpp.py [--shape small] [--out FILE] [--type Q4_K_M]
+        [--rounds 3] [--no-run] [paired.py's options...]
 
 Writes the file once (reused when it exists: ~/.cache/kvserve-bench/models/
-random-qwen3moe-small-Q4_K_M.gguf), prints its path and the CPU (model name, family/model),
+random-qwen3moe-SHAPE-Q4_K_M.gguf), prints its path and the CPU (model name, family/model),
 then runs benchmarks/paired.py on it (both servers up at once, one request at a time in
 turn): the TTFT of a 500-token prompt and batch-1 decode TPOT, medians of --rounds, and both
 servers' peak RSS. `--no-run` only writes the file.
@@ -34,9 +40,15 @@ from model_1b import copy_tokenizer, quantize_tool
 
 from kvserve.bench import peers as harness
 
-SHAPE = dict(name="random Qwen3-MoE (small)", layers=8, hidden=1024, heads=16, kv_heads=4,
-             head_dim=64, experts=64, experts_used=8, expert_ffn=512, context=8192,
-             rope_theta=1000000.0, eps=1e-6)
+SHAPES = {
+    "small": dict(name="random Qwen3-MoE (small)", layers=8, hidden=1024, heads=16,
+                  kv_heads=4, head_dim=64, experts=64, experts_used=8, expert_ffn=512,
+                  context=8192, rope_theta=1000000.0, eps=1e-6),
+    "a3b-12l": dict(name="random Qwen3-MoE (30B-A3B layers, 12 of 48)", layers=12,
+                    hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128,
+                    experts_used=8, expert_ffn=768, context=8192, rope_theta=1000000.0,
+                    eps=1e-6),
+}
 
 
 def cpu_name() -> str:
@@ -51,11 +63,11 @@ def cpu_name() -> str:
             f"{os.cpu_count()} CPUs")
 
 
-def write_f16(path: Path, tokenizer_gguf: Path, seed: int = 0) -> None:
-    """The random F16 model (router and norms F32), written one tensor at a time."""
+def write_f16(path: Path, tokenizer_gguf: Path, s: dict, seed: int = 0) -> None:
+    """The random F16 model of shape `s` (router and norms F32), written one tensor at a
+    time."""
     import gguf
 
-    s = SHAPE
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     w.add_name(s["name"])
     w.add_block_count(s["layers"])
@@ -108,7 +120,7 @@ def write_f16(path: Path, tokenizer_gguf: Path, seed: int = 0) -> None:
     w.close()
 
 
-def ensure_model(out: Path, qtype: str, cache: Path) -> Path:
+def ensure_model(out: Path, qtype: str, cache: Path, shape: dict) -> Path:
     if out.is_file():
         return out
     from kvserve.models.paths import default_model_path
@@ -120,7 +132,7 @@ def ensure_model(out: Path, qtype: str, cache: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     f16 = out.with_name(out.stem + ".F16.gguf")
     t0 = time.perf_counter()
-    write_f16(f16, tokenizer)
+    write_f16(f16, tokenizer, shape)
     harness.log(f"wrote {f16} ({f16.stat().st_size / 2**30:.2f} GiB) in "
                 f"{time.perf_counter() - t0:.0f} s")
     harness.run_logged([str(tool), str(f16), str(out), qtype],
@@ -133,15 +145,17 @@ def ensure_model(out: Path, qtype: str, cache: Path) -> Path:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cache = Path(os.environ.get("KVSERVE_BENCH_CACHE", "~/.cache/kvserve-bench")).expanduser()
+    p.add_argument("--shape", choices=sorted(SHAPES), default="small")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--type", default="Q4_K_M", help="llama-quantize's type name")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-run", action="store_true", help="only write the model file")
     args, paired_args = p.parse_known_args()
-    out = (args.out or cache / "models" / f"random-qwen3moe-small-{args.type}.gguf").expanduser()
-    ensure_model(out, args.type, cache)
+    s = SHAPES[args.shape]
+    out = (args.out or cache / "models" /
+           f"random-qwen3moe-{args.shape}-{args.type}.gguf").expanduser()
+    ensure_model(out, args.type, cache, s)
     print(out)
-    s = SHAPE
     print(f"shape: qwen3moe, {s['layers']} layers, hidden {s['hidden']}, {s['heads']}/"
           f"{s['kv_heads']} heads of {s['head_dim']}, {s['experts']} experts of "
           f"{s['expert_ffn']}, {s['experts_used']} used; {args.type}, "
