@@ -628,3 +628,19 @@ def test_k_quant_experts_under_auto_are_interleaved_in_place(tmp_path, monkeypat
     stacks = [int(t.n_bytes) for t in tensors if "_exps." in t.name]
     assert k < e and stacks
     assert held.one_token == held.per_token - sum(s - s * k // e for s in stacks)
+
+
+def test_layer_loop_phases_are_profiler_scopes(moe_dirs):
+    """run_layers names its phases for torch.profiler (benchmarks/step_phases.py reads them):
+    Qwen2-MoE's sparse layer (routed and shared experts) and its dense layer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if kernels.ops() is None:
+        pytest.fail("the C++ kernels are built on every test machine")
+    model = load_model(moe_dirs["qwen2moe"], torch.float32, torch.device("cpu"), _backend).model
+    model.pack_("none")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        paged_logits(model, IDS[:9], [9], "cpu")
+    names = {e.key for e in prof.key_averages()}
+    assert {f"kvserve::{p}" for p in ("qkv_proj", "attention", "o_proj", "mlp", "moe_router",
+                                      "moe_experts", "moe_combine", "moe_shared_expert")} <= names

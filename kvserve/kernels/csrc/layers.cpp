@@ -14,6 +14,7 @@
 #include <cmath>
 #include <vector>
 
+#include <ATen/record_function.h>
 #include <torch/extension.h>
 #include <pybind11/stl.h>
 
@@ -212,47 +213,58 @@ at::Tensor router_out(const at::Tensor& x, const LinearWeights& w, int64_t n, in
 // gguf_grouped call per matrix where the experts are GGUF blocks, else one after another;
 // the weighted sum (moe_combine); plus the shared expert times sigmoid(its gate).
 at::Tensor moe_mlp(const at::Tensor& x, const MoEWeights& m, bool gelu, int64_t group) {
-  auto [weights, ids] = moe_route(router_out(x, m.router, m.experts, group), m.top_k,
-                                  m.normalize);
   const int64_t T = x.size(0), k = m.top_k, S = T * k;
   if (T == 0) return at::zeros_like(x);
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  std::vector<int64_t> offsets(m.experts + 1, 0);
-  for (int64_t s = 0; s < S; ++s) ++offsets[ip[s] + 1];
-  for (int64_t e = 0; e < m.experts; ++e) offsets[e + 1] += offsets[e];
+  at::Tensor weights, ids;
+  {
+    RECORD_USER_SCOPE("kvserve::moe_router");
+    std::tie(weights, ids) = moe_route(router_out(x, m.router, m.experts, group), k, m.normalize);
+  }
   auto pos = at::empty({T, k}, ids.options());
-  auto token = at::empty({S}, ids.options());  // the token of each grouped row
-  int64_t* pp = pos.data_ptr<int64_t>();
-  int64_t* tp = token.data_ptr<int64_t>();
-  std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t row = next[ip[s]]++;
-    pp[s] = row;
-    tp[row] = s / k;
-  }
-  const auto xs = x.index_select(0, token);
   at::Tensor y;
-  if (m.grouped) {
-    std::vector<const GGUFMatrix*> gate_up(m.experts), down(m.experts);
-    for (int64_t e = 0; e < m.experts; ++e) {
-      gate_up[e] = &m.gate_up[e].gguf;
-      down[e] = &m.down[e].gguf;
+  {
+    RECORD_USER_SCOPE("kvserve::moe_experts");
+    const int64_t* ip = ids.data_ptr<int64_t>();
+    std::vector<int64_t> offsets(m.experts + 1, 0);
+    for (int64_t s = 0; s < S; ++s) ++offsets[ip[s] + 1];
+    for (int64_t e = 0; e < m.experts; ++e) offsets[e + 1] += offsets[e];
+    auto token = at::empty({S}, ids.options());  // the token of each grouped row
+    int64_t* pp = pos.data_ptr<int64_t>();
+    int64_t* tp = token.data_ptr<int64_t>();
+    std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t row = next[ip[s]]++;
+      pp[s] = row;
+      tp[row] = s / k;
     }
-    auto gu = gguf_grouped(xs, offsets, gate_up, "").chunk(2, -1);
-    auto act = gelu ? at::gelu(gu[0], "tanh") : at::silu(gu[0]);
-    y = gguf_grouped(act * gu[1], offsets, down, "");
-  } else {
-    y = at::empty_like(xs);
-    for (int64_t e = 0; e < m.experts; ++e) {
-      const int64_t n = offsets[e + 1] - offsets[e];
-      if (n == 0) continue;  // an expert no row uses is not read
-      y.narrow(0, offsets[e], n)
-          .copy_(gated_mlp(xs.narrow(0, offsets[e], n), m.gate_up[e], m.down[e], gelu, group));
+    const auto xs = x.index_select(0, token);
+    if (m.grouped) {
+      std::vector<const GGUFMatrix*> gate_up(m.experts), down(m.experts);
+      for (int64_t e = 0; e < m.experts; ++e) {
+        gate_up[e] = &m.gate_up[e].gguf;
+        down[e] = &m.down[e].gguf;
+      }
+      auto gu = gguf_grouped(xs, offsets, gate_up, "").chunk(2, -1);
+      auto act = gelu ? at::gelu(gu[0], "tanh") : at::silu(gu[0]);
+      y = gguf_grouped(act * gu[1], offsets, down, "");
+    } else {
+      y = at::empty_like(xs);
+      for (int64_t e = 0; e < m.experts; ++e) {
+        const int64_t n = offsets[e + 1] - offsets[e];
+        if (n == 0) continue;  // an expert no row uses is not read
+        y.narrow(0, offsets[e], n)
+            .copy_(gated_mlp(xs.narrow(0, offsets[e], n), m.gate_up[e], m.down[e], gelu, group));
+      }
     }
   }
-  auto out = moe_combine(y, pos, weights);
+  at::Tensor out;
+  {
+    RECORD_USER_SCOPE("kvserve::moe_combine");
+    out = moe_combine(y, pos, weights);
+  }
   if (m.shared_gate_up.weight.numel() || m.shared_gate_up.packed.numel() ||
       !m.shared_gate_up.gguf.parts.empty()) {
+    RECORD_USER_SCOPE("kvserve::moe_shared_expert");
     const auto g = router_out(x, m.shared_gate, 1, group);
     const auto gate = at::softmax(at::cat({g, at::zeros_like(g)}, 1), 1).narrow(1, 0, 1);
     out = out + gate * gated_mlp(x, m.shared_gate_up, m.shared_down, gelu, group);
@@ -267,7 +279,10 @@ at::Tensor moe_mlp(const at::Tensor& x, const MoEWeights& m, bool gelu, int64_t 
 // `local_rope`. The attention inputs are paged_attention's: the step's sequences [S, 3]
 // (first row, rows, context length); the slot mapping [T] and block tables [S, nb] come one
 // for every layer, or one per layer (models whose sliding-window layers keep block tables of
-// their own, see kv_cache/layout.py).
+// their own, see kv_cache/layout.py). Its phases are torch.profiler scopes named kvserve::*
+// (qkv_proj, attention, o_proj, mlp; moe_router, moe_experts, moe_combine, moe_shared_expert):
+// benchmarks/step_phases.py reads where a step's time goes from them. Off the profiler, a
+// scope costs a check of one thread-local flag.
 at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                       const at::Tensor& cos_local, const at::Tensor& sin_local,
                       const DecoderWeights& weights, const std::vector<at::Tensor>& caches,
@@ -290,24 +305,37 @@ at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
     const LayerWeights& w = weights.layers[l];
     const at::Tensor& cache = caches[l];
     const size_t g = slots.size() == 1 ? 0 : l;
-    auto qkv = linear(rms_norm(x, w.input_norm, eps), w.qkv, int4_group)
-                   .view({T, heads + 2 * kv_heads, D});
-    auto qk_in = w.q_norm.numel()
-                     ? at::cat({head_norm(qkv.narrow(1, 0, heads), w.q_norm, eps),
-                                head_norm(qkv.narrow(1, heads, kv_heads), w.k_norm, eps)}, 1)
-                     : qkv.narrow(1, 0, heads + kv_heads);
-    const at::Tensor& c = w.local_rope ? cos_local : cos;
-    const at::Tensor& s = w.local_rope ? sin_local : sin;
-    auto qk = at::addcmul(qk_in * c, qk_in.roll({D / 2}, {-1}), s);
-    store_kv(cache, slots[g], qk.narrow(1, heads, kv_heads),
-             qkv.narrow(1, heads + kv_heads, kv_heads));
-    auto attn = paged_attention(qk.narrow(1, 0, heads), cache, seqs, tables[g], block_size, scale,
-                                w.window);
-    x = x + out_norm(linear(attn.flatten(1), w.o, int4_group), w.attn_out_norm);
+    at::Tensor qkv, attn;
+    {
+      RECORD_USER_SCOPE("kvserve::qkv_proj");
+      qkv = linear(rms_norm(x, w.input_norm, eps), w.qkv, int4_group)
+                .view({T, heads + 2 * kv_heads, D});
+    }
+    {
+      RECORD_USER_SCOPE("kvserve::attention");
+      auto qk_in = w.q_norm.numel()
+                       ? at::cat({head_norm(qkv.narrow(1, 0, heads), w.q_norm, eps),
+                                  head_norm(qkv.narrow(1, heads, kv_heads), w.k_norm, eps)}, 1)
+                       : qkv.narrow(1, 0, heads + kv_heads);
+      const at::Tensor& c = w.local_rope ? cos_local : cos;
+      const at::Tensor& s = w.local_rope ? sin_local : sin;
+      auto qk = at::addcmul(qk_in * c, qk_in.roll({D / 2}, {-1}), s);
+      store_kv(cache, slots[g], qk.narrow(1, heads, kv_heads),
+               qkv.narrow(1, heads + kv_heads, kv_heads));
+      attn = paged_attention(qk.narrow(1, 0, heads), cache, seqs, tables[g], block_size, scale,
+                             w.window);
+    }
+    {
+      RECORD_USER_SCOPE("kvserve::o_proj");
+      x = x + out_norm(linear(attn.flatten(1), w.o, int4_group), w.attn_out_norm);
+    }
     const auto h = rms_norm(x, w.post_attention_norm, eps);
-    x = x + out_norm(w.moe.top_k ? moe_mlp(h, w.moe, w.gelu, int4_group)
-                                 : gated_mlp(h, w.gate_up, w.down, w.gelu, int4_group),
-                     w.mlp_out_norm);
+    if (w.moe.top_k) {
+      x = x + out_norm(moe_mlp(h, w.moe, w.gelu, int4_group), w.mlp_out_norm);
+    } else {
+      RECORD_USER_SCOPE("kvserve::mlp");
+      x = x + out_norm(gated_mlp(h, w.gate_up, w.down, w.gelu, int4_group), w.mlp_out_norm);
+    }
   }
   return x;
 }
