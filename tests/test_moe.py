@@ -22,7 +22,7 @@ from kvserve.distributed.parallel import TensorParallel
 from kvserve.kv_cache.planner import param_count
 from kvserve.layers.quant import GGUFTensor, GGUFWeight, QuantizedWeight
 from kvserve.models.loader import build_model, load_model, read_model_config
-from kvserve.models.moe import SparseMoE, route
+from kvserve.models.moe import SparseMoE, experts_read, route
 from kvserve.sample.sampling_params import SamplingParams
 from tests.conftest import TINY_CHAT_TEMPLATE, byte_level_tokenizer_json, make_llm
 from tests.test_determinism import (
@@ -142,6 +142,22 @@ def test_routing_weights_follow_the_models_normalization():
     weights, _ = route(logits, 2, normalize=True)  # Mixtral, norm_topk_prob
     torch.testing.assert_close(weights[0], probs[[1, 3]] / probs[[1, 3]].sum())
     assert weights.dtype == torch.float32
+
+
+def test_experts_read_is_the_expected_share_under_uniform_routing():
+    """One token reads its k of E; T tokens 1 - (1 - k/E)^T, nearing all of them; k = E
+    reads every expert at any batch, no tokens none."""
+    assert experts_read(8, 2, 1) == 0.25 and experts_read(128, 8, 1) == 8 / 128
+    assert experts_read(8, 2, 2) == pytest.approx(1 - 0.75 * 0.75)  # 2 of 8 twice: 7/16
+    assert experts_read(8, 2, 32) == pytest.approx(1 - 0.75**32)
+    shares = [experts_read(128, 8, t) for t in (1, 2, 8, 32, 256)]
+    assert shares == sorted(shares) and shares[-1] < 1
+    assert experts_read(128, 8, 1000) == pytest.approx(1, abs=1e-12)
+    assert experts_read(8, 8, 1) == experts_read(8, 8, 32) == 1.0
+    assert experts_read(8, 2, 0) == 0.0
+    for bad in ((8, 0, 1), (8, 9, 1), (8, 2, -1)):
+        with pytest.raises(ValueError):
+            experts_read(*bad)
 
 
 # ------------------------------------------------------------------ configs and refusals
@@ -581,7 +597,7 @@ def test_weight_cache_restores_experts_bit_for_bit(moe_dirs, tmp_path, monkeypat
     assert len(list((tmp_path / "cache" / "weights").glob("*.bin"))) == 2
 
 
-def test_k_quant_experts_under_auto_are_interleaved_in_place(tmp_path, monkeypatch):
+def test_k_quant_experts_under_auto_are_interleaved_in_place(tmp_path, monkeypatch, capsys):
     """A Q4_K_M-like MoE file (Q4_K gate/up and Q6_K down experts) under `auto`, where
     gguf_linear has a vector path (forced here on any CPU, as tests/test_gguf.py does): every
     expert read from its own blocks, interleaved 8 rows at a time at load into exactly the
@@ -589,6 +605,7 @@ def test_k_quant_experts_under_auto_are_interleaved_in_place(tmp_path, monkeypat
     as `gguf` reading the file's layout, and close to the float32 model of the same
     dequantized weights."""
     from kvserve import kernels
+    from kvserve.entrypoints import cli
     from kvserve.layers import quant
     from kvserve.models.gguf_file import gguf_weight_bytes
     from kvserve.models.paths import interleaved_bytes
@@ -628,6 +645,20 @@ def test_k_quant_experts_under_auto_are_interleaved_in_place(tmp_path, monkeypat
     stacks = [int(t.n_bytes) for t in tensors if "_exps." in t.name]
     assert k < e and stacks
     assert held.one_token == held.per_token - sum(s - s * k // e for s in stacks)
+    # a step of 32 tokens, routed uniformly and independently: each expert unread by all 32
+    # with probability (1 - k/E)^32
+    batch32 = held.per_token - sum(stacks) * (1 - k / e) ** 32
+    assert held.reads(32) == pytest.approx(batch32)
+    assert held.reads(1) == pytest.approx(held.per_token - sum(stacks) * (1 - k / e))
+    assert held.one_token < held.reads(32) < held.per_token
+    assert cli.main(["plan", "--model", str(path), "--dtype", "float32", "--kv-cache-memory",
+                     "1MiB", "--max-model-len", "64", "--prompt-len", "40", "--output-len",
+                     "8", "--bandwidth", "10"]) == 0
+    mib = 2**20
+    assert (f"a decode step of one token reads {held.one_token / mib:.1f} MiB ({k} of {e} "
+            f"experts a layer), {batch32 / mib:.1f} MiB at batch 32 (uniform routing), "
+            f"{held.per_token / mib:.1f} MiB with every expert touched") in \
+        capsys.readouterr().out
 
 
 def test_layer_loop_phases_are_profiler_scopes(moe_dirs):

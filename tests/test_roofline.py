@@ -9,10 +9,13 @@ import pytest
 import torch
 
 from kvserve import kernels
+from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.engine.llm import LLM
 from kvserve.entrypoints.cli import main
 from kvserve.layers.linear import LinearBase
 from kvserve.layers.quant import QuantizedWeight
+from kvserve.models.loader import load_model
+from kvserve.models.moe import SparseMoE
 from kvserve.tools import ceilings, roofline
 from kvserve.tools.ceilings import Machine, StepWork, measure_compute
 from kvserve.tools.roofline import Point, WorkModel, cost_model
@@ -60,6 +63,74 @@ def test_dense_bytes_are_what_the_kernel_reads(tiny_llama_bf16_dir):
     assert model.weight_bytes + model.head_bytes == sum(roofline.layer_bytes(m) for m in layers)
     if kernels.dense_half_kernels("cpu", 64, 64) is not None:
         assert model.weight_bytes == 2 * model.params
+
+
+def _projections(net) -> tuple[list[LinearBase], list[LinearBase]]:
+    """(the routed experts' projections, every other projection but the LM head)."""
+    experts = [m for moe in net.modules() if isinstance(moe, SparseMoE)
+               for m in moe.experts.modules() if isinstance(m, LinearBase)]
+    others = [m for m in net.modules() if isinstance(m, LinearBase)
+              and m is not net.lm_head and all(m is not x for x in experts)]
+    return experts, others
+
+
+def _size(layers: list[LinearBase]) -> tuple[int, int]:
+    """(parameters, bytes as their kernels read them) of `layers`."""
+    return (sum(m.in_features * m.out_features for m in layers),
+            sum(roofline.layer_bytes(m) for m in layers))
+
+
+# the tiny MoE models' MLP intermediate a token computes per layer (tests/test_moe.py):
+# qwen3moe 2 of 8 experts of 64 in both layers; qwen2moe 2 of 4 experts of 64 and a shared
+# expert of 128 in layer 0, a dense MLP of 128 in layer 1
+MOE_WIDTHS = {"qwen3moe": (2 * 64, 2 * 64), "qwen2moe": (2 * 64 + 128, 128)}
+
+
+@pytest.mark.parametrize("arch", MOE_WIDTHS)
+def test_moe_counts_the_experts_a_step_reads(tmp_path, arch):
+    """A token's FLOPs count k/E of the routed experts' weights, a step's bytes the share
+    experts_read gives, 1 - (1 - k/E)^T of them (k/E at T = 1), so batch 1 < batch 32 <
+    every expert; the router, a shared expert and a dense layer's MLP count whole."""
+    from tests.test_moe import build_tiny_moe
+
+    net = load_model(build_tiny_moe(tmp_path, arch), torch.float32, torch.device("cpu"),
+                     TorchPagedAttention.for_model).model
+    cfg = net.config
+    experts, others = _projections(net)
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    assert k < e and len(experts) == 2 * e * sum(map(cfg.sparse, range(cfg.num_layers)))
+    (n_exp, b_exp), (n_other, b_other) = _size(experts), _size(others)
+    model = WorkModel(net, kv_bytes_per_token=0)
+    assert model.params == n_other + n_exp * k // e
+    assert model.weight_bytes == b_other + b_exp  # every expert: what a long step reads
+    fixed = b_other + model.norm_bytes + model.head_bytes
+    reads = {}
+    for t in (1, 32):
+        step = model.step(t, 0, 0)  # no sampling, no attention: the projections alone
+        assert step.flops == 2 * t * (n_other + n_exp * k / e)
+        assert step.weight_bytes == pytest.approx(fixed + b_exp * (1 - (1 - k / e) ** t))
+        assert step.act_bytes == 2 * t * sum(2 * 64 + w for w in MOE_WIDTHS[arch]) * 4
+        reads[t] = step.weight_bytes
+    assert reads[1] == pytest.approx(fixed + b_exp * k / e)
+    assert reads[1] < reads[32] < fixed + b_exp
+    assert model.step(4096, 0, 0).weight_bytes == pytest.approx(fixed + b_exp)
+
+
+def test_dense_model_counts_every_projection_every_step(tiny_llama_dir):
+    """No experts: every projection read whole and used by every token, at any batch."""
+    net = load_model(tiny_llama_dir, torch.float32, torch.device("cpu"),
+                     TorchPagedAttention.for_model).model
+    cfg = net.config
+    experts, others = _projections(net)
+    n, b = _size(others)
+    model = WorkModel(net, kv_bytes_per_token=0)
+    assert experts == [] and model.expert_bytes == {} and model.params == n
+    for t in (1, 32):
+        step = model.step(t, 0, 0)
+        assert step.flops == 2 * t * n
+        assert step.weight_bytes == b + model.norm_bytes + model.head_bytes
+        assert step.act_bytes == 2 * t * cfg.num_layers * (2 * cfg.hidden_size +
+                                                           cfg.intermediate_size) * 4
 
 
 @pytest.mark.parametrize(("quantization", "dtype", "expected"), [

@@ -32,6 +32,7 @@ from kvserve.models.arch import (
     split_fused,
 )
 from kvserve.models.gguf_quants import decode_groups
+from kvserve.models.moe import experts_read
 
 log = logging.getLogger(__name__)
 
@@ -330,12 +331,25 @@ class WeightBytes:
     the embedding, whose lookups read one row per token); `in_place`, of resident, the
     file's own pages (a read-only map: shared, evictable). `one_token`: what a step of one
     token reads, the same but for a mixture of experts, whose token reads only its k of each
-    layer's E experts (k/E of each expert stack)."""
+    layer's E experts (k/E of each expert stack, rounded down). `stacks`: of per_token, the
+    expert stacks' bytes, `used` of `experts` a token reads (all 0 for a dense model)."""
 
     resident: int
     per_token: int
     in_place: int
     one_token: int
+    stacks: int = 0
+    experts: int = 0
+    used: int = 0
+
+    def reads(self, tokens: int) -> float:
+        """Bytes a decode step of `tokens` tokens reads on average: per_token with the expert
+        stacks at the share experts_read gives (uniform, independent routing). reads(1) is
+        one_token before its rounding; a dense model's is per_token whatever the batch."""
+        if not self.stacks:
+            return float(self.per_token)
+        return self.per_token - self.stacks + \
+            self.stacks * experts_read(self.experts, self.used, tokens)
 
 
 def gguf_weight_bytes(path: Path, dtype: torch.dtype, in_place: bool) -> WeightBytes | None:
@@ -347,7 +361,8 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, in_place: bool) -> WeightB
     quantized matrix counts the int4 or int8 tiles it is packed into (0.625 or 1.125 bytes a
     weight), the embedding `dtype`'s floats and a tied head an int8 copy; float tensors
     count `dtype`'s size. An MoE layer's stack of experts counts as its matrices, every
-    expert in `per_token` (a step whose tokens touch them all), k of E in `one_token`."""
+    expert in `per_token` (a step whose tokens touch them all), k of E in `one_token`, the
+    share experts_read gives in `reads(tokens)`."""
     if path.suffix != ".gguf":
         return None
     reader = open_gguf(path)
@@ -363,7 +378,7 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, in_place: bool) -> WeightB
         return gguf_native(kind) and (in_place or kind in auto_types)
 
     head_served = served(kinds.get("output.weight", kinds.get("token_embd.weight", "")))
-    resident = per_token = mapped = one_token = 0
+    resident = per_token = mapped = one_token = stacks = 0
     item = torch.empty(0, dtype=dtype).element_size()
     for t in reader.tensors:
         kind, count = t.tensor_type.name, int(np.prod([int(x) for x in t.shape]))
@@ -388,7 +403,9 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, in_place: bool) -> WeightB
             per_token += size
             stack = "_exps." in t.name and experts and used
             one_token += size * used // experts if stack else size
+            stacks += size if stack else 0
         elif embedding and tied:
             per_token += size if head_served else head
             one_token += size if head_served else head
-    return WeightBytes(resident, per_token, mapped, one_token)
+    return WeightBytes(resident, per_token, mapped, one_token, stacks,
+                       experts if stacks else 0, used if stacks else 0)

@@ -66,6 +66,21 @@ class RouterLinear(ReplicatedLinear):
         return y if y.shape[1] == self.out_features else y[:, :self.out_features].contiguous()
 
 
+def experts_read(experts: int, used: int, tokens: int) -> float:
+    """The expected share of a layer's `experts` that a step of `tokens` tokens reads, each
+    token routed to `used` distinct experts of them: 1 - (1 - used/experts)**tokens (one
+    token: used/experts exactly; 0 tokens: 0; used == experts: all of them).
+
+    Assumes each token's experts are a uniformly random `used` of the `experts`, independent
+    of every other token's. The figure is an expectation, not a bound on any one step: a
+    router skewed toward popular experts (tokens routed alike) reads fewer, tokens that
+    favour different experts more. The one rule the cost models (kvserve roofline's,
+    kvserve plan's) count expert bytes by."""
+    if not 0 < used <= experts or tokens < 0:
+        raise ValueError(f"{used} experts used of {experts}, {tokens} tokens")
+    return 1.0 - (1.0 - used / experts) ** tokens
+
+
 def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int64), each row's
     k experts in ascending id order (the order their outputs are summed in).

@@ -32,13 +32,19 @@ step's cost over-counted (or its bytes stayed in a cache), and is flagged as suc
 What a step is counted to need (`StepWork`):
 - weights: every projection in the form its kernel reads (`PackedWeight.nbytes`: the
   quantized tiles with their scales, the repacked dense weight, else the weight itself),
-  the LM head likewise, the norms;
+  the LM head likewise, the norms; of a mixture-of-experts layer's routed experts (each
+  token's k of E), only the share a step of T new tokens reads on average under uniform,
+  independent routing (`kvserve.models.moe.experts_read`: k/E at T = 1, nearing all of
+  them as T grows; a real router's skew reads fewer, so such a step can show above its
+  floor); an MoE layer's router and shared expert count whole, as any projection;
 - KV: the cache rows the step reads (each decode query its whole context; a prefill chunk
   its earlier context once) and its new rows (written);
 - activations: per token and layer, the hidden state and MLP intermediate read and written
-  once (a lower bound: real kernels touch them a few times);
-- FLOPs: 2 per weight per token (LM head per sampled row) plus attention, 4 x heads x head
-  dim per layer per attended position.
+  once (a lower bound: real kernels touch them a few times); an MoE layer's intermediate is
+  its k experts' and its shared expert's;
+- FLOPs: 2 per weight a token uses per token (an MoE layer's: k of its E experts, the
+  router, a shared expert; LM head per sampled row) plus attention, 4 x heads x head dim
+  per layer per attended position.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ import torch
 
 from kvserve.layers.linear import LinearBase
 from kvserve.layers.quant import GGUFWeight, QuantizedWeight
+from kvserve.models.moe import SparseMoE, experts_read
 from kvserve.tools.ceilings import (
     ARITHMETIC,
     INT8,
@@ -80,15 +87,30 @@ class WorkModel:
         self.kv_per_token = kv_bytes_per_token
         act = model.embed_tokens.weight.dtype
         self.attention = ARITHMETIC[act]
-        self.weight_bytes = 0.0  # projection weights as their kernels read them
+        self.weight_bytes = 0.0  # projection weights as their kernels read them, all experts
+        # of weight_bytes, the routed experts' by (E, k): a step reads experts_read of them
+        self.expert_bytes: dict[tuple[int, int], float] = {}
         self.params_by: dict[str, int] = {}  # per arithmetic, projection parameters a token uses
         head = model.lm_head
+        routed: dict[int, tuple[int, int]] = {}  # id of an expert's projection -> (E, k)
+        for moe in model.modules():
+            if isinstance(moe, SparseMoE):
+                routed |= {id(m): (len(moe.experts), moe.top_k)
+                           for m in moe.experts.modules() if isinstance(m, LinearBase)}
+        experts: dict[tuple[str, int, int], int] = {}  # all experts' parameters, by (a, E, k)
         for module in model.modules():
             if isinstance(module, LinearBase) and module is not head:
                 a = arithmetic_of(module, act)
-                self.params_by[a] = self.params_by.get(a, 0) + \
-                    module.in_features * module.out_features
-                self.weight_bytes += layer_bytes(module)
+                n, size = module.in_features * module.out_features, layer_bytes(module)
+                if id(module) in routed:
+                    e, k = routed[id(module)]
+                    experts[a, e, k] = experts.get((a, e, k), 0) + n
+                    self.expert_bytes[e, k] = self.expert_bytes.get((e, k), 0.0) + size
+                else:
+                    self.params_by[a] = self.params_by.get(a, 0) + n
+                self.weight_bytes += size
+        for (a, e, k), n in experts.items():  # E experts of one size a layer: k/E is whole
+            self.params_by[a] = self.params_by.get(a, 0) + n * k // e
         self.head = arithmetic_of(head, act)
         self.head_params = head.in_features * head.out_features
         self.head_bytes = layer_bytes(head)
@@ -98,8 +120,24 @@ class WorkModel:
 
     @property
     def params(self) -> int:
-        """Projection parameters used by every token (LM head apart)."""
+        """Projection parameters a token uses (LM head apart): an MoE layer's k of E
+        experts."""
         return sum(self.params_by.values())
+
+    def projection_bytes(self, tokens: int) -> float:
+        """Bytes of the projections (LM head apart) a step of `tokens` new tokens reads: the
+        routed experts' at their expected share (experts_read), every other's whole."""
+        return self.weight_bytes + sum(b * (experts_read(e, k, tokens) - 1.0)
+                                       for (e, k), b in self.expert_bytes.items())
+
+    def mlp_width(self, layer: int) -> int:
+        """The MLP intermediate features a token computes in `layer`: an MoE layer's k
+        experts' and its shared expert's."""
+        cfg = self.cfg
+        if not cfg.sparse(layer):
+            return cfg.intermediate_size
+        return cfg.num_experts_per_tok * cfg.moe_intermediate_size + \
+            cfg.shared_expert_intermediate_size
 
     def step(self, tokens: int, sampled: int, attended: int, kv_rows: int | None = None
              ) -> StepWork:
@@ -107,7 +145,7 @@ class WorkModel:
         attend to `attended` (query, key) pairs in all, reading `kv_rows` cached K/V rows
         (default `attended`: every query reads its own context, as decode does)."""
         cfg = self.cfg
-        weights = self.weight_bytes + self.norm_bytes + self.head_bytes
+        weights = self.projection_bytes(tokens) + self.norm_bytes + self.head_bytes
         flops = {a: 2.0 * n * tokens for a, n in self.params_by.items()}
         for a, f in ((self.head, 2.0 * self.head_params * sampled),
                      (self.attention, 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim
@@ -116,8 +154,8 @@ class WorkModel:
                 flops[a] = flops.get(a, 0.0) + f
         # K/V: the rows read (all KV heads of a row: kv_per_token), and the new rows written.
         kv = self.kv_per_token * ((attended if kv_rows is None else kv_rows) + tokens)
-        act = 2 * tokens * cfg.num_layers * (2 * cfg.hidden_size + cfg.intermediate_size) \
-            * self.act_size
+        act = 2 * tokens * sum(2 * cfg.hidden_size + self.mlp_width(i)
+                               for i in range(cfg.num_layers)) * self.act_size
         return StepWork(flops, weights, kv, act)
 
     def decode(self, batch: int, context: int) -> StepWork:

@@ -161,11 +161,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+MOE_BATCH = 32  # plan's middle figure of what an MoE model's decode step reads
+
+
 def _print_weights(args: argparse.Namespace, cfg, path: Path, dtype) -> int:
     """`plan`'s weights lines and its decode floor: the bytes held and read a token, as
     --quantization auto and gguf hold a GGUF's matrices. Returns the bytes held."""
     from kvserve.kv_cache.planner import dtype_name, param_count, weight_bytes
-    from kvserve.models.gguf_file import gguf_weight_bytes
+    from kvserve.models.gguf_file import WeightBytes, gguf_weight_bytes
 
     mib = 2**20
     held = gguf_weight_bytes(path, dtype, in_place=False)
@@ -177,11 +180,12 @@ def _print_weights(args: argparse.Namespace, cfg, path: Path, dtype) -> int:
     mapped = gguf_weight_bytes(path, dtype, in_place=True)
     assert mapped is not None
     pages = f" ({held.in_place / mib:.1f} MiB of it the file's pages)" if held.in_place else ""
-    def reads(b) -> str:
+    def reads(b: WeightBytes) -> str:
         if b.one_token == b.per_token:
             return f"a decode step reads {b.per_token / mib:.1f} MiB"
         return (f"a decode step of one token reads {b.one_token / mib:.1f} MiB "
                 f"({cfg.num_experts_per_tok} of {cfg.num_experts} experts a layer), "
+                f"{b.reads(MOE_BATCH) / mib:.1f} MiB at batch {MOE_BATCH} (uniform routing), "
                 f"{b.per_token / mib:.1f} MiB with every expert touched")
 
     print(f"weights: {param_count(cfg):,} parameters = {held.resident / mib:.1f} MiB as "
