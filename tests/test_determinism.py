@@ -44,8 +44,9 @@ def run_workload(args: EngineArgs, requests: list[tuple[list[int], SamplingParam
                  ) -> list[list[Completion]]:
     """Each request (prompt ids, params, arrival step) added at its step of one engine;
     returns every request's completions (token ids, their logprobs), in request order.
-    `counts` gets the run's "preemptions". An engine without batch-invariant kernels skips
-    the test, or fails it with `must_be_invariant`."""
+    `counts` gets the run's "preemptions" and, under speculation, its draft tokens
+    ("drafts") and how many of them were accepted ("accepted"). An engine without
+    batch-invariant kernels skips the test, or fails it with `must_be_invariant`."""
     engine = build_engine(args)
     if must_be_invariant:
         assert not engine.local_core.runner.model.batch_variant_parts()
@@ -65,6 +66,8 @@ def run_workload(args: EngineArgs, requests: list[tuple[list[int], SamplingParam
     engine.check_integrity()
     if counts is not None:
         counts["preemptions"] = engine.local_core.scheduler.num_preemptions
+        if (spec := engine.local_core.speculation) is not None:
+            counts["drafts"], counts["accepted"] = spec.stats.num_drafts, spec.stats.num_accepted
     engine.close()
     return [done[str(i)] for i in range(len(requests))]
 

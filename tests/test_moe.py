@@ -366,7 +366,8 @@ def test_requests_are_independent_of_their_batch(moe_dirs, arch, tmp_path):
     """Each request's tokens and logprobs, bit for bit, as it gives alone: batched with
     others (rows sharing experts and not), its prompt chunked (8- and 16-token steps),
     prefix-cache hits, preemption (a pool of 50 blocks of 4 for 8 requests of up to 67
-    tokens), n-gram speculation; greedy and seeded requests."""
+    tokens), n-gram speculation and a draft model (the MoE model drafting for itself: a
+    random model's drafts for another are all rejected); greedy and seeded requests."""
     model = str(moe_dirs[arch])
     rng = np.random.default_rng(7)
     prefix = rng.integers(2, 320, 20).tolist()
@@ -381,7 +382,7 @@ def test_requests_are_independent_of_their_batch(moe_dirs, arch, tmp_path):
     alone = Alone()
     preempted = 0
     for budget, blocks, caching, spec in ((8, 12, True, None), (512, 256, False, "ngram"),
-                                          (16, 24, True, "ngram")):
+                                          (16, 24, True, "ngram"), (16, 24, True, "draft_model")):
         cfg = {"model": model, "draft_model": model, "max_num_batched_tokens": budget,
                "block_size": 4, "num_kv_blocks": blocks, "enable_prefix_caching": caching,
                "short_prompt_steps": True, "tier": None, "speculation": spec}
@@ -389,6 +390,8 @@ def test_requests_are_independent_of_their_batch(moe_dirs, arch, tmp_path):
         counts: dict[str, int] = {}
         got = run_workload(args, requests, counts, must_be_invariant=True)
         preempted += counts["preemptions"]
+        if spec == "draft_model":  # its drafts were verified and kept
+            assert 0 < counts["accepted"] <= counts["drafts"], counts
         for (prompt, params, _), out in zip(requests, got, strict=True):
             assert out == alone(args, prompt, params), (budget, prompt, params)
     assert preempted > 0
