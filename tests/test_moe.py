@@ -1,8 +1,8 @@
 """Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral): tiny random models built with
 transformers' own classes, served from their Hugging Face directories and from GGUF files
 written here, against transformers on the same weights; the C++ layer loop (run_layers'
-moe_mlp) against the torch modules bit for bit; routing and determinism; gpt-oss refused by
-name."""
+moe_mlp) against the torch modules bit for bit; routing and determinism; experts cut across
+tensor-parallel ranks; gpt-oss refused by name."""
 
 from __future__ import annotations
 
@@ -203,10 +203,36 @@ def test_gpt_oss_is_refused_by_name(tmp_path):
             assert missing in str(e.value)
 
 
-def test_experts_are_refused_under_tensor_parallelism(moe_dirs):
-    cfg = read_model_config(moe_dirs["qwen3moe"])
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        SparseMoE(cfg, TensorParallel(rank=0, size=2))
+def test_experts_are_cut_by_their_features_across_ranks(moe_dirs):
+    """Under tensor parallelism each rank holds every expert (and a shared expert) cut by
+    intermediate features, as a dense MLP is, and the router and shared gate whole."""
+    cfg = read_model_config(moe_dirs["qwen2moe"])
+    inter, shared = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    for rank in (0, 1):
+        moe = SparseMoE(cfg, TensorParallel(rank=rank, size=2))
+        assert len(moe.experts) == cfg.num_experts
+        for mlp, width in [(e, inter) for e in moe.experts] + [(moe.shared_expert, shared)]:
+            assert mlp is not None
+            assert tuple(mlp.gate_up_proj.weight.shape) == (2 * (width // 2), cfg.hidden_size)
+            assert tuple(mlp.down_proj.weight.shape) == (cfg.hidden_size, width // 2)
+        assert moe.router.weight.shape[0] == cfg.num_experts and moe.shared_gate is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "quantization"),
+                         [(a, "none") for a in ARCHS] + [("qwen2moe", "int8")])
+def test_tp2_greedy_matches_one_process(moe_dirs, arch, quantization):
+    """Two gloo ranks, experts cut by their features, give one process's greedy tokens
+    (float32; int8 experts, a shard scaled by its whole rows as one process scales them),
+    prompts chunked over 16-token steps beside decodes."""
+    prompts = [IDS[:9], IDS[3:37], IDS[20:25]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for size in (1, 2):
+        with make_llm(moe_dirs[arch], tensor_parallel_size=size, quantization=quantization,
+                      max_num_batched_tokens=16) as llm:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1]
 
 
 # ------------------------------------------------------------ against transformers (HF dir)

@@ -187,9 +187,6 @@ def build_parts(config: StartupConfig) -> CoreParts:
     if args.tensor_parallel_size > 1:
         cfg = read_model_config(config.model_path)  # metadata only: refuse a bad split first
         check_split(cfg.num_heads, cfg.num_kv_heads, args.tensor_parallel_size)
-        if cfg.num_experts:
-            raise ValueError("mixture-of-experts models do not run under tensor parallelism "
-                             "yet (experts split across ranks: issue 41); use one rank")
         workers = TensorParallelWorkers(
             str(config.model_path), config.dtype, str(device), config.kv_cache_dtype,
             config.quantization, args.block_size, args.tensor_parallel_size, args.tp_timeout,

@@ -24,9 +24,18 @@ class GatedMLP(nn.Module):
         self.gelu = gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self._activated(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of forward(x), before the sum over ranks (forward(x) itself on
+        one rank): a mixture of experts weights and adds its experts' shares first, then
+        sums once a layer instead of once an expert."""
+        return self.down_proj.matmul(self._activated(x))
+
+    def _activated(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * up)
+        return act * up
 
     def load(self, kind: str, w: torch.Tensor | GGUFTensor, what: str = "weight",
              source: tuple[str, QuantGroups | None] | None = None) -> None:

@@ -103,29 +103,35 @@ def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, 
 
 class SparseMoE(nn.Module):
     """A sparse layer's MLP: `num_experts` GatedMLPs, a router and, for Qwen2-MoE, a shared
-    expert with its sigmoid gate. Not split under tensor parallelism (yet): a model with
-    experts is refused there."""
+    expert with its sigmoid gate.
+
+    Under tensor parallelism every rank holds every expert, each cut by its intermediate
+    features as a dense MLP is (gate/up by output rows, down by input columns), and the
+    router and shared gate whole. Each rank routes the same tokens to the same experts,
+    weights and adds its experts' partial outputs, and the layer's output is summed over
+    the ranks once. Cutting by features rather than handing whole experts to ranks keeps
+    every rank's work equal whatever the routing (at batch 1 a token's k experts would fall
+    unevenly on the ranks, and the step waits for the busier one) and needs no exchange of
+    token rows between ranks: one all-reduce a layer, as a dense MLP has."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        if tp.size > 1:
-            raise ValueError("mixture-of-experts models do not run under tensor parallelism "
-                             "yet (experts split across ranks: issue 41); use one rank")
+        self.tp = tp
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         hidden, gelu = cfg.hidden_size, cfg.hidden_act == "gelu_tanh"
         self.router = RouterLinear(hidden, cfg.num_experts)
-        self.experts = nn.ModuleList(GatedMLP(hidden, cfg.moe_intermediate_size, gelu)
+        self.experts = nn.ModuleList(GatedMLP(hidden, cfg.moe_intermediate_size, gelu, tp)
                                      for _ in range(cfg.num_experts))
         shared = cfg.shared_expert_intermediate_size
-        self.shared_expert = GatedMLP(hidden, shared, gelu) if shared else None
+        self.shared_expert = GatedMLP(hidden, shared, gelu, tp) if shared else None
         self.shared_gate = RouterLinear(hidden, 1) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.router(x), self.top_k, self.normalize)
         out = self._experts(x, weights, ids)
         if self.shared_expert is not None and self.shared_gate is not None:
-            out = out + _sigmoid_by_row(self.shared_gate(x)) * self.shared_expert(x)
-        return out
+            out = out + _sigmoid_by_row(self.shared_gate(x)) * self.shared_expert.partial(x)
+        return self.tp.all_reduce(out)  # one rank: out itself
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                  ) -> torch.Tensor:
@@ -147,7 +153,7 @@ class SparseMoE(nn.Module):
                 continue  # an expert no row uses is not read
             rows = order[start:start + n]
             start += n
-            slots[rows] = expert(x[rows // k]).float() * w[rows, None]
+            slots[rows] = expert.partial(x[rows // k]).float() * w[rows, None]
         slots = slots.view(t, k, hidden)
         out = slots[:, 0]
         for j in range(1, k):  # one addition at a time: a fixed order per row
