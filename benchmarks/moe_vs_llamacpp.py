@@ -11,9 +11,16 @@ models (whose helpers it uses). Two shapes (--shape):
               of 768 features, 8 used, renormalized) in 12 of its 48 layers: 7.7B parameters,
               0.78B read a token (the issue's 4-8B total, 0.5-1B active); ~4.4 GiB as Q4_K_M,
               ~15 GiB of F16 on disk while it is built
+  a3b         all 48 of Qwen3-30B-A3B's layers (30.3B parameters, 2.9B read a token; its
+              own 151,936-token vocabulary is SmolLM2's 49,152 here): a3b-12l's quantized
+              layers four times over (layer i is a3b-12l's layer i % 12, the blocks copied
+              as llama-quantize wrote them: no 61 GB F16 file), ~17 GiB as Q4_K_M. Two such
+              servers do not fit 24 GiB at once, so this shape runs benchmarks/vs_llamacpp.py
+              (one server at a time: a 500-token prefill and batch-1 decode, each server's
+              peak resident memory) instead of paired.py
 
     python benchmarks/moe_vs_llamacpp.py [--shape small] [--out FILE] [--type Q4_K_M]
-        [--rounds 3] [--no-run] [paired.py's options...]
+        [--rounds 3] [--no-run] [paired.py's (a3b: vs_llamacpp.py's) options...]
 
 Writes the file once (reused when it exists: ~/.cache/kvserve-bench/models/
 random-qwen3moe-SHAPE-Q4_K_M.gguf), prints its path and the CPU (model name, family/model),
@@ -49,6 +56,9 @@ SHAPES = {
                     experts_used=8, expert_ffn=768, context=8192, rope_theta=1000000.0,
                     eps=1e-6),
 }
+# a3b: a3b-12l's layers repeated to the real model's 48 (see repeat_layers)
+SHAPES["a3b"] = dict(SHAPES["a3b-12l"], name="random Qwen3-MoE (30B-A3B shape, 48 layers)",
+                     layers=48, repeats="a3b-12l")
 
 
 def cpu_name() -> str:
@@ -120,8 +130,53 @@ def write_f16(path: Path, tokenizer_gguf: Path, s: dict, seed: int = 0) -> None:
     w.close()
 
 
+def repeat_layers(src: Path, out: Path, s: dict) -> None:
+    """`out`: the quantized file `src` with s["layers"] layers, layer i a copy of src's
+    layer i % (src's layers): every tensor's blocks copied byte for byte, the metadata
+    src's but for the layer count and the name. Written one tensor at a time."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    have = int(reader.fields["qwen3moe.block_count"].contents())
+    w = gguf.GGUFWriter(str(out), "qwen3moe")
+    for f in reader.fields.values():
+        if f.name in (gguf.Keys.General.ARCHITECTURE, "qwen3moe.block_count",
+                      gguf.Keys.General.NAME) or f.name.startswith("GGUF."):
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    w.add_name(s["name"])
+    w.add_block_count(s["layers"])
+    by_name = {t.name: t for t in reader.tensors}
+    order = [t.name for t in reader.tensors if not t.name.startswith("blk.")]
+    copies = [(name, name) for name in order]
+    for i in range(s["layers"]):
+        prefix = f"blk.{i % have}."
+        copies += [(f"blk.{i}." + t.name[len(prefix):], t.name) for t in reader.tensors
+                   if t.name.startswith(prefix)]
+    for name, source in copies:
+        t = by_name[source]
+        w.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for _, source in copies:
+        w.write_tensor_data(by_name[source].data)
+    w.close()
+
+
 def ensure_model(out: Path, qtype: str, cache: Path, shape: dict) -> Path:
     if out.is_file():
+        return out
+    if "repeats" in shape:
+        src = ensure_model(out.with_name(out.name.replace("-a3b-", f"-{shape['repeats']}-")),
+                           qtype, cache, SHAPES[shape["repeats"]])
+        t0 = time.perf_counter()
+        part = out.with_name(out.name + ".part")
+        repeat_layers(src, part, shape)
+        part.rename(out)
+        harness.log(f"wrote {out} ({out.stat().st_size / 2**20:.0f} MiB) from {src.name}'s "
+                    f"layers in {time.perf_counter() - t0:.0f} s")
         return out
     from kvserve.models.paths import default_model_path
 
@@ -163,11 +218,17 @@ def main() -> int:
     print(f"CPU: {cpu_name()}", flush=True)
     if args.no_run:
         return 0
-    paired = Path(__file__).resolve().with_name("paired.py")
-    cmd = [sys.executable, str(paired), "--model", str(out), "--rounds", str(args.rounds),
-           *paired_args]
+    if "repeats" in s:  # one server at a time
+        script = Path(__file__).resolve().with_name("vs_llamacpp.py")
+        cmd = [sys.executable, str(script), "--model", str(out), "--only",
+               "kvserve,llama-server", "--workloads", "prefill,decode-16", "--repeats",
+               str(args.rounds), *paired_args]
+    else:
+        script = Path(__file__).resolve().with_name("paired.py")
+        cmd = [sys.executable, str(script), "--model", str(out), "--rounds", str(args.rounds),
+               *paired_args]
     print("$ " + " ".join(cmd), flush=True)
-    return subprocess.call(cmd, cwd=paired.parent)
+    return subprocess.call(cmd, cwd=script.parent)
 
 
 if __name__ == "__main__":

@@ -704,3 +704,32 @@ def test_layer_loop_phases_are_profiler_scopes(moe_dirs):
     names = {e.key for e in prof.key_averages()}
     assert {f"kvserve::{p}" for p in ("qkv_proj", "attention", "o_proj", "mlp", "moe_router",
                                       "moe_experts", "moe_combine", "moe_shared_expert")} <= names
+
+
+def test_benchmark_repeats_a_files_layers_block_for_block(moe_dirs, tmp_path, monkeypatch):
+    """benchmarks/moe_vs_llamacpp.py's a3b shape: a quantized file's layers copied to more
+    layers (layer i = layer i % L, every tensor's bytes as written), the metadata the
+    source's but the layer count, and the result a model kvserve loads."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from moe_vs_llamacpp import repeat_layers
+
+    src, out = tmp_path / "two.gguf", tmp_path / "five.gguf"
+    write_moe_gguf(moe_dirs["qwen3moe"], src, "qwen3moe", gguf.GGMLQuantizationType.Q8_0)
+    repeat_layers(src, out, {"name": "five layers", "layers": 5})
+    a, b = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(out))
+    assert int(b.fields["qwen3moe.block_count"].contents()) == 5
+    assert b.fields["general.name"].contents() == "five layers"
+    assert b.fields["qwen3moe.expert_count"].contents() == \
+        a.fields["qwen3moe.expert_count"].contents()
+    have = int(a.fields["qwen3moe.block_count"].contents())
+    source = {t.name: t for t in a.tensors}
+    for t in b.tensors:
+        parts = t.name.split(".")
+        name = ".".join(["blk", str(int(parts[1]) % have), *parts[2:]]) \
+            if parts[0] == "blk" else t.name
+        s = source[name]
+        assert t.tensor_type == s.tensor_type and np.array_equal(t.data, s.data), t.name
+    assert len(b.tensors) == len(a.tensors) + (5 - have) * len(
+        [t for t in a.tensors if t.name.startswith("blk.0.")])
+    assert read_model_config(out).num_layers == 5
+    load_model(out, torch.float32, torch.device("cpu"), _backend)
