@@ -33,9 +33,17 @@ class StepRecord:
     # queue and queued ones refused (429); its preemptions count in `preempted`
     requeued: int = 0
     refused: int = 0
+    # Of forward, the seconds in each phase of the C++ layer loop that took any (run_layers:
+    # qkv_proj, attention, o_proj, mlp, moe_router, moe_experts, moe_combine,
+    # moe_shared_expert); empty where the layers ran as torch modules.
+    layers: dict[str, float] = field(default_factory=dict)
 
     def as_json(self) -> dict:
-        return {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        def rounded(v: object) -> object:
+            if isinstance(v, dict):
+                return {k: rounded(x) for k, x in v.items()}
+            return round(v, 6) if isinstance(v, float) else v
+        return {k: rounded(v) for k, v in asdict(self).items()}
 
 
 class _AcceptanceRates:

@@ -733,3 +733,25 @@ def test_benchmark_repeats_a_files_layers_block_for_block(moe_dirs, tmp_path, mo
         [t for t in a.tensors if t.name.startswith("blk.0.")])
     assert read_model_config(out).num_layers == 5
     load_model(out, torch.float32, torch.device("cpu"), _backend)
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "dense"])
+def test_step_records_split_forward_by_layer_phase(moe_dirs, tiny_llama_dir, arch):
+    """Each step's record splits its forward into the C++ layer loop's phases (the wall time
+    of each, summed over the layers): a sparse layer's router, experts, sum and shared
+    expert, a dense layer's MLP, and every layer's projections and attention, together no
+    more than the forward they are part of."""
+    if kernels.ops() is None:
+        pytest.fail("the C++ kernels are built on every test machine")
+    with make_llm(tiny_llama_dir if arch == "dense" else moe_dirs[arch]) as llm:
+        llm.generate([IDS[:20]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        steps = list(llm.engine.local_core.steps)
+    assert len(steps) >= 4
+    moe = {"moe_router", "moe_experts", "moe_combine", "moe_shared_expert"}
+    for s in steps:
+        want = {"qkv_proj", "attention", "o_proj"} | (moe | {"mlp"} if arch != "dense" else
+                                                      {"mlp"})
+        assert set(s.layers) == want, s.layers  # qwen2moe: one sparse layer, one dense
+        assert all(v > 0 for v in s.layers.values())
+        assert sum(s.layers.values()) <= s.forward
+        assert s.as_json()["layers"].keys() == s.layers.keys()

@@ -306,7 +306,9 @@ class EngineCore(StartupCalibration):
             drafts, len(sched.preempted), t1 - t0, t2 - t1, timings.get("prepare", 0.0),
             timings.get("forward", 0.0), timings.get("sample", 0.0), max(t_end - t3, 0.0),
             t_end - t0, timings.get("all_reduce", 0.0), kv_io, timings.get("grammar", 0.0),
-            len(sched.requeued), len(sched.refused)))
+            len(sched.requeued), len(sched.refused),
+            {k.removeprefix("layers."): v for k, v in timings.items()
+             if k.startswith("layers.")}))
 
     def _append(self, req: Request, tokens: list[int], logprobs: list, now: float
                 ) -> CoreOutput:

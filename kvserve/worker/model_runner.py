@@ -105,7 +105,8 @@ def run_forward(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_si
     """One forward pass over a batch of items -> final hidden states [sum(num_outputs), H],
     item after item. Shared by the target and by draft models (with their own caches).
     `kv_caches` are allocate_kv_caches' for `layout` (None: one group, a cache per layer).
-    `timings`, when given, receives the seconds spent in "prepare" and "forward"."""
+    `timings`, when given, receives the seconds spent in "prepare" and "forward", and where
+    the C++ layer loop ran, its phases' as "layers.PHASE" (parts of forward)."""
     t0 = time.perf_counter()
     bs = block_size
     num_groups = layout.num_groups if layout is not None else 1
@@ -133,6 +134,9 @@ def run_forward(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_si
         for g in range(num_groups)]
     ids = torch.tensor(input_ids, dtype=torch.long, device=device)
     pos = torch.tensor(positions, dtype=torch.long, device=device)
+    phases = kernels.ops() if timings is not None and device.type == "cpu" else None
+    if phases is not None:
+        phases.layer_phase_seconds()  # from now on: not earlier calls' (a drafter's)
     t1 = time.perf_counter()
     if layout is not None and layout.hybrid:
         hidden = model(ids, pos, [kv_caches[s] for s in layout.layer_slot],
@@ -144,6 +148,11 @@ def run_forward(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_si
     if timings is not None:
         timings["prepare"] = timings.get("prepare", 0.0) + t1 - t0
         timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t1
+        if phases is not None:
+            for name, seconds in phases.layer_phase_seconds().items():
+                if seconds:
+                    key = f"layers.{name}"
+                    timings[key] = timings.get(key, 0.0) + seconds
     return hidden
 
 
@@ -164,7 +173,8 @@ class ModelRunnerOutput:
     pooled: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
     # Seconds spent in "prepare" (inputs, metadata), "forward", "grammar" (structured outputs'
     # masks) and "sample"; under tensor parallelism also "all_reduce", the part of forward and
-    # sample spent in collectives.
+    # sample spent in collectives; where the C++ layer loop ran, "layers.PHASE" for each of
+    # its phases (run_forward), parts of forward.
     timings: dict[str, float] = field(default_factory=dict)
 
 

@@ -11,7 +11,12 @@
 // float32 rows into a float16 or bf16 cache rounded to nearest even, as torch's .to() rounds.
 #include "common.h"
 
+#include <array>
+#include <chrono>
 #include <cmath>
+#include <map>
+#include <mutex>
+#include <string>
 #include <vector>
 
 #include <ATen/record_function.h>
@@ -167,6 +172,33 @@ struct DecoderWeights {
 
 namespace {
 
+// run_layers' phases: each a torch.profiler scope (kvserve::NAME) and a wall-clock total the
+// engine's step records read (layer_phase_seconds).
+enum Phase { kQkvProj, kAttention, kOProj, kMlp, kMoeRouter, kMoeExperts, kMoeCombine,
+             kMoeShared, kPhases };
+constexpr std::array<const char*, kPhases> kPhaseNames = {
+    "qkv_proj", "attention", "o_proj", "mlp", "moe_router", "moe_experts", "moe_combine",
+    "moe_shared_expert"};
+using PhaseSeconds = std::array<double, kPhases>;
+
+// Adds its scope's wall time to one phase of a call's totals.
+struct PhaseTimer {
+  double* total;
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  explicit PhaseTimer(double* t) : total(t) {}
+  ~PhaseTimer() {
+    *total += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+};
+#define KVS_PHASE(phases, id, name)           \
+  RECORD_USER_SCOPE("kvserve::" name);        \
+  PhaseTimer kvs_phase_timer_(&(phases)[id])
+
+// Every run_layers call's phase totals since layer_phase_seconds last took them. A call keeps
+// its own and adds them here once, under the lock (engines in other threads may call too).
+std::mutex g_phase_lock;
+PhaseSeconds g_phase_seconds{};
+
 // y = x W^T (+ b) as kvserve.layers.linear computes it: quant_pack's tiles (uint8/int8, 3-D) ->
 // quant_linear; dense_pack's tiles (3-D, x's dtype) -> dense_linear; torch's int4 (uint8) or
 // int8 packing (2-D) -> torch's kernel; nothing packed -> the plain weight.
@@ -212,18 +244,19 @@ at::Tensor router_out(const at::Tensor& x, const LinearWeights& w, int64_t n, in
 // one (a counting sort: stable); each used expert's gated MLP on its slots' rows, in one
 // gguf_grouped call per matrix where the experts are GGUF blocks, else one after another;
 // the weighted sum (moe_combine); plus the shared expert times sigmoid(its gate).
-at::Tensor moe_mlp(const at::Tensor& x, const MoEWeights& m, bool gelu, int64_t group) {
+at::Tensor moe_mlp(const at::Tensor& x, const MoEWeights& m, bool gelu, int64_t group,
+                   PhaseSeconds& phases) {
   const int64_t T = x.size(0), k = m.top_k, S = T * k;
   if (T == 0) return at::zeros_like(x);
   at::Tensor weights, ids;
   {
-    RECORD_USER_SCOPE("kvserve::moe_router");
+    KVS_PHASE(phases, kMoeRouter, "moe_router");
     std::tie(weights, ids) = moe_route(router_out(x, m.router, m.experts, group), k, m.normalize);
   }
   auto pos = at::empty({T, k}, ids.options());
   at::Tensor y;
   {
-    RECORD_USER_SCOPE("kvserve::moe_experts");
+    KVS_PHASE(phases, kMoeExperts, "moe_experts");
     const int64_t* ip = ids.data_ptr<int64_t>();
     std::vector<int64_t> offsets(m.experts + 1, 0);
     for (int64_t s = 0; s < S; ++s) ++offsets[ip[s] + 1];
@@ -259,12 +292,12 @@ at::Tensor moe_mlp(const at::Tensor& x, const MoEWeights& m, bool gelu, int64_t 
   }
   at::Tensor out;
   {
-    RECORD_USER_SCOPE("kvserve::moe_combine");
+    KVS_PHASE(phases, kMoeCombine, "moe_combine");
     out = moe_combine(y, pos, weights);
   }
   if (m.shared_gate_up.weight.numel() || m.shared_gate_up.packed.numel() ||
       !m.shared_gate_up.gguf.parts.empty()) {
-    RECORD_USER_SCOPE("kvserve::moe_shared_expert");
+    KVS_PHASE(phases, kMoeShared, "moe_shared_expert");
     const auto g = router_out(x, m.shared_gate, 1, group);
     const auto gate = at::softmax(at::cat({g, at::zeros_like(g)}, 1), 1).narrow(1, 0, 1);
     out = out + gate * gated_mlp(x, m.shared_gate_up, m.shared_down, gelu, group);
@@ -281,8 +314,9 @@ at::Tensor moe_mlp(const at::Tensor& x, const MoEWeights& m, bool gelu, int64_t 
 // for every layer, or one per layer (models whose sliding-window layers keep block tables of
 // their own, see kv_cache/layout.py). Its phases are torch.profiler scopes named kvserve::*
 // (qkv_proj, attention, o_proj, mlp; moe_router, moe_experts, moe_combine, moe_shared_expert):
-// benchmarks/step_phases.py reads where a step's time goes from them. Off the profiler, a
-// scope costs a check of one thread-local flag.
+// benchmarks/step_phases.py reads where a step's time goes from them. Each phase's wall time
+// is also summed for the engine's step records (layer_phase_seconds). Off the profiler, a
+// phase costs a check of one thread-local flag and two clock reads.
 at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                       const at::Tensor& cos_local, const at::Tensor& sin_local,
                       const DecoderWeights& weights, const std::vector<at::Tensor>& caches,
@@ -298,6 +332,7 @@ at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
               "slot mappings and block tables: one, or one per layer");
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
   const int64_t T = x.size(0), D = cos.size(-1);
+  PhaseSeconds phases{};
   const auto out_norm = [eps](const at::Tensor& h, const at::Tensor& w) {
     return w.numel() ? rms_norm(h, w, eps) : h;
   };
@@ -307,12 +342,12 @@ at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
     const size_t g = slots.size() == 1 ? 0 : l;
     at::Tensor qkv, attn;
     {
-      RECORD_USER_SCOPE("kvserve::qkv_proj");
+      KVS_PHASE(phases, kQkvProj, "qkv_proj");
       qkv = linear(rms_norm(x, w.input_norm, eps), w.qkv, int4_group)
                 .view({T, heads + 2 * kv_heads, D});
     }
     {
-      RECORD_USER_SCOPE("kvserve::attention");
+      KVS_PHASE(phases, kAttention, "attention");
       auto qk_in = w.q_norm.numel()
                        ? at::cat({head_norm(qkv.narrow(1, 0, heads), w.q_norm, eps),
                                   head_norm(qkv.narrow(1, heads, kv_heads), w.k_norm, eps)}, 1)
@@ -326,18 +361,32 @@ at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
                              w.window);
     }
     {
-      RECORD_USER_SCOPE("kvserve::o_proj");
+      KVS_PHASE(phases, kOProj, "o_proj");
       x = x + out_norm(linear(attn.flatten(1), w.o, int4_group), w.attn_out_norm);
     }
     const auto h = rms_norm(x, w.post_attention_norm, eps);
     if (w.moe.top_k) {
-      x = x + out_norm(moe_mlp(h, w.moe, w.gelu, int4_group), w.mlp_out_norm);
+      x = x + out_norm(moe_mlp(h, w.moe, w.gelu, int4_group, phases), w.mlp_out_norm);
     } else {
-      RECORD_USER_SCOPE("kvserve::mlp");
+      KVS_PHASE(phases, kMlp, "mlp");
       x = x + out_norm(gated_mlp(h, w.gate_up, w.down, w.gelu, int4_group), w.mlp_out_norm);
     }
   }
+  {
+    std::lock_guard<std::mutex> lock(g_phase_lock);
+    for (int i = 0; i < kPhases; ++i) g_phase_seconds[i] += phases[i];
+  }
   return x;
+}
+
+// The seconds each run_layers phase took, summed over the calls since the last read, by name;
+// reading them starts the totals afresh.
+std::map<std::string, double> layer_phase_seconds() {
+  std::lock_guard<std::mutex> lock(g_phase_lock);
+  std::map<std::string, double> out;
+  for (int i = 0; i < kPhases; ++i) out[kPhaseNames[i]] = g_phase_seconds[i];
+  g_phase_seconds.fill(0.0);
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -466,4 +515,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<LayerWeights>>(), py::arg("layers"))
       .def_readonly("layers", &DecoderWeights::layers);
   m.def("run_layers", &run_layers, "all decoder layers of a step (CPU)", nogil());
+  m.def("layer_phase_seconds", &layer_phase_seconds,
+        "seconds in each run_layers phase since the last call (then zeroed)");
 }
