@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -26,16 +25,11 @@ from kvserve.engine.llm_engine import EngineArgs, build_engine
 from kvserve.kernels import ops
 from kvserve.layers.linear import LinearBase
 from kvserve.models.moe import SparseMoE, route
+from kvserve.tools.ceilings import run_times
 
 
 def median_seconds(f: Callable[[], object], repeats: int) -> float:
-    f()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(run_times(f, repeats))
 
 
 def parts(m: LinearBase) -> tuple[list, list, list]:
