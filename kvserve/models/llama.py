@@ -119,6 +119,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_scale_in_float32)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         self._fused = None  # fused_weights(), built on first use
+        # Seconds run_layers spent in each of its phases (ops().layer_phases()) since
+        # take_layer_phases() last read them; made with the first fused call.
+        self._phase_seconds: torch.Tensor | None = None
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -143,15 +146,27 @@ class LlamaForCausalLM(nn.Module):
             # All layers in one C++ call making the same ATen and kernel calls as the modules
             # below, without the modules' Python between each layer's calls.
             slots, seqs, tables, block_size, scale = zip(*fused, strict=True)
-            return self.norm(ops().run_layers(
+            k = ops()
+            if self._phase_seconds is None:
+                self._phase_seconds = torch.zeros(len(k.layer_phases()), dtype=torch.float64)
+            return self.norm(k.run_layers(
                 x, *rope, *local, self.fused_weights(), kv_caches, list(slots), seqs[0],
                 list(tables), block_size[0], scale[0], attn.num_heads, attn.num_kv_heads,
-                self.norm.eps, INT4_GROUP))
+                self.norm.eps, INT4_GROUP, self._phase_seconds))
         if len(metas) == 1:
             metas = metas * len(self.layers)
         for layer, kv_cache, m in zip(self.layers, kv_caches, metas, strict=True):
             x = layer(local if self._local_rope(layer) else rope, x, kv_cache, m)
         return self.norm(x)
+
+    def take_layer_phases(self) -> dict[str, float]:
+        """The seconds the C++ layer loop spent in each of its phases (those that took any)
+        since the last call, which starts them afresh; empty where it has not run."""
+        if self._phase_seconds is None:
+            return {}
+        seconds = self._phase_seconds.tolist()
+        self._phase_seconds.zero_()
+        return {n: s for n, s in zip(ops().layer_phases(), seconds, strict=True) if s}
 
     def _local_rope(self, layer: DecoderLayer) -> bool:
         """Whether `layer` takes the sliding layers' RoPE tables."""

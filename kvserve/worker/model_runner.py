@@ -134,9 +134,8 @@ def run_forward(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_si
         for g in range(num_groups)]
     ids = torch.tensor(input_ids, dtype=torch.long, device=device)
     pos = torch.tensor(positions, dtype=torch.long, device=device)
-    phases = kernels.ops() if timings is not None and device.type == "cpu" else None
-    if phases is not None:
-        phases.layer_phase_seconds()  # from now on: not earlier calls' (a drafter's)
+    if timings is not None:
+        model.take_layer_phases()  # this forward's alone, not untimed ones' before it
     t1 = time.perf_counter()
     if layout is not None and layout.hybrid:
         hidden = model(ids, pos, [kv_caches[s] for s in layout.layer_slot],
@@ -148,11 +147,9 @@ def run_forward(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_si
     if timings is not None:
         timings["prepare"] = timings.get("prepare", 0.0) + t1 - t0
         timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t1
-        if phases is not None:
-            for name, seconds in phases.layer_phase_seconds().items():
-                if seconds:
-                    key = f"layers.{name}"
-                    timings[key] = timings.get(key, 0.0) + seconds
+        for name, seconds in model.take_layer_phases().items():
+            key = f"layers.{name}"
+            timings[key] = timings.get(key, 0.0) + seconds
     return hidden
 
 

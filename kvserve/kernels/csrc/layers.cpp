@@ -14,8 +14,6 @@
 #include <array>
 #include <chrono>
 #include <cmath>
-#include <map>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -172,8 +170,8 @@ struct DecoderWeights {
 
 namespace {
 
-// run_layers' phases: each a torch.profiler scope (kvserve::NAME) and a wall-clock total the
-// engine's step records read (layer_phase_seconds).
+// run_layers' phases: each a torch.profiler scope (kvserve::NAME) and a wall-clock total
+// added to the caller's `phase_seconds` (the engine's step records read it).
 enum Phase { kQkvProj, kAttention, kOProj, kMlp, kMoeRouter, kMoeExperts, kMoeCombine,
              kMoeShared, kPhases };
 constexpr std::array<const char*, kPhases> kPhaseNames = {
@@ -193,11 +191,6 @@ struct PhaseTimer {
 #define KVS_PHASE(phases, id, name)           \
   RECORD_USER_SCOPE("kvserve::" name);        \
   PhaseTimer kvs_phase_timer_(&(phases)[id])
-
-// Every run_layers call's phase totals since layer_phase_seconds last took them. A call keeps
-// its own and adds them here once, under the lock (engines in other threads may call too).
-std::mutex g_phase_lock;
-PhaseSeconds g_phase_seconds{};
 
 // y = x W^T (+ b) as kvserve.layers.linear computes it: quant_pack's tiles (uint8/int8, 3-D) ->
 // quant_linear; dense_pack's tiles (3-D, x's dtype) -> dense_linear; torch's int4 (uint8) or
@@ -314,15 +307,16 @@ at::Tensor moe_mlp(const at::Tensor& x, const MoEWeights& m, bool gelu, int64_t 
 // for every layer, or one per layer (models whose sliding-window layers keep block tables of
 // their own, see kv_cache/layout.py). Its phases are torch.profiler scopes named kvserve::*
 // (qkv_proj, attention, o_proj, mlp; moe_router, moe_experts, moe_combine, moe_shared_expert):
-// benchmarks/step_phases.py reads where a step's time goes from them. Each phase's wall time
-// is also summed for the engine's step records (layer_phase_seconds). Off the profiler, a
-// phase costs a check of one thread-local flag and two clock reads.
+// benchmarks/step_phases.py reads where a step's time goes from them. Each phase's wall time,
+// summed over the layers, is also added to `phase_seconds` (float64, one per name of
+// layer_phases()). Off the profiler, a phase costs a check of one
+// thread-local flag and two clock reads.
 at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                       const at::Tensor& cos_local, const at::Tensor& sin_local,
                       const DecoderWeights& weights, const std::vector<at::Tensor>& caches,
                       const std::vector<at::Tensor>& slots, const at::Tensor& seqs,
                       const std::vector<at::Tensor>& tables, int64_t block_size, double scale, int64_t heads, int64_t kv_heads,
-                      double eps, int64_t int4_group) {
+                      double eps, int64_t int4_group, const at::Tensor& phase_seconds) {
   kvs::check_cpu("run_layers", x, cos, sin, cos_local, sin_local, seqs);
   kvs::check_cpu("run_layers", caches);
   kvs::check_cpu("run_layers", slots);
@@ -331,6 +325,9 @@ at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
   TORCH_CHECK(slots.size() == tables.size() && (slots.size() == 1 || slots.size() == caches.size()),
               "slot mappings and block tables: one, or one per layer");
   TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden]");
+  TORCH_CHECK(phase_seconds.device().is_cpu() && phase_seconds.is_contiguous() &&
+                  phase_seconds.scalar_type() == at::kDouble && phase_seconds.numel() == kPhases,
+              "phase_seconds: a contiguous float64 CPU tensor of ", kPhases, " values");
   const int64_t T = x.size(0), D = cos.size(-1);
   PhaseSeconds phases{};
   const auto out_norm = [eps](const at::Tensor& h, const at::Tensor& w) {
@@ -372,22 +369,13 @@ at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
       x = x + out_norm(gated_mlp(h, w.gate_up, w.down, w.gelu, int4_group), w.mlp_out_norm);
     }
   }
-  {
-    std::lock_guard<std::mutex> lock(g_phase_lock);
-    for (int i = 0; i < kPhases; ++i) g_phase_seconds[i] += phases[i];
-  }
+  double* total = phase_seconds.data_ptr<double>();
+  for (int i = 0; i < kPhases; ++i) total[i] += phases[i];
   return x;
 }
 
-// The seconds each run_layers phase took, summed over the calls since the last read, by name;
-// reading them starts the totals afresh.
-std::map<std::string, double> layer_phase_seconds() {
-  std::lock_guard<std::mutex> lock(g_phase_lock);
-  std::map<std::string, double> out;
-  for (int i = 0; i < kPhases; ++i) out[kPhaseNames[i]] = g_phase_seconds[i];
-  g_phase_seconds.fill(0.0);
-  return out;
-}
+// The names of run_layers' phases, in the order of its `phase_seconds`.
+std::vector<std::string> layer_phases() { return {kPhaseNames.begin(), kPhaseNames.end()}; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Classes are module_local: pybind11 registers types process-wide, and two variants of this
@@ -515,6 +503,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<LayerWeights>>(), py::arg("layers"))
       .def_readonly("layers", &DecoderWeights::layers);
   m.def("run_layers", &run_layers, "all decoder layers of a step (CPU)", nogil());
-  m.def("layer_phase_seconds", &layer_phase_seconds,
-        "seconds in each run_layers phase since the last call (then zeroed)");
+  m.def("layer_phases", &layer_phases, "the names of run_layers' phases, in phase_seconds order");
 }
