@@ -165,12 +165,16 @@ def repeat_layers(src: Path, out: Path, s: dict) -> None:
     w.close()
 
 
+def default_path(cache: Path, shape: str, qtype: str) -> Path:
+    return cache / "models" / f"random-qwen3moe-{shape}-{qtype}.gguf"
+
+
 def ensure_model(out: Path, qtype: str, cache: Path, shape: dict) -> Path:
     if out.is_file():
         return out
-    if "repeats" in shape:
-        src = ensure_model(out.with_name(out.name.replace("-a3b-", f"-{shape['repeats']}-")),
-                           qtype, cache, SHAPES[shape["repeats"]])
+    if "repeats" in shape:  # the shape it repeats at its default path (whatever --out is)
+        src = ensure_model(default_path(cache, shape["repeats"], qtype), qtype, cache,
+                           SHAPES[shape["repeats"]])
         t0 = time.perf_counter()
         part = out.with_name(out.name + ".part")
         repeat_layers(src, part, shape)
@@ -207,8 +211,7 @@ def main() -> int:
     p.add_argument("--no-run", action="store_true", help="only write the model file")
     args, paired_args = p.parse_known_args()
     s = SHAPES[args.shape]
-    out = (args.out or cache / "models" /
-           f"random-qwen3moe-{args.shape}-{args.type}.gguf").expanduser()
+    out = (args.out or default_path(cache, args.shape, args.type)).expanduser()
     ensure_model(out, args.type, cache, s)
     print(out)
     print(f"shape: qwen3moe, {s['layers']} layers, hidden {s['hidden']}, {s['heads']}/"
