@@ -49,11 +49,15 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=500)
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
+    if args.tokens < 1 or args.repeats < 1:
+        p.error("--tokens and --repeats must be at least 1")
     k = ops()
     if k is None:
         raise SystemExit("no C++ kernels here")
     engine = build_engine(EngineArgs(model=args.model))
     model = engine.local_core.runner.model
+    if not 0 <= args.layer < len(model.layers):
+        raise SystemExit(f"--layer {args.layer}: the model has layers 0-{len(model.layers) - 1}")
     moe = model.layers[args.layer].mlp
     if not isinstance(moe, SparseMoE):
         raise SystemExit(f"layer {args.layer} is not a mixture of experts")
