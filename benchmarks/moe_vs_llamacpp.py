@@ -1,9 +1,11 @@
-"""Random Qwen3-MoE GGUFs for issue 41's measurements against llama.cpp: random weights in
-Qwen3-MoE's layout (q/k norms, an F32 router, experts stacked per layer as
-ffn_{gate,up,down}_exps, no shared expert, an output matrix of its own), with the default
-model's tokenizer (49,152 tokens), written as F16 with `gguf`'s writer and quantized to
-Q4_K_M with llama.cpp's own `llama-quantize`, as benchmarks/model_1b.py does for its dense
-models (whose helpers it uses). Two shapes (--shape):
+"""Random mixture-of-experts GGUFs for issue 41's measurements against llama.cpp: random
+weights in Qwen3-MoE's layout (q/k norms, an F32 router, experts stacked per layer as
+ffn_{gate,up,down}_exps, no shared expert, an output matrix of its own) or gpt-oss's (biases
+on q/k/v/o, the router and the experts, attention sinks, sliding and full layers in turn,
+YaRN), with the default model's tokenizer (49,152 tokens), written as F16 with `gguf`'s
+writer and quantized with llama.cpp's own `llama-quantize` (Q4_K_M; gpt-oss: MXFP4_MOE,
+experts in MXFP4 and the rest Q8_0, as gpt-oss's own GGUFs), as benchmarks/model_1b.py does
+for its dense models (whose helpers it uses). The shapes (--shape):
 
   small       8 layers, hidden 1024, 16 query / 4 KV heads of 64, 64 experts of 512
               features, 8 used: 0.9B parameters, quick to build and run
@@ -18,6 +20,12 @@ models (whose helpers it uses). Two shapes (--shape):
               servers do not fit 24 GiB at once, so this shape runs benchmarks/vs_llamacpp.py
               (one server at a time: a 500-token prefill and batch-1 decode, each server's
               peak resident memory) instead of paired.py
+  oss20b-4l   gpt-oss-20b's layer (hidden 2880, 64 query / 8 KV heads of 64, 32 experts of
+              2880 features, 4 used, sliding window 128 on the even layers) in 4 of its 24
+              layers; ~6 GiB of F16 on disk while it is built
+  oss20b      all 24 of gpt-oss-20b's layers (its 201,088-token vocabulary is SmolLM2's
+              49,152 here): oss20b-4l's quantized layers six times over, ~11 GiB as
+              MXFP4_MOE; paired.py (two servers' maps of one file share its pages)
 
     python benchmarks/moe_vs_llamacpp.py [--shape small] [--out FILE] [--type Q4_K_M]
         [--rounds 3] [--no-run] [paired.py's (a3b: vs_llamacpp.py's) options...]
@@ -55,10 +63,16 @@ SHAPES = {
                     hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128,
                     experts_used=8, expert_ffn=768, context=8192, rope_theta=1000000.0,
                     eps=1e-6),
+    "oss20b-4l": dict(name="random gpt-oss (20b layers, 4 of 24)", arch="gpt-oss", layers=4,
+                      hidden=2880, heads=64, kv_heads=8, head_dim=64, experts=32,
+                      experts_used=4, expert_ffn=2880, context=8192, rope_theta=150000.0,
+                      eps=1e-5, window=128, yarn=(32.0, 4096), qtype="MXFP4_MOE"),
 }
 # a3b: a3b-12l's layers repeated to the real model's 48 (see repeat_layers)
 SHAPES["a3b"] = dict(SHAPES["a3b-12l"], name="random Qwen3-MoE (30B-A3B shape, 48 layers)",
-                     layers=48, repeats="a3b-12l")
+                     layers=48, repeats="a3b-12l", one_at_a_time=True)
+SHAPES["oss20b"] = dict(SHAPES["oss20b-4l"], name="random gpt-oss (20b shape, 24 layers)",
+                        layers=24, repeats="oss20b-4l")
 
 
 def cpu_name() -> str:
@@ -78,7 +92,9 @@ def write_f16(path: Path, tokenizer_gguf: Path, s: dict, seed: int = 0) -> None:
     time."""
     import gguf
 
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    arch = s.get("arch", "qwen3moe")
+    oss = arch == "gpt-oss"
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name(s["name"])
     w.add_block_count(s["layers"])
     w.add_context_length(s["context"])
@@ -93,6 +109,11 @@ def write_f16(path: Path, tokenizer_gguf: Path, s: dict, seed: int = 0) -> None:
     w.add_expert_count(s["experts"])
     w.add_expert_used_count(s["experts_used"])
     w.add_expert_feed_forward_length(s["expert_ffn"])
+    if oss:
+        w.add_sliding_window(s["window"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(s["yarn"][0])
+        w.add_rope_scaling_orig_ctx_len(s["yarn"][1])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     src = gguf.GGUFReader(str(tokenizer_gguf))
     copy_tokenizer(w, src)
@@ -109,14 +130,23 @@ def write_f16(path: Path, tokenizer_gguf: Path, s: dict, seed: int = 0) -> None:
     for i in range(s["layers"]):
         tensors += [(f"blk.{i}.{name}.weight", shape, dtype) for name, shape, dtype in (
             ("attn_norm", (h,), f32), ("attn_q", (q, h), f16), ("attn_k", (kv, h), f16),
-            ("attn_v", (kv, h), f16), ("attn_q_norm", (d,), f32), ("attn_k_norm", (d,), f32),
-            ("attn_output", (h, q), f16), ("ffn_norm", (h,), f32),
+            ("attn_v", (kv, h), f16), ("attn_output", (h, q), f16),
             ("ffn_gate_inp", (e, h), f32), ("ffn_gate_exps", (e, f, h), f16),
             ("ffn_up_exps", (e, f, h), f16), ("ffn_down_exps", (e, h, f), f16))]
+        if oss:  # the MLP's input norm as post_attention_norm; biases; sinks
+            tensors += [(f"blk.{i}.{name}", shape, f32) for name, shape in (
+                ("post_attention_norm.weight", (h,)), ("attn_sinks.weight", (s["heads"],)),
+                ("attn_q.bias", (q,)), ("attn_k.bias", (kv,)), ("attn_v.bias", (kv,)),
+                ("attn_output.bias", (h,)), ("ffn_gate_inp.bias", (e,)),
+                ("ffn_gate_exps.bias", (e, f)), ("ffn_up_exps.bias", (e, f)),
+                ("ffn_down_exps.bias", (e, h)))]
+        else:
+            tensors += [(f"blk.{i}.{name}.weight", shape, f32) for name, shape in (
+                ("attn_q_norm", (d,)), ("attn_k_norm", (d,)), ("ffn_norm", (h,)))]
     rng = np.random.default_rng(seed)
 
-    def make(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        if len(shape) == 1:
+    def make(name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        if name.endswith("norm.weight"):
             return np.ones(shape, dtype=np.float32)
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(dtype)
 
@@ -125,8 +155,8 @@ def write_f16(path: Path, tokenizer_gguf: Path, s: dict, seed: int = 0) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for _, shape, dtype in tensors:
-        w.write_tensor_data(make(shape, dtype))
+    for name, shape, dtype in tensors:
+        w.write_tensor_data(make(name, shape, dtype))
     w.close()
 
 
@@ -137,10 +167,11 @@ def repeat_layers(src: Path, out: Path, s: dict) -> None:
     import gguf
 
     reader = gguf.GGUFReader(str(src))
-    have = int(reader.fields["qwen3moe.block_count"].contents())
-    w = gguf.GGUFWriter(str(out), "qwen3moe")
+    arch = str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+    have = int(reader.fields[f"{arch}.block_count"].contents())
+    w = gguf.GGUFWriter(str(out), arch)
     for f in reader.fields.values():
-        if f.name in (gguf.Keys.General.ARCHITECTURE, "qwen3moe.block_count",
+        if f.name in (gguf.Keys.General.ARCHITECTURE, f"{arch}.block_count",
                       gguf.Keys.General.NAME) or f.name.startswith("GGUF."):
             continue
         sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
@@ -166,7 +197,8 @@ def repeat_layers(src: Path, out: Path, s: dict) -> None:
 
 
 def default_path(cache: Path, shape: str, qtype: str) -> Path:
-    return cache / "models" / f"random-qwen3moe-{shape}-{qtype}.gguf"
+    arch = SHAPES[shape].get("arch", "qwen3moe")
+    return cache / "models" / f"random-{arch}-{shape}-{qtype}.gguf"
 
 
 def ensure_model(out: Path, qtype: str, cache: Path, shape: dict) -> Path:
@@ -206,22 +238,25 @@ def main() -> int:
     cache = Path(os.environ.get("KVSERVE_BENCH_CACHE", "~/.cache/kvserve-bench")).expanduser()
     p.add_argument("--shape", choices=sorted(SHAPES), default="small")
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--type", default="Q4_K_M", help="llama-quantize's type name")
+    p.add_argument("--type", default=None,
+                   help="llama-quantize's type name (default: Q4_K_M; gpt-oss: MXFP4_MOE)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-run", action="store_true", help="only write the model file")
     args, paired_args = p.parse_known_args()
     s = SHAPES[args.shape]
+    args.type = args.type or s.get("qtype", "Q4_K_M")
     out = (args.out or default_path(cache, args.shape, args.type)).expanduser()
     ensure_model(out, args.type, cache, s)
     print(out)
-    print(f"shape: qwen3moe, {s['layers']} layers, hidden {s['hidden']}, {s['heads']}/"
+    print(f"shape: {s.get('arch', 'qwen3moe')}, {s['layers']} layers, hidden {s['hidden']}, "
+          f"{s['heads']}/"
           f"{s['kv_heads']} heads of {s['head_dim']}, {s['experts']} experts of "
           f"{s['expert_ffn']}, {s['experts_used']} used; {args.type}, "
           f"{out.stat().st_size / 2**20:.0f} MiB")
     print(f"CPU: {cpu_name()}", flush=True)
     if args.no_run:
         return 0
-    if "repeats" in s:  # one server at a time
+    if s.get("one_at_a_time"):
         script = Path(__file__).resolve().with_name("vs_llamacpp.py")
         cmd = [sys.executable, str(script), "--model", str(out), "--only",
                "kvserve,llama-server", "--workloads", "prefill,decode-16", "--repeats",

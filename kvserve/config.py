@@ -36,10 +36,14 @@ class RopeScaling:
     """How RoPE frequencies are stretched for long contexts.
 
     kind: "none", "linear" (positions divided by factor), "llama3" (per-frequency smoothing
-    as Llama 3.1 defines it) or "longrope" (Phi-3: per-frequency divisors, `short_factors`
+    as Llama 3.1 defines it), "longrope" (Phi-3: per-frequency divisors, `short_factors`
     for contexts up to original_max_position and `long_factors` beyond, and cos/sin scaled
-    by `attn_factor`). A GGUF may instead ship explicit per-frequency divisors
-    (`rope_freqs.weight`); those, and LongRoPE's once chosen, land in `freq_factors`.
+    by `attn_factor`) or "yarn" (gpt-oss: each frequency blended between itself and itself
+    divided by `factor` along a ramp over the dimensions between `beta_fast` and
+    `beta_slow` rotations in original_max_position, the ramp's ends rounded outward where
+    `truncate`; cos/sin scaled by `attn_factor`, 1 + 0.1 ln(factor) unless stated). A
+    GGUF may instead ship explicit per-frequency divisors (`rope_freqs.weight`); those, and
+    LongRoPE's once chosen, land in `freq_factors`.
     """
 
     kind: str = "none"
@@ -51,6 +55,9 @@ class RopeScaling:
     attn_factor: float = 1.0
     short_factors: tuple[float, ...] | None = None
     long_factors: tuple[float, ...] | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
     def for_context(self, max_len: int) -> RopeScaling:
         """LongRoPE's factors chosen for a configured context of `max_len` tokens: the long
@@ -68,8 +75,8 @@ class RopeScaling:
 class ModelConfig:
     """Shape of a Llama-family decoder, read from GGUF metadata or config.json."""
 
-    # "llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen2moe" or "qwen3moe" (mistral and
-    # mixtral load as llama)
+    # "llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen2moe", "qwen3moe" or "gpt-oss"
+    # (mistral and mixtral load as llama)
     architecture: str
     num_layers: int
     hidden_size: int
@@ -95,7 +102,16 @@ class ModelConfig:
     embedding_scale: float = 1.0
     norm_scale_in_float32: bool = False
     sandwich_norms: bool = False
-    hidden_act: str = "silu"  # or "gelu_tanh"
+    # "silu", "gelu_tanh", or "swiglu_oai" (gpt-oss: the gate clamped above at
+    # `swiglu_limit`, the up projection to +-swiglu_limit, and (up + 1) * gate *
+    # sigmoid(swiglu_alpha * gate))
+    hidden_act: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # gpt-oss: a bias on the attention's output projection, and one learned logit per query
+    # head that joins the softmax's denominator (an "attention sink" no value comes from).
+    o_bias: bool = False
+    attention_sinks: bool = False
     name: str = ""
     # Mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral; 0 experts: a dense model). A sparse
     # layer's MLP is `num_experts` experts of `moe_intermediate_size`, `num_experts_per_tok`
@@ -110,6 +126,12 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
+    # How the router's logits weight the chosen experts: "softmax" (over all experts, then
+    # the k largest, renormalized where norm_topk_prob says) or "topk_softmax" (gpt-oss: the
+    # k largest logits, then a softmax over those k). `moe_bias`: the router and every
+    # expert's projections carry biases (gpt-oss).
+    moe_gating: str = "softmax"
+    moe_bias: bool = False
 
     def window(self, layer: int) -> int:
         """The sliding window of `layer`'s attention (0: none)."""
@@ -131,9 +153,12 @@ class ModelConfig:
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"model config: {len(self.layer_windows)} layer windows for "
                              f"{self.num_layers} layers")
-        if self.hidden_act not in ("silu", "gelu_tanh"):
+        if self.hidden_act not in ("silu", "gelu_tanh", "swiglu_oai"):
             raise ValueError(f"model config: unsupported activation {self.hidden_act!r} "
-                             "(supported: silu, gelu_tanh)")
+                             "(supported: silu, gelu_tanh, swiglu_oai)")
+        if self.moe_gating not in ("softmax", "topk_softmax"):
+            raise ValueError(f"model config: unsupported expert gating {self.moe_gating!r} "
+                             "(supported: softmax, topk_softmax)")
         if self.num_experts:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(f"model config: {self.num_experts_per_tok} experts per token "

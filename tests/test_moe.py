@@ -2,7 +2,7 @@
 transformers' own classes, served from their Hugging Face directories and from GGUF files
 written here, against transformers on the same weights; the C++ layer loop (run_layers'
 moe_mlp) against the torch modules bit for bit; routing and determinism; experts cut across
-tensor-parallel ranks; gpt-oss refused by name."""
+tensor-parallel ranks. gpt-oss: tests/test_gpt_oss.py."""
 
 from __future__ import annotations
 
@@ -183,24 +183,6 @@ def test_param_count_counts_every_expert(moe_dirs, arch):
     model = build_model(cfg, torch.float32, _backend)
     assert param_count(cfg) == sum(p.numel() for p in model.parameters())
     assert param_count(cfg) == sum(p.numel() for p in _reference(moe_dirs[arch]).parameters())
-
-
-def test_gpt_oss_is_refused_by_name(tmp_path):
-    hf = tmp_path / "gpt-oss-hf"
-    hf.mkdir()
-    (hf / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
-    path = tmp_path / "gpt-oss.gguf"
-    w = gguf.GGUFWriter(str(path), "gpt-oss")
-    w.add_block_count(1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    for model in (hf, path):
-        with pytest.raises(ValueError, match="gpt-oss is not supported yet") as e:
-            read_model_config(model)
-        for missing in ("MXFP4", "attention sinks", "harmony", "YaRN", "SwiGLU"):
-            assert missing in str(e.value)
 
 
 def test_experts_are_cut_by_their_features_across_ranks(moe_dirs):

@@ -44,13 +44,16 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: object, window: int = 0) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: object, window: int = 0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D], kv_cache of `kv_cache_shape` and
         `kv_cache_tensor_dtype` -> out [T, H * D] in q's dtype.
 
         Writes k/v into the cache at the batch's slots, then attends every query to its
         request's context (causally within the request); with a sliding `window`, a query
-        at position p to keys p - window + 1 .. p only."""
+        at position p to keys p - window + 1 .. p only. `sinks` [H] (float32; gpt-oss): a
+        logit per query head that joins each row's softmax as one more key with no value,
+        so the row's weights over its keys sum to less than one."""
 
     def graph_safe(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether `forward` can run from `graph_metadata`'s tensors alone, with no host-side

@@ -220,8 +220,10 @@ class TorchPagedAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: TorchAttentionMetadata,
-                window: int = 0) -> torch.Tensor:
+                window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         ops = self.ops_for(q.dtype, kv_cache.device)
+        if sinks is not None and ops is not None and ops is not kernels.ops():
+            ops = None  # the Triton kernels take no sinks: torch's ops do
         rows = None
         if ops is not None and not self.quantized:
             ops.store_kv(kv_cache, meta.slot_mapping, k, v)  # what index_copy_ of _store writes
@@ -230,33 +232,51 @@ class TorchPagedAttention(AttentionBackend):
             rows = self._store(torch.stack((k, v)))
             kv_cache.index_copy_(2, meta.slot_mapping, rows.transpose(1, 2))
         if ops is not None:
+            if sinks is None:  # (the Triton kernels' signature has no sinks)
+                return ops.paged_attention(q, kv_cache, meta.seqs, meta.tables,
+                                           meta.block_size, self.scale, window).flatten(1)
             return ops.paged_attention(q, kv_cache, meta.seqs, meta.tables, meta.block_size,
-                                       self.scale, window).flatten(1)
+                                       self.scale, window, sinks).flatten(1)
         path = meta.torch_path(window)
         if path.decode_only:
-            return self._decode(q, kv_cache, path, meta.block_size).flatten(1)
+            return self._decode(q, kv_cache, path, meta.block_size, sinks).flatten(1)
         out = torch.empty_like(q)
         if path.decode_idx is not None:
             out[path.decode_idx] = self._decode(q[path.decode_idx], kv_cache, path,
-                                                meta.block_size)
+                                                meta.block_size, sinks)
         for span in path.prefills:
             qp = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             if not span.has_context:
                 fresh = rows if rows is not None else torch.stack((k, v))
                 kv = self._load(fresh[:, span.start:span.end], q.dtype).transpose(1, 2)
-                causal = {"attn_mask": span.mask} if span.window else {"is_causal": True}
-                op = F.scaled_dot_product_attention(qp, kv[0:1], kv[1:2], enable_gqa=True,
-                                                    **causal)
             else:
                 kv = _gather(kv_cache, span.blocks, meta.block_size)[:, :, :span.ctx_len]
                 kv = self._load(kv, q.dtype)
+            if sinks is not None:
+                op = self._with_sinks(qp, kv[0:1], kv[1:2], span.mask, sinks)
+            elif not span.has_context and not span.window:
+                op = F.scaled_dot_product_attention(qp, kv[0:1], kv[1:2], enable_gqa=True,
+                                                    is_causal=True)
+            else:
                 op = F.scaled_dot_product_attention(qp, kv[0:1], kv[1:2], attn_mask=span.mask,
                                                     enable_gqa=True)
             out[span.start:span.end] = op.squeeze(0).transpose(0, 1)
         return out.flatten(1)
 
+    def _with_sinks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        """Attention of q [1, H, q, D] over k/v [1, Hkv, ctx, D] (`mask` [q, ctx]: True where a
+        query may attend) with a sink logit per head in each softmax (SDPA takes none), in
+        float32."""
+        group = self.num_heads // self.num_kv_heads
+        kf = k.float().repeat_interleave(group, dim=1)
+        vf = v.float().repeat_interleave(group, dim=1)
+        scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * self.scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(_softmax_with_sinks(scores, sinks.view(1, -1, 1, 1)), vf).to(q.dtype)
+
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, path: TorchPathMetadata,
-                block_size: int) -> torch.Tensor:
+                block_size: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [Bd, H, D] -> [Bd, H, D]; query heads of one KV head are batched together."""
         bias = path.decode_bias
         assert bias is not None and path.decode_blocks is not None
@@ -278,8 +298,18 @@ class TorchPagedAttention(AttentionBackend):
         scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale
         if self.quantized:
             scores *= k_scale.view(hkv, bd, 1, length)
-        probs = (scores + bias).softmax(dim=-1)
+        scores = scores + bias
+        probs = (scores.softmax(dim=-1) if sinks is None else _softmax_with_sinks(
+            scores, sinks.view(hkv, 1, -1, 1)))
         if self.quantized:
             probs *= v_scale.view(hkv, bd, 1, length)
         out = torch.matmul(probs.to(math), v).transpose(0, 1).reshape(bd, -1, d)
         return out.to(q.dtype)
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The softmax of float32 `scores` [..., keys] over the keys and one more logit per row,
+    `sinks` (broadcast to [..., 1]), whose share is dropped: each row's weights sum to one
+    less the sink's."""
+    with_sink = torch.cat((scores, sinks.float().expand(*scores.shape[:-1], 1)), dim=-1)
+    return with_sink.softmax(dim=-1)[..., :-1]

@@ -245,6 +245,12 @@ class LinearBase(nn.Module):
                 raise ValueError("checkpoint has a bias for a layer built without one")
             _copy(self.bias, self._shard(bias, 0), "bias")
 
+    def load_bias(self, bias: torch.Tensor) -> None:
+        """A checkpoint's bias alone (its weight comes as a tensor of its own)."""
+        if self.bias is None:
+            raise ValueError("checkpoint has a bias for a layer built without one")
+        _copy(self.bias, self._shard(bias, 0), "bias")
+
     def _note_source(self, weight: torch.Tensor,
                      gguf: tuple[str, QuantGroups | None] | None) -> None:
         if gguf is not None:

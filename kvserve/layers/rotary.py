@@ -35,13 +35,38 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> to
         blended = (1 - smooth) * inv / scaling.factor + smooth * inv
         inv = torch.where(wavelen > low_wl, inv / scaling.factor,
                           torch.where(wavelen < high_wl, inv, blended))
+    elif scaling.kind == "yarn":
+        inv = _yarn(head_dim, theta, scaling)
     elif scaling.kind == "longrope":
         raise ValueError("LongRoPE factors must be chosen for a context first "
                          "(RopeScaling.for_context)")
     elif scaling.kind != "none":
         raise ValueError(f"unsupported RoPE scaling type {scaling.kind!r} "
-                         "(supported: none, linear, llama3, longrope)")
+                         "(supported: none, linear, llama3, longrope, yarn)")
     return inv
+
+
+def _yarn(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN's frequencies: frequency i kept as it is where its wavelength fits more than
+    beta_fast times into the original context, divided by `factor` where it fits fewer than
+    beta_slow times, and blended linearly over the dimensions between (in float32, as the
+    reference computes them)."""
+    def dim_at(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return head_dim * math.log(scaling.original_max_position / (rotations * 2 * math.pi)) \
+            / (2 * math.log(theta))
+
+    low, high = dim_at(scaling.beta_fast), dim_at(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of no width: a step
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of each frequency kept unscaled
+    # theta^(2i/d), each unscaled frequency's inverse, scaled and inverted as the reference
+    # does (so the angles agree to the bit)
+    powers = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    return 1.0 / (scaling.factor * powers) * (1 - keep) + 1.0 / powers * keep
 
 
 class RotaryEmbedding(nn.Module):

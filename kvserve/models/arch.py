@@ -3,6 +3,7 @@ their constants, a weight's GGUF source, and fused projections split into the la
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -10,19 +11,29 @@ import torch
 from kvserve.config import ModelConfig
 
 # GGUF architecture names (Mixtral's files are "llama" with an expert count).
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen2moe", "qwen3moe")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen2moe", "qwen3moe",
+                   "gpt-oss")
 # Whether an MoE architecture renormalizes the chosen experts' weights, where a GGUF does not
 # say (expert_weights_norm): what llama.cpp and transformers do for each.
-MOE_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False}
-# Architectures refused by name, with what serving them still needs (GGUF and Hugging Face
-# names).
-_GPT_OSS = ("gpt-oss is not supported yet (issue 41); it needs what kvserve lacks: experts in "
-            "MXFP4 (GGUF type MXFP4, no kernel reads it), a router with a bias over a top-4 "
-            "softmax, the clamped SwiGLU (alpha, limit), attention sinks (a learned logit per "
-            "head in the softmax's denominator), alternating sliding-window (128) and full "
-            "layers with YaRN RoPE, and the o200k_harmony tokenizer and harmony chat format "
-            "(analysis/final/commentary channels)")
-REFUSED_ARCHS = {"gpt-oss": _GPT_OSS, "gpt_oss": _GPT_OSS}
+MOE_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "gpt-oss": True}
+# gpt-oss's clamped SwiGLU (alpha, limit): its config.json states them; llama.cpp's GGUF
+# conversion does not write them, and its graph uses these constants.
+GPT_OSS_SWIGLU = (1.702, 7.0)
+# gpt-oss: every other layer (the even ones) attends through a sliding window.
+GPT_OSS_SLIDING_EVERY = 2
+
+
+def yarn_attn_factor(factor: float, mscale: float | None = None,
+                     mscale_all_dim: float | None = None) -> float:
+    """YaRN's scale of cos/sin where a checkpoint does not state it: 1 + 0.1 ln(factor) (the
+    ratio of two such terms where DeepSeek-style mscale and mscale_all_dim are both given);
+    1 for factor <= 1."""
+    def term(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if mscale and mscale_all_dim:
+        return term(float(mscale)) / term(float(mscale_all_dim))
+    return term(1.0)
 GEMMA3_GLOBAL_EVERY = 6  # Gemma 3: every 6th layer global, the others sliding-window
 GEMMA3_LOCAL_THETA = 10000.0  # ... with this RoPE base (llama.cpp's and transformers' default)
 

@@ -25,11 +25,13 @@ from kvserve.layers.quant import (
 from kvserve.models.arch import (
     GEMMA3_GLOBAL_EVERY,
     GEMMA3_LOCAL_THETA,
+    GPT_OSS_SLIDING_EVERY,
+    GPT_OSS_SWIGLU,
     MOE_NORM_TOPK,
-    REFUSED_ARCHS,
     SUPPORTED_ARCHS,
     GgufSource,
     split_fused,
+    yarn_attn_factor,
 )
 from kvserve.models.gguf_quants import decode_groups
 from kvserve.models.moe import experts_read
@@ -58,9 +60,12 @@ def _moe_fields(reader, arch: str, layers: int) -> dict[str, object]:
         raise ValueError(f"{arch} GGUF with {experts} experts but no blk.N.ffn_gate_exps "
                          "tensors: each expert as a tensor of its own (llama.cpp's layout "
                          "before 2024) is not supported; convert the model again")
-    gating = _field(reader, f"{arch}.expert_gating_func")
-    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
-        raise ValueError(f"unsupported expert gating function {gating} (supported: softmax)")
+    # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*: 1 softmax, 3 softmax over the chosen
+    # (gpt-oss's, which its files do not state: llama.cpp's graph hard-codes it)
+    gating = _field(reader, f"{arch}.expert_gating_func", 3 if arch == "gpt-oss" else None)
+    if gating not in (None, 1, 3):
+        raise ValueError(f"unsupported expert gating function {gating} (supported: softmax, "
+                         "softmax over the chosen experts)")
     scale = float(_field(reader, f"{arch}.expert_weights_scale", 1.0))
     if scale != 1.0:
         raise ValueError(f"unsupported expert weights scale {scale} (supported: 1)")
@@ -78,13 +83,13 @@ def _moe_fields(reader, arch: str, layers: int) -> dict[str, object]:
         "shared_expert_intermediate_size": int(shared or 0),
         "dense_layers": tuple(i for i in range(layers)
                               if f"blk.{i}.ffn_gate_inp.weight" not in shapes),
+        "moe_gating": "topk_softmax" if gating == 3 else "softmax",
+        "moe_bias": f"blk.{first}.ffn_gate_inp.bias" in shapes,
     }
 
 
 def gguf_model_config(reader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch in REFUSED_ARCHS:
-        raise ValueError(REFUSED_ARCHS[arch])
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"unsupported model architecture {arch!r} "
                          f"(supported: {', '.join(SUPPORTED_ARCHS)})")
@@ -109,9 +114,10 @@ def gguf_model_config(reader) -> ModelConfig:
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     kind = _field(reader, f"{arch}.rope.scaling.type", "none")
-    if kind not in ("none", "linear"):
+    if kind not in ("none", "linear", "yarn"):
         raise ValueError(f"unsupported RoPE scaling type {kind!r} in GGUF (supported: none, "
-                         "linear, and per-frequency factors in rope_freqs)")
+                         "linear, yarn, and per-frequency factors in rope_freqs)")
+    oss = arch == "gpt-oss"
 
     def factors(name: str) -> tuple[float, ...] | None:
         t = next((t for t in reader.tensors if t.name == name), None)
@@ -119,15 +125,24 @@ def gguf_model_config(reader) -> ModelConfig:
             float(x) for x in np.asarray(t.data, dtype=np.float32).ravel())
 
     long_factors = factors("rope_factors_long.weight")  # Phi-3's LongRoPE
+    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
+    attn_factor = float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0))
+    if kind == "yarn":  # llama.cpp multiplies its attn_factor by YaRN's own term
+        attn_factor *= yarn_attn_factor(factor)
     scaling = RopeScaling(
         kind="longrope" if long_factors is not None else kind,
-        factor=float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
+        factor=factor,
         original_max_position=int(
             _field(reader, f"{arch}.rope.scaling.original_context_length", 8192)),
         freq_factors=factors("rope_freqs.weight"),
-        attn_factor=float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
+        attn_factor=attn_factor,
         short_factors=factors("rope_factors_short.weight"),
         long_factors=long_factors,
+        beta_fast=float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+        beta_slow=float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+        # gpt-oss's own config keeps the ramp's ends unrounded (truncate: false), as the
+        # model was trained; llama.cpp rounds them outward, which moves a few frequencies.
+        truncate=not oss,
     )
     layers = int(get("block_count"))
     window = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
@@ -135,6 +150,8 @@ def gguf_model_config(reader) -> ModelConfig:
     if gemma:
         windows = tuple(0 if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else window
                         for i in range(layers))
+    elif oss:
+        windows = tuple(window if i % GPT_OSS_SLIDING_EVERY == 0 else 0 for i in range(layers))
     else:
         windows = (window,) * layers if window else ()
     return ModelConfig(
@@ -152,6 +169,8 @@ def gguf_model_config(reader) -> ModelConfig:
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        attention_sinks="blk.0.attn_sinks.weight" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         layer_windows=windows,
         rope_local_theta=GEMMA3_LOCAL_THETA if gemma else 0.0,
@@ -159,7 +178,9 @@ def gguf_model_config(reader) -> ModelConfig:
         embedding_scale=hidden**0.5 if gemma else 1.0,
         norm_scale_in_float32=gemma,
         sandwich_norms=gemma,
-        hidden_act="gelu_tanh" if gemma else "silu",
+        hidden_act="gelu_tanh" if gemma else "swiglu_oai" if oss else "silu",
+        swiglu_alpha=GPT_OSS_SWIGLU[0],
+        swiglu_limit=GPT_OSS_SWIGLU[1],
         name=str(_field(reader, "general.name", "")),
         **_moe_fields(reader, arch, layers),
     )
@@ -181,6 +202,7 @@ _GGUF_LAYER = {
     # mixtures of experts (kvserve.models.moe.SparseMoE.load)
     "ffn_gate_inp": "router", "ffn_gate_shexp": "shared.gate", "ffn_up_shexp": "shared.up",
     "ffn_down_shexp": "shared.down_proj", "ffn_gate_inp_shexp": "shared_gate",
+    "attn_sinks": "sinks",  # gpt-oss
 }
 # Experts' stacks [n_expert, rows, cols], each expert's matrix its own (canonical) tensor.
 _GGUF_EXPERTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down_proj"}
@@ -228,11 +250,17 @@ def iter_gguf_tensors(reader, cfg: ModelConfig
         kind = t.tensor_type.name
         layer = parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER
         name = _GGUF_LAYER[parts[2]] if layer else None
+        if cfg.architecture == "gpt-oss" and name == "attn_out_norm":
+            name = "post_attention_layernorm"  # gpt-oss's MLP input norm has Gemma's name
         heads = None
         if cfg.architecture == "llama" and name in ("q", "k"):
             heads = cfg.num_heads if name == "q" else cfg.num_kv_heads
         if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_EXPERTS:
-            yield from _experts(t, kind, f"layers.{parts[1]}.experts", _GGUF_EXPERTS[parts[2]])
+            prefix, proj = f"layers.{parts[1]}.experts", _GGUF_EXPERTS[parts[2]]
+            if parts[3] == "bias":
+                yield from _expert_biases(t, prefix, proj)
+            else:
+                yield from _experts(t, kind, prefix, proj)
             continue
         in_place = len(t.shape) == 2 and gguf_native(kind) and (
             t.name in ("token_embd.weight", "output.weight") or name in _PROJECTIONS
@@ -315,6 +343,26 @@ def _experts(t, kind: str, prefix: str, proj: str
             raise ValueError(f"tensor {t.name}: unsupported GGUF tensor type {kind}") from err
         yield name, torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(rows, cols), \
             (kind, None)
+
+
+def _expert_biases(t, prefix: str, proj: str
+                   ) -> Iterator[tuple[str, torch.Tensor, GgufSource | None]]:
+    """A stack of experts' biases (GGUF shape [rows, n_expert], gpt-oss's) as one vector per
+    expert, `{prefix}.{e}.{proj}.bias`."""
+    from gguf import quants
+
+    if len(t.shape) != 2:
+        raise ValueError(f"tensor {t.name}: {len(t.shape)} dimensions, expected 2 "
+                         "(rows, experts)")
+    try:
+        arr = quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError as err:
+        raise ValueError(f"tensor {t.name}: unsupported GGUF tensor type "
+                         f"{t.tensor_type.name}") from err
+    stack = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(int(t.shape[1]),
+                                                                       int(t.shape[0]))
+    for e in range(stack.shape[0]):
+        yield f"{prefix}.{e}.{proj}.bias", stack[e].clone(), None
 
 
 # Types whose kernel groups give back gguf's dequantized floats bit for bit (q * d + m in

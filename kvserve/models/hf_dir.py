@@ -16,9 +16,10 @@ from kvserve.config import ModelConfig, RopeScaling
 from kvserve.models.arch import (
     GEMMA3_GLOBAL_EVERY,
     GEMMA3_LOCAL_THETA,
-    REFUSED_ARCHS,
+    GPT_OSS_SWIGLU,
     GgufSource,
     split_fused,
+    yarn_attn_factor,
 )
 from kvserve.models.paths import ModelNotFoundError
 
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 # Hugging Face model types and the architecture that serves them.
 HF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
             "gemma3_text": "gemma3", "phi3": "phi3", "qwen2_moe": "qwen2moe",
-            "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+            "qwen3_moe": "qwen3moe", "mixtral": "llama", "gpt_oss": "gpt-oss"}
 
 
 def _rope_scaling(cfg: dict, params: dict) -> RopeScaling:
@@ -45,6 +46,11 @@ def _rope_scaling(cfg: dict, params: dict) -> RopeScaling:
             stretch = cfg.get("max_position_embeddings", original) / original
             attn_factor = 1.0 if stretch <= 1.0 else math.sqrt(
                 1 + math.log(stretch) / math.log(original))
+    elif kind == "yarn":
+        attn_factor = rs.get("attention_factor")
+        if attn_factor is None:
+            attn_factor = yarn_attn_factor(float(rs.get("factor", 1.0)), rs.get("mscale"),
+                                           rs.get("mscale_all_dim"))
     if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("partial rotary embeddings (partial_rotary_factor "
                          f"{cfg['partial_rotary_factor']}) are not supported")
@@ -57,6 +63,9 @@ def _rope_scaling(cfg: dict, params: dict) -> RopeScaling:
         attn_factor=float(attn_factor),
         short_factors=tuple(rs["short_factor"]) if "short_factor" in rs else None,
         long_factors=tuple(rs["long_factor"]) if "long_factor" in rs else None,
+        beta_fast=float(rs.get("beta_fast") or 32.0),
+        beta_slow=float(rs.get("beta_slow") or 1.0),
+        truncate=bool(rs.get("truncate", True)),
     )
     return scaling
 
@@ -83,6 +92,11 @@ def _moe_fields(cfg: dict, model_type: str, arch: str, layers: int) -> dict[str,
     """ModelConfig's expert fields from config.json (none for a dense model). Qwen's
     mlp_only_layers and decoder_sparse_step name the dense layers as transformers reads them:
     a layer is sparse unless listed, and only every decoder_sparse_step-th one."""
+    if model_type == "gpt_oss":
+        return {"num_experts": int(cfg["num_local_experts"]),
+                "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+                "moe_intermediate_size": int(cfg["intermediate_size"]),
+                "norm_topk_prob": True, "moe_gating": "topk_softmax", "moe_bias": True}
     if model_type not in ("qwen2_moe", "qwen3_moe", "mixtral"):
         return {}
     # Qwen's own checkpoints say num_experts; transformers 5 writes num_local_experts for
@@ -111,8 +125,6 @@ def _moe_fields(cfg: dict, model_type: str, arch: str, layers: int) -> dict[str,
 def hf_model_config(path: Path) -> ModelConfig:
     cfg = json.loads((path / "config.json").read_text())
     model_type = cfg.get("model_type")
-    if model_type in REFUSED_ARCHS:
-        raise ValueError(REFUSED_ARCHS[model_type])
     arch = HF_ARCHS.get(model_type)
     if arch is None:
         raise ValueError(f"unsupported model architecture {model_type!r} "
@@ -132,6 +144,7 @@ def hf_model_config(path: Path) -> ModelConfig:
     hidden = cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // heads
     scalar = cfg.get("query_pre_attn_scalar") if gemma else None
+    oss = model_type == "gpt_oss"
     return ModelConfig(
         architecture=arch,
         num_layers=layers,
@@ -155,7 +168,12 @@ def hf_model_config(path: Path) -> ModelConfig:
         embedding_scale=hidden**0.5 if gemma else 1.0,
         norm_scale_in_float32=gemma,
         sandwich_norms=gemma,
-        hidden_act="gelu_tanh" if gemma else "silu",
+        hidden_act="gelu_tanh" if gemma else "swiglu_oai" if oss else "silu",
+        swiglu_alpha=float(cfg.get("swiglu_alpha", GPT_OSS_SWIGLU[0])),
+        swiglu_limit=float(cfg.get("swiglu_limit", GPT_OSS_SWIGLU[1])),
+        # Llama's attention_bias puts a bias on o_proj too; Qwen2's q/k/v biases leave it out.
+        o_bias=bool(cfg.get("attention_bias", False)),
+        attention_sinks=oss,
         name=path.name,
         **_moe_fields(cfg, model_type, arch, layers),
     )
@@ -178,8 +196,12 @@ def iter_hf_tensors(path: Path, cfg: ModelConfig
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 name = key.removeprefix("model.")
-                if cfg.num_experts and (moe := _moe_tensors(name, f, key)) is not None:
+                if cfg.num_experts and (moe := _moe_tensors(cfg, name, f, key)) is not None:
                     yield from moe
+                    continue
+                if name.endswith(".self_attn.sinks"):  # gpt-oss
+                    yield name.replace(".self_attn.sinks", ".sinks.weight"), \
+                        f.get_tensor(key).float(), None
                     continue
                 for old, new in proj.items():
                     name = name.replace(f".{old}.", f".{new}.")
@@ -201,40 +223,53 @@ def iter_hf_tensors(path: Path, cfg: ModelConfig
 # Expert tensors as checkpoints name them: per expert (Qwen's gate_proj/up_proj/down_proj,
 # Mixtral's w1/w3/w2) or, as transformers 5 holds them (save_original_format=False), one
 # stack per layer: gate_up_proj [E, 2 x I, H] (gate rows, then up) and down_proj [E, H, I].
+# gpt-oss stacks them transposed, gate and up interleaved: gate_up_proj [E, H, 2 x I] (gate
+# in the even columns, up in the odd), down_proj [E, I, H], with biases gate_up_proj_bias
+# [E, 2 x I] (interleaved too) and down_proj_bias [E, H]; its router has a bias.
 _MOE_BLOCK = r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\."
 _HF_EXPERT = re.compile(_MOE_BLOCK + r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
                         r"\.weight$")
-_HF_STACK = re.compile(_MOE_BLOCK + r"experts\.(gate_up_proj|down_proj)$")
-_HF_MOE = re.compile(_MOE_BLOCK + r"(gate|shared_expert_gate|shared_expert\.(?:gate_proj|"
-                     r"up_proj|down_proj))\.weight$")
+_HF_STACK = re.compile(_MOE_BLOCK + r"experts\.(gate_up_proj|down_proj)(_bias)?$")
+_HF_MOE = re.compile(_MOE_BLOCK + r"(gate|router|shared_expert_gate|shared_expert\.(?:gate_proj|"
+                     r"up_proj|down_proj))\.(weight|bias)$")
+_HF_MXFP4 = re.compile(_MOE_BLOCK + r"experts\.\w+_(blocks|scales)$")
 _EXPERT_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
                 "down_proj": "down_proj", "w2": "down_proj"}
 
 
-def _moe_tensors(name: str, f, key: str
+def _moe_tensors(cfg: ModelConfig, name: str, f, key: str
                  ) -> list[tuple[str, torch.Tensor, GgufSource | None]] | None:
     """The canonical tensors (kvserve.models.moe.SparseMoE.load) of an MoE checkpoint tensor,
     or None for a tensor that is not an expert's, a router's or a shared expert's."""
+    if _HF_MXFP4.match(name):
+        raise ValueError(f"{key}: experts in MXFP4 blocks in a Hugging Face checkpoint are not "
+                         "read; serve the model's GGUF (its MXFP4 experts run in place), or "
+                         "a checkpoint with float experts")
     if m := _HF_EXPERT.match(name):
         layer, e, proj = m.groups()
         return [(f"layers.{layer}.experts.{e}.{_EXPERT_PROJ[proj]}.weight",
                  f.get_tensor(key).float(), None)]
     if m := _HF_STACK.match(name):
-        layer, kind = m.groups()
+        layer, kind, bias = m.groups()
         stack = f.get_tensor(key)
+        oss = cfg.moe_gating == "topk_softmax"  # gpt-oss's transposed, interleaved stacks
+        what = "bias" if bias else "weight"
         out = []
         for e in range(stack.shape[0]):
             w = stack[e].float()
+            if oss and not bias:
+                w = w.t()  # [out, in]
             if kind == "down_proj":
-                out.append((f"layers.{layer}.experts.{e}.down_proj.weight", w, None))
-            else:
-                gate, up = w.chunk(2, dim=0)
-                out += [(f"layers.{layer}.experts.{e}.gate.weight", gate, None),
-                        (f"layers.{layer}.experts.{e}.up.weight", up, None)]
+                out.append((f"layers.{layer}.experts.{e}.down_proj.{what}", w.contiguous(), None))
+                continue
+            gate, up = (w[0::2], w[1::2]) if oss else w.chunk(2, dim=0)
+            out += [(f"layers.{layer}.experts.{e}.gate.{what}", gate.contiguous(), None),
+                    (f"layers.{layer}.experts.{e}.up.{what}", up.contiguous(), None)]
         return out
     if m := _HF_MOE.match(name):
-        layer, what = m.groups()
-        canonical = {"gate": "router", "shared_expert_gate": "shared_gate"}.get(
-            what, "shared." + _EXPERT_PROJ.get(what.removeprefix("shared_expert."), ""))
-        return [(f"layers.{layer}.{canonical}.weight", f.get_tensor(key).float(), None)]
+        layer, part, what = m.groups()
+        canonical = {"gate": "router", "router": "router",
+                     "shared_expert_gate": "shared_gate"}.get(
+            part, "shared." + _EXPERT_PROJ.get(part.removeprefix("shared_expert."), ""))
+        return [(f"layers.{layer}.{canonical}.{what}", f.get_tensor(key).float(), None)]
     return None

@@ -1,9 +1,9 @@
 """Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3, and the
-mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral) over a paged KV cache. What the families
-differ in is a field of ModelConfig: q/k norms, sliding windows per layer and their RoPE base,
-the attention scale, Gemma's embedding scale, float32 norm scaling, norms on the attention's
-and MLP's outputs, the MLP's activation, and experts in place of a layer's dense MLP
-(kvserve.models.moe).
+mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss) over a paged KV cache. What the
+families differ in is a field of ModelConfig: q/k norms, sliding windows per layer and their
+RoPE base, the attention scale, Gemma's embedding scale, float32 norm scaling, norms on the
+attention's and MLP's outputs, the MLP's activation, biases, attention sinks, and experts in
+place of a layer's dense MLP (kvserve.models.moe).
 
 The model sees one flat batch of tokens from many requests; which request a token belongs to
 and where its K/V live is the attention backend's business (`meta`).
@@ -31,7 +31,7 @@ from kvserve.layers.mlp import GatedMLP
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.quant import IN_PLACE, INT4_GROUP, DenseWeight, GGUFWeight, QuantizedWeight
 from kvserve.layers.rotary import RotaryEmbedding
-from kvserve.models.moe import SparseMoE
+from kvserve.models.moe import DENSE_ROWS, RouterLinear, SparseMoE
 
 # Values a step of torch's vectorized elementwise loops takes (two 512-bit vectors of bf16).
 ELEMENTWISE_STEP = 64
@@ -47,9 +47,14 @@ class Attention(nn.Module):
         self.head_dim = d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads,
                                           cfg.qkv_bias, tp)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, False, tp,
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.o_bias, tp,
                                         [(shard.q_start * d, shard.q_count * d)])
         self.backend = backend
+        # gpt-oss: each query head's sink logit (this rank's heads), in float32 whatever the
+        # compute dtype (the kernel adds it to a float32 softmax).
+        self.q_heads = (shard.q_start, shard.q_count, cfg.num_heads)
+        self.sinks = nn.Parameter(torch.zeros(shard.q_count, dtype=torch.float32),
+                                  requires_grad=False) if cfg.attention_sinks else None
         # Qwen3, Gemma 3: each head of q and k RMS-normed (one weight per head dimension)
         # before RoPE.
         norm = cfg.norm_scale_in_float32
@@ -65,8 +70,19 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h:h + hkv])), 1)
         qk = RotaryEmbedding.apply(qk, *rope)  # q and k heads rotated together
         out = self.backend.forward(qk[:, :h], qk[:, h:], qkv[:, h + hkv:], kv_cache, meta,
-                                   self.window)
+                                   self.window, self.sinks)
         return self.o_proj(out)
+
+    def load_sinks(self, w: torch.Tensor) -> None:
+        """A checkpoint's sink logits of every head into this rank's."""
+        if self.sinks is None:
+            raise ValueError("checkpoint has attention sinks for a model built without them")
+        start, count, heads = self.q_heads
+        if tuple(w.shape) != (heads,):
+            raise ValueError(f"attention sinks: checkpoint shape {tuple(w.shape)} != "
+                             f"{(heads,)} (one logit per query head)")
+        with torch.no_grad():
+            self.sinks.copy_(w[start:start + count].float())
 
 
 class DecoderLayer(nn.Module):
@@ -87,9 +103,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, backend, window, tp)
         self.attn_out_norm = norm() if cfg.sandwich_norms else None
         self.post_attention_layernorm = norm()
+        swiglu = ((cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.hidden_act == "swiglu_oai"
+                  else None)
         self.mlp: GatedMLP | SparseMoE = (
             SparseMoE(cfg, tp) if sparse else
-            GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act == "gelu_tanh", tp))
+            GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act == "gelu_tanh", tp,
+                     swiglu=swiglu))
         self.mlp_out_norm = norm() if cfg.sandwich_norms else None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
@@ -180,10 +199,12 @@ class LlamaForCausalLM(nn.Module):
             k = ops()
             none = torch.empty(0)
 
-            def linear(m: LinearBase):
+            def linear(m: LinearBase, bias: torch.Tensor | None = None):
+                """`bias`: in place of the layer's own (a router's, padded)."""
                 if m.packed is None:
                     m.materialize()
-                bias = none if m.bias is None else m.bias
+                if bias is None:
+                    bias = none if m.bias is None else m.bias
                 if isinstance(m.packed, GGUFWeight):
                     return k.LinearWeights(m.weight, none, none, bias, **m.packed.gguf_parts())
                 packed, scales = m.packed.fused() if m.packed is not None else (none, none)
@@ -194,20 +215,33 @@ class LlamaForCausalLM(nn.Module):
 
             absent = k.LinearWeights(none, none, none, none)
 
+            def router(m: RouterLinear):
+                """A router's weights, its bias zero-padded to the padded tile's outputs
+                (run_layers adds it before cutting them: the same sums on the kept ones)."""
+                if m.bias is None or not isinstance(m.packed, DenseWeight):
+                    return linear(m)
+                rows = -(-m.out_features // DENSE_ROWS) * DENSE_ROWS
+                return linear(m, torch.cat((m.bias, m.bias.new_zeros(rows - m.out_features))))
+
+            def activation(m: GatedMLP) -> dict:
+                alpha, limit = m.swiglu if m.swiglu is not None else (0.0, 0.0)
+                return {"gelu": m.gelu, "swiglu_alpha": alpha, "swiglu_limit": limit}
+
             def mlp(m: GatedMLP | SparseMoE) -> dict:
                 """The MLP's fields: a dense layer's gate_up and down, or a sparse layer's
                 experts (MoEWeights; run_layers' moe_mlp)."""
                 if isinstance(m, GatedMLP):
-                    return {"gelu": m.gelu, "gate_up": linear(m.gate_up_proj),
+                    return {**activation(m), "gate_up": linear(m.gate_up_proj),
                             "down": linear(m.down_proj)}
                 shared = m.shared_expert
-                return {"gelu": m.experts[0].gelu, "gate_up": absent, "down": absent,
+                return {**activation(m.experts[0]), "gate_up": absent, "down": absent,
                         "moe": k.MoEWeights(
-                            top_k=m.top_k, normalize=m.normalize, router=linear(m.router),
+                            top_k=m.top_k, normalize=m.normalize,
+                            topk_softmax=m.gating == "topk_softmax", router=router(m.router),
                             gate_up=[linear(e.gate_up_proj) for e in m.experts],
                             down=[linear(e.down_proj) for e in m.experts],
                             shared_gate=absent if m.shared_gate is None
-                            else linear(m.shared_gate),
+                            else router(m.shared_gate),
                             shared_gate_up=absent if shared is None
                             else linear(shared.gate_up_proj),
                             shared_down=absent if shared is None
@@ -221,6 +255,7 @@ class LlamaForCausalLM(nn.Module):
                 mlp_out_norm=weight(layer.mlp_out_norm),
                 q_norm=weight(layer.self_attn.q_norm), k_norm=weight(layer.self_attn.k_norm),
                 qkv=linear(layer.self_attn.qkv_proj), o=linear(layer.self_attn.o_proj),
+                sinks=none if layer.self_attn.sinks is None else layer.self_attn.sinks,
                 **mlp(layer.mlp)) for layer in self.layers])
         return self._fused
 

@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP of Qwen3-MoE, Qwen2-MoE and Mixtral as torch modules: the
+"""The mixture-of-experts MLP of Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss as torch modules: the
 reference for the C++ layer loop, which computes the same bits in one call a step (run_layers'
 moe_mlp: moe_route, every used expert's rows on gguf_grouped, moe_combine; tests/test_moe.py
 compares the two), and the path where that loop does not run (no C++ kernels, another device).
@@ -7,6 +7,8 @@ A sparse layer's MLP routes each token to `k` of its experts:
 
     router logits [T, E] -> softmax (float32) -> the k largest, ties to the lower expert id
       -> renormalized over those k where the model says (norm_topk_prob)
+      (gpt-oss: the router has a bias, and its k largest logits, chosen the same way, are
+      weighted by a softmax over those k)
     token rows grouped by expert (a stable sort by expert id, then position)
       -> each used expert's rows in one matmul (gate and up fused) -> down
     each token's k weighted outputs summed in the order of their expert ids (+ Qwen2-MoE's
@@ -81,15 +83,24 @@ def experts_read(experts: int, used: int, tokens: int) -> float:
     return 1.0 - (1.0 - used / experts) ** tokens
 
 
-def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, k: int, normalize: bool, gating: str = "softmax"
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int64), each row's
     k experts in ascending id order (the order their outputs are summed in).
 
     The experts are the k largest of the row's softmax (in float32, as transformers computes
     it), taken from a stable descending sort: among equal probabilities the lower expert id
     comes first, whatever the batch. `normalize` (norm_topk_prob; Mixtral always): the k
-    weights divided by their sum, else the softmax's own values (Qwen2-MoE's default)."""
-    probs = torch.softmax(logits.float().contiguous(), dim=-1)
+    weights divided by their sum, else the softmax's own values (Qwen2-MoE's default).
+    `gating` "topk_softmax" (gpt-oss): the k largest logits, chosen the same way, weighted by
+    a softmax over those k (in rank order; `normalize` has nothing to add)."""
+    scores = logits.float().contiguous()
+    if gating == "topk_softmax":
+        ranked = torch.sort(scores, dim=-1, descending=True, stable=True)
+        weights = torch.softmax(ranked.values[:, :k].contiguous(), dim=-1)
+        ids, pos = ranked.indices[:, :k].sort(dim=-1)
+        return weights.gather(1, pos), ids
+    probs = torch.softmax(scores, dim=-1)
     ranked = torch.sort(probs, dim=-1, descending=True, stable=True)
     weights, ids = ranked.values[:, :k], ranked.indices[:, :k]
     if normalize:  # the sum added in rank order, one addition at a time
@@ -118,16 +129,20 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.tp = tp
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gating = cfg.moe_gating
         hidden, gelu = cfg.hidden_size, cfg.hidden_act == "gelu_tanh"
-        self.router = RouterLinear(hidden, cfg.num_experts)
-        self.experts = nn.ModuleList(GatedMLP(hidden, cfg.moe_intermediate_size, gelu, tp)
-                                     for _ in range(cfg.num_experts))
+        swiglu = ((cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.hidden_act == "swiglu_oai"
+                  else None)
+        self.router = RouterLinear(hidden, cfg.num_experts, cfg.moe_bias)
+        self.experts = nn.ModuleList(
+            GatedMLP(hidden, cfg.moe_intermediate_size, gelu, tp, cfg.moe_bias, swiglu)
+            for _ in range(cfg.num_experts))
         shared = cfg.shared_expert_intermediate_size
         self.shared_expert = GatedMLP(hidden, shared, gelu, tp) if shared else None
         self.shared_gate = RouterLinear(hidden, 1) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.router(x), self.top_k, self.normalize)
+        weights, ids = route(self.router(x), self.top_k, self.normalize, self.gating)
         out = self._experts(x, weights, ids)
         if self.shared_expert is not None and self.shared_gate is not None:
             out = out + _sigmoid_by_row(self.shared_gate(x)) * self.shared_expert.partial(x)
@@ -164,13 +179,16 @@ class SparseMoE(nn.Module):
              source: tuple[str, QuantGroups | None] | None) -> None:
         """A checkpoint tensor by its canonical name within the layer (split at the dots):
         router.weight, experts.E.{gate,up,down_proj}.weight, shared.{gate,up,down_proj}.weight
-        or shared_gate.weight."""
+        or shared_gate.weight; router.bias and experts.E.{gate,up,down_proj}.bias (gpt-oss)."""
         joined = ".".join(name)
-        if name[0] == "router" and len(name) == 2:
+        if name == ["router", "bias"]:
+            self.router.load_bias(_floats(w))
+        elif name[0] == "router" and len(name) == 2:
             self.router.load(_dense(w, self.router, joined))
         elif name[0] == "experts" and len(name) == 4 and name[1].isdigit() and \
                 int(name[1]) < len(self.experts):
-            self.experts[int(name[1])].load(name[2], w, name[3], source)
+            self.experts[int(name[1])].load(name[2], w if name[3] == "weight" else _floats(w),
+                                            name[3], source)
         elif name[0] == "shared" and len(name) == 3 and self.shared_expert is not None:
             self.shared_expert.load(name[1], w, name[2], source)
         elif name[0] == "shared_gate" and len(name) == 2 and self.shared_gate is not None:
@@ -187,6 +205,11 @@ def _sigmoid_by_row(g: torch.Tensor) -> torch.Tensor:
     return torch.softmax(torch.cat((g, torch.zeros_like(g)), dim=1), dim=1)[:, :1]
 
 
+def _floats(w: torch.Tensor | GGUFTensor) -> torch.Tensor:
+    """A bias as floats (a GGUF stores them as F32 tensors; dequantized if not)."""
+    return w.dequantized() if isinstance(w, GGUFTensor) else w
+
+
 def _dense(w: torch.Tensor | GGUFTensor, layer: RouterLinear, name: str) -> torch.Tensor:
     """A router's (or shared gate's) weight as [out, in] floats: a GGUF stores the shared
     gate as one vector."""
@@ -201,9 +224,11 @@ def _dense(w: torch.Tensor | GGUFTensor, layer: RouterLinear, name: str) -> torc
 def moe_tensor_names(cfg: ModelConfig, layer: int) -> set[str]:
     """The canonical names of sparse layer `layer`'s MLP tensors, each of which a checkpoint
     must hold."""
-    names = {f"layers.{layer}.router.weight"}
+    what = ("weight", "bias") if cfg.moe_bias else ("weight",)
+    names = {f"layers.{layer}.router.{w}" for w in what}
     for e in range(cfg.num_experts):
-        names |= {f"layers.{layer}.experts.{e}.{k}.weight" for k in ("gate", "up", "down_proj")}
+        names |= {f"layers.{layer}.experts.{e}.{k}.{w}" for k in ("gate", "up", "down_proj")
+                  for w in what}
     if cfg.shared_expert_intermediate_size:
         names |= {f"layers.{layer}.shared.{k}.weight" for k in ("gate", "up", "down_proj")}
         names.add(f"layers.{layer}.shared_gate.weight")

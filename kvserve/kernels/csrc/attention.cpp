@@ -76,6 +76,18 @@ inline void prefetch_rows(const uint32_t* const* rows, int64_t from, int64_t to,
       _mm_prefetch(reinterpret_cast<const char*>(rows[t]) + i, _MM_HINT_T0);
 }
 
+// An attention sink's term of a row's softmax denominator: exp(sink - shift), with the shift
+// taken over the row's scaled scores and the sink; exactly 0 for none (-inf), which leaves a
+// row without a sink the bits it had before sinks existed. The same vector exp as the keys'.
+inline float sink_share(float sink, float shift) {
+  if (sink == -INFINITY) return 0.f;
+#if defined(__AVX512F__)
+  return _mm512_cvtss_f32(kvs::exp_ps(_mm512_set1_ps(sink - shift)));
+#else
+  return _mm256_cvtss_f32(kvs::exp8_ps(_mm256_set1_ps(sink - shift)));
+#endif
+}
+
 // Each instruction set's pieces of a row block (below): the scores of NR rows for tile kt,
 // into sc[r] + 16 kt; one row's softmax over keys first .. n - 1 into P (pb, by absolute
 // key), returning 1 / sum. KV is the type of the cache rows a direct row block reads (T, or
@@ -85,7 +97,7 @@ inline void scores_tile(const uint32_t* const* q, const Context& c, int64_t kt, 
                         float* const* sc);
 template <typename T>
 inline float softmax_row(const float* s, int64_t first, int64_t n, int64_t t_lo, int64_t tiles,
-                         float scale, uint32_t* pb);
+                         float scale, float sink, uint32_t* pb);
 
 // The first half of a row block: the tiles t_lo .. tiles - 1 its rows see, their scores and
 // each row's P and 1 / sum (inv). Returns {t_lo, tiles}.
@@ -93,7 +105,7 @@ template <typename T, typename KV, int NR, bool Direct>
 inline std::pair<int64_t, int64_t> score_rows(const uint32_t* const* q, const int64_t* first,
                                               const int64_t* nkeys, float* const* sc,
                                               uint32_t* const* pb, const Context& c, int64_t D,
-                                              float scale, float* inv) {
+                                              float scale, const float* sink, float* inv) {
   int64_t most = 0, least = nkeys[0];
   for (int r = 0; r < NR; ++r) {
     most = std::max(most, nkeys[r]);
@@ -103,7 +115,7 @@ inline std::pair<int64_t, int64_t> score_rows(const uint32_t* const* q, const in
   for (int64_t t = t_lo; t < tiles; ++t)
     scores_tile<T, KV, NR, Direct>(q, c, t, D / kvs::kPer<T>, sc);
   for (int r = 0; r < NR; ++r)
-    inv[r] = softmax_row<T>(sc[r], first[r], nkeys[r], t_lo, tiles, scale, pb[r]);
+    inv[r] = softmax_row<T>(sc[r], first[r], nkeys[r], t_lo, tiles, scale, sink[r], pb[r]);
   return {t_lo, tiles};
 }
 
@@ -111,7 +123,7 @@ inline std::pair<int64_t, int64_t> score_rows(const uint32_t* const* q, const in
 template <typename T>
 using RowBlockFn = void (*)(const uint32_t* const*, const int64_t*, const int64_t*,
                             float* const*, uint32_t* const*, const Context&, int64_t, float,
-                            T* const*);
+                            const float*, T* const*);
 #endif
 
 #if defined(__AVX512F__)
@@ -169,13 +181,14 @@ inline __mmask16 live_keys(int64_t t, int64_t first, int64_t n) {
 // (pb, by absolute key); returns 1 / sum.
 template <typename T>
 inline float softmax_row(const float* s, int64_t first, int64_t n, int64_t t_lo, int64_t tiles,
-                         float scale, uint32_t* pb) {
+                         float scale, float sink, uint32_t* pb) {
   __m512 top = _mm512_set1_ps(-INFINITY);
   for (int64_t t = first / kTile; t * kTile < n; ++t) {
     const __mmask16 live = live_keys(t, first, n);
     top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, s + t * kTile));
   }
-  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top) * scale);
+  const float top_scaled = std::max(_mm512_reduce_max_ps(top) * scale, sink);
+  const __m512 shift = _mm512_set1_ps(top_scaled);
   const __m512 sc16 = _mm512_set1_ps(scale);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t t = t_lo; t < tiles; ++t) {
@@ -193,7 +206,7 @@ inline float softmax_row(const float* s, int64_t first, int64_t n, int64_t t_lo,
 #endif
     }
   }
-  return 1.f / _mm512_reduce_add_ps(sum);
+  return 1.f / (_mm512_reduce_add_ps(sum) + sink_share(sink, top_scaled));
 }
 
 // Dimensions d0 .. d0 + 15 of V rows as P.V consumes them: float32, row a's values; bf16,
@@ -228,12 +241,12 @@ inline __m512i v_unit(const Context& c, int64_t j, int64_t d0, int64_t D) {
 template <typename T, typename KV, int NR, bool Direct>
 void row_block(const uint32_t* const* q, const int64_t* first, const int64_t* nkeys,
                float* const* sc, uint32_t* const* pb, const Context& c, int64_t D, float scale,
-               T* const* out) {
+               const float* sink, T* const* out) {
   static_assert(std::is_same_v<KV, T>, "the AVX-512 kernel reads K/V in the compute dtype");
   constexpr int64_t per = kvs::kPer<T>;
   float inv[NR];
   const auto [t_lo, tiles] =
-      score_rows<T, KV, NR, Direct>(q, first, nkeys, sc, pb, c, D, scale, inv);
+      score_rows<T, KV, NR, Direct>(q, first, nkeys, sc, pb, c, D, scale, sink, inv);
   const int64_t vunits = tiles * kTile / per, tile_units = kTile / per;
   constexpr bool fetch = Direct;  // V rows 2 tiles ahead, on the first pass
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
@@ -376,14 +389,15 @@ inline __m256 live8(int64_t base, int64_t first, int64_t n) {
 
 template <typename T>
 inline float softmax_row(const float* s, int64_t first, int64_t n, int64_t t_lo, int64_t tiles,
-                         float scale, uint32_t* pb) {
+                         float scale, float sink, uint32_t* pb) {
   const __m256 ninf = _mm256_set1_ps(-INFINITY);
   __m256 top = ninf;
   for (int64_t t = first / kTile; t * kTile < n; ++t)
     for (int h = 0; h < 2; ++h)
       top = _mm256_max_ps(top, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + t * kTile + 8 * h),
                                                 live8(t * kTile + 8 * h, first, n)));
-  const __m256 shift = _mm256_set1_ps(kvs::hmax8_ps(top) * scale);
+  const float top_scaled = std::max(kvs::hmax8_ps(top) * scale, sink);
+  const __m256 shift = _mm256_set1_ps(top_scaled);
   const __m256 sc8 = _mm256_set1_ps(scale);
   __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   auto* p = reinterpret_cast<float*>(pb);
@@ -396,17 +410,17 @@ inline float softmax_row(const float* s, int64_t first, int64_t n, int64_t t_lo,
       _mm256_storeu_ps(p + k0, e);
     }
   }
-  return 1.f / kvs::hsum8_ps(_mm256_add_ps(sum[0], sum[1]));
+  return 1.f / (kvs::hsum8_ps(_mm256_add_ps(sum[0], sum[1])) + sink_share(sink, top_scaled));
 }
 
 template <typename T, typename KV, int NR, bool Direct>
 void row_block(const uint32_t* const* q, const int64_t* first, const int64_t* nkeys,
                float* const* sc, uint32_t* const* pb, const Context& c, int64_t D, float scale,
-               T* const* out) {
+               const float* sink, T* const* out) {
   static_assert(std::is_same_v<T, float>, "the AVX2 kernel is float32 only");
   float inv[NR];
   const auto [t_lo, tiles] =
-      score_rows<T, KV, NR, Direct>(q, first, nkeys, sc, pb, c, D, scale, inv);
+      score_rows<T, KV, NR, Direct>(q, first, nkeys, sc, pb, c, D, scale, sink, inv);
   const F16 zeros = zero16();
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
     F16 acc[NR];
@@ -509,7 +523,8 @@ struct Item {
 // KV: how the cache holds K/V rows (see CacheRows); T for an int8 cache.
 template <typename T, typename KV>
 void attend(const at::Tensor& q, const at::Tensor& cache, const std::vector<Seq>& seqs,
-            int64_t block_size, int64_t window, float scale, at::Tensor& out) {
+            int64_t block_size, int64_t window, float scale, const float* sinks,
+            at::Tensor& out) {
   constexpr int64_t per = kvs::kPer<T>;
   const int64_t H = q.size(1), D = q.size(2), Hkv = cache.size(1), G = H / Hkv;
   const int64_t U = D / per, tile_units = 2 * kTile * D / per, qstride = q.stride(0);
@@ -617,6 +632,7 @@ void attend(const at::Tensor& q, const at::Tensor& cache, const std::vector<Seq>
         float* sc[kRowBlock];
         uint32_t* pb[kRowBlock];
         int64_t nkeys[kRowBlock], first[kRowBlock];
+        float sink[kRowBlock];
         T* orows[kRowBlock];
         for (int64_t r = 0; r < nr; ++r) {
           const int64_t row = it.r0 + r0 + r, pos = row / G, h = it.g * G + row % G;
@@ -625,10 +641,11 @@ void attend(const at::Tensor& q, const at::Tensor& cache, const std::vector<Seq>
           pb[r] = probs.data() + r * tiles * kTile;
           nkeys[r] = sq.len - sq.rows + pos + 1;
           first[r] = window ? std::max<int64_t>(0, nkeys[r] - window) : 0;
+          sink[r] = sinks != nullptr ? sinks[h] : -INFINITY;
           orows[r] = op + ((sq.first + pos) * H + h) * D;
         }
         (ctx.kpk != nullptr ? kRowBlocks<T, T, false> : kRowBlocks<T, KV, true>)[nr - 1](
-            qrows, first, nkeys, sc, pb, ctx, D, scale, orows);
+            qrows, first, nkeys, sc, pb, ctx, D, scale, sink, orows);
         r0 += nr;
       }
     }
@@ -649,7 +666,7 @@ bool has_paged_attention(at::ScalarType dtype, at::ScalarType kv) {
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& seqs,
                            const at::Tensor& tables, int64_t block_size, double scale,
-                           int64_t window) {
+                           int64_t window, const c10::optional<at::Tensor>& sinks) {
   kvs::check_cpu("paged_attention", q, cache, seqs, tables);
   TORCH_CHECK(has_paged_attention(q.scalar_type(), cache.scalar_type()),
               "paged_attention: no kernel for this dtype and cache dtype on this CPU");
@@ -683,23 +700,31 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const a
     const int64_t t0 = window ? std::max<int64_t>(0, len - rows + 1 - window) / kTile : 0;
     list.push_back({first, rows, len, t + i * nb, t0});
   }
+  const float* sink = nullptr;
+  at::Tensor sink_values;
+  if (sinks.has_value() && sinks->defined() && sinks->numel()) {
+    sink_values = sinks->to(at::kFloat).contiguous();
+    TORCH_CHECK(sink_values.dim() == 1 && sink_values.size(0) == H,
+                "sinks: one logit per query head");
+    sink = sink_values.data_ptr<float>();
+  }
   auto out = at::empty({q.size(0), H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   const float sc = static_cast<float>(scale);
 #if defined(__AVX512F__)
   if (q.scalar_type() == at::kFloat) {
-    attend<float, float>(q, cache, list, block_size, window, sc, out);
+    attend<float, float>(q, cache, list, block_size, window, sc, sink, out);
   } else {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    attend<c10::BFloat16, c10::BFloat16>(q, cache, list, block_size, window, sc, out);
+    attend<c10::BFloat16, c10::BFloat16>(q, cache, list, block_size, window, sc, sink, out);
 #endif
   }
 #elif defined(KVS_AVX2)
   if (cache.scalar_type() == at::kHalf)
-    attend<float, c10::Half>(q, cache, list, block_size, window, sc, out);
+    attend<float, c10::Half>(q, cache, list, block_size, window, sc, sink, out);
   else if (cache.scalar_type() == at::kBFloat16)
-    attend<float, c10::BFloat16>(q, cache, list, block_size, window, sc, out);
+    attend<float, c10::BFloat16>(q, cache, list, block_size, window, sc, sink, out);
   else
-    attend<float, float>(q, cache, list, block_size, window, sc, out);
+    attend<float, float>(q, cache, list, block_size, window, sc, sink, out);
 #endif
   return out;
 }

@@ -36,7 +36,7 @@
 bool has_paged_attention(at::ScalarType dtype, at::ScalarType kv);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& seqs,
                            const at::Tensor& tables, int64_t block_size, double scale,
-                           int64_t window);
+                           int64_t window, const c10::optional<at::Tensor>& sinks);
 
 // linear.cpp
 bool has_dense_linear(at::ScalarType dtype);
@@ -69,7 +69,7 @@ at::Tensor gguf_grouped(const at::Tensor& x, const std::vector<int64_t>& offsets
                         const std::vector<const GGUFMatrix*>& mats, const std::string& path);
 // moe.cpp
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t k,
-                                             bool normalize);
+                                             bool normalize, bool topk_softmax);
 at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& pos, const at::Tensor& weights);
 
 at::Tensor gguf_rows(const at::Tensor& part, int64_t type, int64_t K, const at::Tensor& ids,

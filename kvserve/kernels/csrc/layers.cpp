@@ -147,6 +147,10 @@ struct LinearWeights {
 struct MoEWeights {
   int64_t top_k = 0, experts = 0;
   bool normalize = false;
+  bool topk_softmax = false;  // gpt-oss's gating: a softmax over the k chosen logits
+  // The experts' biases stacked [E, 2I] and [E, H] (gpt-oss), for the grouped path; each
+  // expert's own LinearWeights hold them too. Undefined: none.
+  at::Tensor gate_up_bias, down_bias;
   LinearWeights router, shared_gate, shared_gate_up, shared_down;  // shared_*: Qwen2-MoE's
   std::vector<LinearWeights> gate_up, down;                         // one per expert
   bool grouped = false;  // every expert in GGUF blocks: gguf_grouped runs them together
@@ -156,6 +160,9 @@ struct LayerWeights {
   int64_t window = 0;       // the attention's sliding window (0: the whole context)
   bool local_rope = false;  // RoPE from the second tables (the sliding layers' own base)
   bool gelu = false;        // GELU (tanh) gating the MLP instead of SiLU
+  // gpt-oss's clamped SwiGLU where swiglu_limit > 0 (see activate)
+  double swiglu_alpha = 0, swiglu_limit = 0;
+  at::Tensor sinks;  // the attention's sink logit per head (gpt-oss); empty: none
   at::Tensor input_norm, post_attention_norm;  // the attention's and the MLP's input norms
   at::Tensor attn_out_norm, mlp_out_norm;      // norms on their outputs (Gemma)
   at::Tensor q_norm, k_norm;  // per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
@@ -218,12 +225,29 @@ at::Tensor head_norm(const at::Tensor& heads, const at::Tensor& weight, double e
   return rms_norm(heads.reshape({-1, shape.back()}).contiguous(), weight, eps).view(shape);
 }
 
-// down(act(gate(x)) * up(x)), as kvserve.layers.mlp.GatedMLP computes it.
+// An MLP's activation of its gate and up projections, as kvserve.layers.mlp.GatedMLP computes
+// it, op for op: act(gate) * up with SiLU or GELU (tanh); or gpt-oss's clamped SwiGLU
+// (limit > 0): gate clamped above at the limit, up to +-limit, (up + 1) * gate *
+// sigmoid(alpha gate).
+struct Activation {
+  bool gelu = false;
+  double alpha = 0, limit = 0;
+};
+
+at::Tensor activate(const at::Tensor& gate, const at::Tensor& up, const Activation& a) {
+  if (a.limit > 0) {
+    const auto g = at::clamp_max(gate, a.limit);
+    const auto glu = g * at::sigmoid(g * a.alpha);
+    return (at::clamp(up, -a.limit, a.limit) + 1) * glu;
+  }
+  return (a.gelu ? at::gelu(gate, "tanh") : at::silu(gate)) * up;
+}
+
+// down(act(gate(x), up(x))), as kvserve.layers.mlp.GatedMLP computes it.
 at::Tensor gated_mlp(const at::Tensor& x, const LinearWeights& gate_up, const LinearWeights& down,
-                     bool gelu, int64_t group) {
+                     const Activation& act, int64_t group) {
   auto gu = linear(x, gate_up, group).chunk(2, -1);
-  auto act = gelu ? at::gelu(gu[0], "tanh") : at::silu(gu[0]);
-  return linear(act * gu[1], down, group);
+  return linear(activate(gu[0], gu[1], act), down, group);
 }
 
 // The router's (or shared gate's) outputs: its padded tile's first n.
@@ -237,14 +261,15 @@ at::Tensor router_out(const at::Tensor& x, const LinearWeights& w, int64_t n, in
 // one (a counting sort: stable); each used expert's gated MLP on its slots' rows, in one
 // gguf_grouped call per matrix where the experts are GGUF blocks, else one after another;
 // the weighted sum (moe_combine); plus the shared expert times sigmoid(its gate).
-at::Tensor moe_mlp(const at::Tensor& x, const MoEWeights& m, bool gelu, int64_t group,
-                   PhaseSeconds& phases) {
+at::Tensor moe_mlp(const at::Tensor& x, const MoEWeights& m, const Activation& act,
+                   int64_t group, PhaseSeconds& phases) {
   const int64_t T = x.size(0), k = m.top_k, S = T * k;
   if (T == 0) return at::zeros_like(x);
   at::Tensor weights, ids;
   {
     KVS_PHASE(phases, kMoeRouter, "moe_router");
-    std::tie(weights, ids) = moe_route(router_out(x, m.router, m.experts, group), k, m.normalize);
+    std::tie(weights, ids) = moe_route(router_out(x, m.router, m.experts, group), k, m.normalize,
+                                       m.topk_softmax);
   }
   auto pos = at::empty({T, k}, ids.options());
   at::Tensor y;
@@ -270,16 +295,26 @@ at::Tensor moe_mlp(const at::Tensor& x, const MoEWeights& m, bool gelu, int64_t 
         gate_up[e] = &m.gate_up[e].gguf;
         down[e] = &m.down[e].gguf;
       }
-      auto gu = gguf_grouped(xs, offsets, gate_up, "").chunk(2, -1);
-      auto act = gelu ? at::gelu(gu[0], "tanh") : at::silu(gu[0]);
-      y = gguf_grouped(act * gu[1], offsets, down, "");
+      // Each grouped row's expert, for the biases: what each expert's own linear adds.
+      at::Tensor row_expert;
+      if (m.gate_up_bias.defined() || m.down_bias.defined()) {
+        row_expert = at::empty({S}, ids.options());
+        int64_t* rp = row_expert.data_ptr<int64_t>();
+        for (int64_t e = 0; e < m.experts; ++e)
+          for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) rp[r] = e;
+      }
+      auto gu = gguf_grouped(xs, offsets, gate_up, "");
+      if (m.gate_up_bias.defined()) gu = gu + m.gate_up_bias.index_select(0, row_expert);
+      auto parts = gu.chunk(2, -1);
+      y = gguf_grouped(activate(parts[0], parts[1], act), offsets, down, "");
+      if (m.down_bias.defined()) y = y + m.down_bias.index_select(0, row_expert);
     } else {
       y = at::empty_like(xs);
       for (int64_t e = 0; e < m.experts; ++e) {
         const int64_t n = offsets[e + 1] - offsets[e];
         if (n == 0) continue;  // an expert no row uses is not read
         y.narrow(0, offsets[e], n)
-            .copy_(gated_mlp(xs.narrow(0, offsets[e], n), m.gate_up[e], m.down[e], gelu, group));
+            .copy_(gated_mlp(xs.narrow(0, offsets[e], n), m.gate_up[e], m.down[e], act, group));
       }
     }
   }
@@ -293,7 +328,7 @@ at::Tensor moe_mlp(const at::Tensor& x, const MoEWeights& m, bool gelu, int64_t 
     KVS_PHASE(phases, kMoeShared, "moe_shared_expert");
     const auto g = router_out(x, m.shared_gate, 1, group);
     const auto gate = at::softmax(at::cat({g, at::zeros_like(g)}, 1), 1).narrow(1, 0, 1);
-    out = out + gate * gated_mlp(x, m.shared_gate_up, m.shared_down, gelu, group);
+    out = out + gate * gated_mlp(x, m.shared_gate_up, m.shared_down, act, group);
   }
   return out;
 }
@@ -355,18 +390,20 @@ at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
       store_kv(cache, slots[g], qk.narrow(1, heads, kv_heads),
                qkv.narrow(1, heads + kv_heads, kv_heads));
       attn = paged_attention(qk.narrow(1, 0, heads), cache, seqs, tables[g], block_size, scale,
-                             w.window);
+                             w.window, w.sinks.defined() && w.sinks.numel()
+                                           ? c10::optional<at::Tensor>(w.sinks) : c10::nullopt);
     }
     {
       KVS_PHASE(phases, kOProj, "o_proj");
       x = x + out_norm(linear(attn.flatten(1), w.o, int4_group), w.attn_out_norm);
     }
     const auto h = rms_norm(x, w.post_attention_norm, eps);
+    const Activation act{w.gelu, w.swiglu_alpha, w.swiglu_limit};
     if (w.moe.top_k) {
-      x = x + out_norm(moe_mlp(h, w.moe, w.gelu, int4_group, phases), w.mlp_out_norm);
+      x = x + out_norm(moe_mlp(h, w.moe, act, int4_group, phases), w.mlp_out_norm);
     } else {
       KVS_PHASE(phases, kMlp, "mlp");
-      x = x + out_norm(gated_mlp(h, w.gate_up, w.down, w.gelu, int4_group), w.mlp_out_norm);
+      x = x + out_norm(gated_mlp(h, w.gate_up, w.down, act, int4_group), w.mlp_out_norm);
     }
   }
   double* total = phase_seconds.data_ptr<double>();
@@ -391,7 +428,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dtype"), py::arg("kv"));
   m.def("paged_attention", &paged_attention, "attention of a step's rows, paged K/V (CPU)",
         py::arg("q"), py::arg("cache"), py::arg("seqs"), py::arg("tables"),
-        py::arg("block_size"), py::arg("scale"), py::arg("window") = 0, nogil());
+        py::arg("block_size"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("sinks") = py::none(), nogil());
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension of a 2-D tensor (CPU)",
         nogil());
   m.def("has_dense_linear", &has_dense_linear, "whether dense_linear is built for this dtype");
@@ -431,7 +469,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("offsets"), py::arg("parts"), py::arg("types"), py::arg("rows"),
         py::arg("path") = "", nogil());
   m.def("moe_route", &moe_route, "router logits -> (weights, expert ids), k per row (CPU)",
-        py::arg("logits"), py::arg("k"), py::arg("normalize"), nogil());
+        py::arg("logits"), py::arg("k"), py::arg("normalize"), py::arg("topk_softmax") = false,
+        nogil());
   m.def("moe_combine", &moe_combine, "each token's experts' outputs, weighted, summed (CPU)",
         py::arg("y"), py::arg("pos"), py::arg("weights"), nogil());
   m.def("gguf_rows", &gguf_rows, "rows of a GGUF tensor, dequantized as gguf does (CPU)",
@@ -456,7 +495,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](int64_t top_k, bool normalize, LinearWeights router,
                        std::vector<LinearWeights> gate_up, std::vector<LinearWeights> down,
                        LinearWeights shared_gate, LinearWeights shared_gate_up,
-                       LinearWeights shared_down) {
+                       LinearWeights shared_down, bool topk_softmax) {
              TORCH_CHECK(top_k >= 1 && !gate_up.empty() && gate_up.size() == down.size() &&
                              top_k <= static_cast<int64_t>(gate_up.size()),
                          "MoEWeights: 1 <= top_k <= experts, a gate_up and a down per expert");
@@ -464,6 +503,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              m.top_k = top_k;
              m.experts = static_cast<int64_t>(gate_up.size());
              m.normalize = normalize;
+             m.topk_softmax = topk_softmax;
              m.router = std::move(router);
              m.gate_up = std::move(gate_up);
              m.down = std::move(down);
@@ -473,13 +513,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              m.grouped = true;
              for (size_t e = 0; e < m.gate_up.size(); ++e)
                m.grouped = m.grouped && !m.gate_up[e].gguf.parts.empty() &&
-                           !m.down[e].gguf.parts.empty() && !m.gate_up[e].bias.numel() &&
-                           !m.down[e].bias.numel();
+                           !m.down[e].gguf.parts.empty();
+             // Biases on every expert or on none (stacked for the grouped path).
+             const auto stack = [](const std::vector<LinearWeights>& ws, const char* what) {
+               std::vector<at::Tensor> b;
+               for (const auto& w : ws)
+                 if (w.bias.numel()) b.push_back(w.bias);
+               TORCH_CHECK(b.empty() || b.size() == ws.size(),
+                           "MoEWeights: ", what, " biases on some experts only");
+               return b.empty() ? at::Tensor() : at::stack(b);
+             };
+             m.gate_up_bias = stack(m.gate_up, "gate_up");
+             m.down_bias = stack(m.down, "down");
              return m;
            }),
            py::kw_only(), py::arg("top_k"), py::arg("normalize"), py::arg("router"),
            py::arg("gate_up"), py::arg("down"), py::arg("shared_gate"),
-           py::arg("shared_gate_up"), py::arg("shared_down"))
+           py::arg("shared_gate_up"), py::arg("shared_down"), py::arg("topk_softmax") = false)
       .def_readonly("top_k", &MoEWeights::top_k, "experts a token uses (0: a dense layer)")
       .def_readonly("grouped", &MoEWeights::grouped,
                     "whether the experts run together on gguf_grouped");
@@ -488,16 +538,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        at::Tensor post_attention_norm, at::Tensor attn_out_norm,
                        at::Tensor mlp_out_norm, at::Tensor q_norm, at::Tensor k_norm,
                        LinearWeights qkv, LinearWeights o, LinearWeights gate_up,
-                       LinearWeights down, MoEWeights moe) {
-             return LayerWeights{window,        local_rope,   gelu,   input_norm,
-                                 post_attention_norm, attn_out_norm, mlp_out_norm, q_norm,
-                                 k_norm,        qkv,          o,      gate_up,
-                                 down,          std::move(moe)};
+                       LinearWeights down, MoEWeights moe, at::Tensor sinks,
+                       double swiglu_alpha, double swiglu_limit) {
+             LayerWeights w;
+             w.window = window;
+             w.local_rope = local_rope;
+             w.gelu = gelu;
+             w.swiglu_alpha = swiglu_alpha;
+             w.swiglu_limit = swiglu_limit;
+             w.sinks = std::move(sinks);
+             w.input_norm = std::move(input_norm);
+             w.post_attention_norm = std::move(post_attention_norm);
+             w.attn_out_norm = std::move(attn_out_norm);
+             w.mlp_out_norm = std::move(mlp_out_norm);
+             w.q_norm = std::move(q_norm);
+             w.k_norm = std::move(k_norm);
+             w.qkv = std::move(qkv);
+             w.o = std::move(o);
+             w.gate_up = std::move(gate_up);
+             w.down = std::move(down);
+             w.moe = std::move(moe);
+             return w;
            }),
            py::kw_only(), py::arg("window"), py::arg("local_rope"), py::arg("gelu"),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("attn_out_norm"),
            py::arg("mlp_out_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"),
-           py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("moe") = MoEWeights{})
+           py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("moe") = MoEWeights{},
+           py::arg("sinks") = at::empty({0}), py::arg("swiglu_alpha") = 0.0,
+           py::arg("swiglu_limit") = 0.0)
       .def_readonly("moe", &LayerWeights::moe);
   py::class_<DecoderWeights>(m, "DecoderWeights", py::module_local())
       .def(py::init<std::vector<LayerWeights>>(), py::arg("layers"))

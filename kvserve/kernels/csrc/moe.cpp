@@ -5,7 +5,9 @@
 // moe_route: router logits [T, E] -> softmax in float32 (torch's own, so its bits) -> each
 //   row's k largest probabilities, ties to the lower expert id (a stable descending sort's
 //   first k) -> with `normalize`, each divided by their sum, added in rank order one at a
-//   time -> the k (weight, id) pairs in ascending id order.
+//   time -> the k (weight, id) pairs in ascending id order. With `topk_softmax` (gpt-oss)
+//   the k largest logits are chosen the same way and the weights are torch's softmax over
+//   those k, in rank order.
 //
 // moe_combine: the experts' outputs y [S, H], slot (t, j) at row pos[t, j] -> out[t] =
 //   sum_j float(y[pos[t, j]]) * w[t, j], added in j (= expert id) order starting from j = 0's
@@ -52,30 +54,50 @@ void combine_rows(const at::Tensor& y, const at::Tensor& pos, const at::Tensor& 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t k,
-                                             bool normalize) {
+                                             bool normalize, bool topk_softmax) {
   kvs::check_cpu("moe_route", logits);
   TORCH_CHECK(logits.dim() == 2 && k >= 1 && k <= logits.size(1),
               "moe_route: logits [T, E] and 1 <= k <= E");
-  const auto probs = at::softmax(logits.to(at::kFloat).contiguous(), -1);
+  const auto scores = logits.to(at::kFloat).contiguous();
+  const auto probs = topk_softmax ? scores : at::softmax(scores, -1);
   const int64_t Tn = probs.size(0), E = probs.size(1);
   auto weights = at::empty({Tn, k}, probs.options());
   auto ids = at::empty({Tn, k}, probs.options().dtype(at::kLong));
   const float* pp = probs.data_ptr<float>();
   float* wp = weights.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
-  std::vector<int64_t> rank(E);
+  std::vector<int64_t> rank(Tn * k);
+  std::vector<int64_t> order(E);
+  for (int64_t t = 0; t < Tn; ++t) {
+    const float* p = pp + t * E;
+    for (int64_t e = 0; e < E; ++e) order[e] = e;
+    // the first k of a stable descending sort: the larger value first, then the lower id
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [p](int64_t a, int64_t b) {
+      return p[a] > p[b] || (p[a] == p[b] && a < b);
+    });
+    std::copy(order.begin(), order.begin() + k, rank.begin() + t * k);
+  }
+  // Each row's k weights in rank order: topk_softmax's softmax over the chosen logits (one
+  // torch call over [T, k], each row alone), else the probabilities, normalized or not.
+  at::Tensor ranked;
+  if (topk_softmax) {
+    auto top = at::empty({Tn, k}, probs.options());
+    float* tp = top.data_ptr<float>();
+    for (int64_t i = 0; i < Tn * k; ++i) tp[i] = pp[(i / k) * E + rank[i]];
+    ranked = at::softmax(top, -1);
+  }
   std::vector<std::pair<int64_t, float>> chosen(k);
   for (int64_t t = 0; t < Tn; ++t) {
     const float* p = pp + t * E;
-    for (int64_t e = 0; e < E; ++e) rank[e] = e;
-    // the first k of a stable descending sort: the larger probability first, then the lower id
-    std::partial_sort(rank.begin(), rank.begin() + k, rank.end(), [p](int64_t a, int64_t b) {
-      return p[a] > p[b] || (p[a] == p[b] && a < b);
-    });
-    float total = p[rank[0]];
-    for (int64_t j = 1; j < k; ++j) total = total + p[rank[j]];
-    for (int64_t j = 0; j < k; ++j)
-      chosen[j] = {rank[j], normalize ? p[rank[j]] / total : p[rank[j]]};
+    const int64_t* r = rank.data() + t * k;
+    if (topk_softmax) {
+      const float* w = ranked.data_ptr<float>() + t * k;
+      for (int64_t j = 0; j < k; ++j) chosen[j] = {r[j], w[j]};
+    } else {
+      float total = p[r[0]];
+      for (int64_t j = 1; j < k; ++j) total = total + p[r[j]];
+      for (int64_t j = 0; j < k; ++j) chosen[j] = {r[j], normalize ? p[r[j]] / total : p[r[j]]};
+    }
     std::sort(chosen.begin(), chosen.end());  // by id (distinct)
     for (int64_t j = 0; j < k; ++j) {
       ip[t * k + j] = chosen[j].first;
