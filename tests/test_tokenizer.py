@@ -226,7 +226,8 @@ def test_smollm_digit_split(tok: Tokenizer, ref: Any) -> None:
 
 @pytest.mark.real_model
 @needs_model
-@pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "llama3", "qwen2", "deepseek-r1-qwen"])
+@pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "llama3", "qwen2", "deepseek-r1-qwen",
+                                 "gpt-4o"])
 def test_pre_tokenizer_splits_match_transformers(ref: Any, pre: str) -> None:
     from tokenizers import Regex, pre_tokenizers
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS

@@ -212,9 +212,19 @@ def test_a_pythonic_list_once_opened_is_valid_calls(compiler, declared, seed, pi
     assert set(allowed(free)) >= set(range(1, 320)) - {BYTE_FF}
 
 
+# Forms whose tool_choice auto is parsed but not grammar-held, and why.
+NO_GRAMMAR = {
+    # harmony writes calls after messages made of control tokens (channels, <|end|>,
+    # <|start|>), which a lazy grammar's free text cannot hold: it needs the whole message
+    # structure written with token ids. Not done yet.
+    "gpt-oss",
+}
+
+
 def test_every_form_has_a_grammar():
     f = {"f": {"type": "object"}}
-    assert all(cls.lazy_grammar(f) is not None for cls in TOOL_PARSERS.values())
+    assert all((cls.lazy_grammar(f) is None) == (cls.name in NO_GRAMMAR)
+               for cls in TOOL_PARSERS.values())
 
 
 def mistral_tokenizer(*special: str) -> tuple[Tokenizer, GrammarCompiler]:

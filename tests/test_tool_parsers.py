@@ -600,7 +600,8 @@ def test_reasoning_split_tags_stream_early() -> None:
 def test_get_reasoning_parser() -> None:
     assert get_reasoning_parser("deepseek_r1") is DeepSeekR1ReasoningParser
     assert get_reasoning_parser("qwen3") is Qwen3ReasoningParser
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "gpt-oss", "harmony"}
+    assert get_reasoning_parser("harmony") is get_reasoning_parser("gpt-oss")
     with pytest.raises(ValueError, match="deepseek_r1") as err:
         get_reasoning_parser("nope")
     assert "qwen3" in str(err.value)
@@ -637,6 +638,8 @@ def test_stream_matches_parse_on_random_texts(seed: int) -> None:
      "name and its value}", "llama3_json"),
     ("{{- '<|python_tag|>' }}", "llama3_json"),
     ("[func_name1(params_name1=params_value1, params_name2=params_value2...)]", "pythonic"),
+    ("{{ '<|start|>assistant to=functions.' + name + '<|channel|>commentary json<|message|>' }}"
+     "{{ args | tojson }}{{ '<|call|>' }}", "gpt-oss"),
     ("{% for m in messages %}{{ m.content }}{% endfor %}", None),
     (None, None),
 ])

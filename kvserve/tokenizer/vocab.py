@@ -8,6 +8,7 @@ import json
 import logging
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -62,6 +63,20 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (GPT-4o, gpt-oss, Llama 4): words split at case changes -- an optional leading
+# non-letter, then either upper-case letters followed by lower-case ones ("Camel", "Case") or
+# an all-caps run ("HTTP"), with an English contraction kept on the word ("don't", "I'M");
+# numbers in runs of at most three digits; punctuation runs keep a leading space and any
+# trailing newlines or slashes; then the usual whitespace rules. \p{Lm}, \p{Lo} and \p{M}
+# count as both cases, so caseless scripts and combining marks stay inside words.
+_O200K_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_O200K_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_O200K_SUFFIX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_O200K_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_O200K_UPPER}*{_O200K_LOWER}+{_O200K_SUFFIX}"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_O200K_UPPER}+{_O200K_LOWER}*{_O200K_SUFFIX}"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # "gpt2": the GPT-2 regex (built into tokenizers' ByteLevel). "digits": every digit on its own
 # first, then the GPT-2 regex -- llama.cpp's rule for these vocabularies, and what their own
 # tokenizer.json files do (SmolLM's has a Digits(individual_digits) step).
@@ -72,8 +87,9 @@ _PRE_TOKENIZERS: dict[str, str] = {
     ),
     **dict.fromkeys(("llama3", "llama-bpe", "llama-v3", "falcon3", "smaug-bpe", "dbrx"), "llama3"),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), "qwen2"),
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "minimax-m2"), "o200k"),
 }
-_SPLITS = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "o200k": _O200K_SPLIT}
 
 
 def byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
@@ -146,18 +162,44 @@ def gguf_tokenizer(path: Path, reader: gguf.GGUFReader | None
         )
 
     add_bos = meta.get("tokenizer.ggml.add_bos_token", bool)
-    extra_eos = (token_id(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom"))
+    extra_eos = [i for k in ("eot", "eom")
+                 if (i := token_id(f"tokenizer.ggml.{k}_token_id")) is not None]
+    eos, extra_eos = harmony_stops(lambda t: tokens.index(t) if t in tokens else None,
+                                   eos, extra_eos)
     kwargs: dict[str, Any] = dict(
         decode_kind=decode_kind,
         bos_token_id=bos,
         eos_token_id=eos,
-        extra_eos_token_ids=[i for i in extra_eos if i is not None],
+        extra_eos_token_ids=extra_eos,
         pad_token_id=token_id("tokenizer.ggml.padding_token_id"),
         add_bos_token=add_bos_default if add_bos is None else add_bos,
         add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", bool)),
         chat_template=meta.get("tokenizer.chat_template", str),
     )
     return backend, kwargs
+
+
+# OpenAI's harmony (gpt-oss): a generation ends at <|return|> (the answer is done) or <|call|>
+# (a tool call waits for its result), never at <|end|>, which closes one message (the thinking)
+# and lets the next begin. A GGUF file names one EOS token (<|return|>, or <|end|> in some
+# conversions) and may name <|end|> as EOT; the vocabulary's own tokens decide instead.
+HARMONY_STOPS = ("<|return|>", "<|call|>")
+HARMONY_MESSAGE_END = "<|end|>"
+
+
+def harmony_stops(token_id: Callable[[str], int | None], eos: int | None, extra: list[int]
+                  ) -> tuple[int | None, list[int]]:
+    """(eos, extra end-of-generation ids) with harmony's rule applied where the vocabulary
+    has both of HARMONY_STOPS (`token_id` looks a token up): both end a generation and
+    <|end|> does not (an EOS of <|end|> becomes <|return|>). Other vocabularies unchanged."""
+    stops = [token_id(t) for t in HARMONY_STOPS]
+    if None in stops:
+        return eos, extra
+    end = token_id(HARMONY_MESSAGE_END)
+    if eos is not None and eos == end:
+        eos = stops[0]
+    kept = [i for i in extra if i != end]
+    return eos, [*kept, *(i for i in stops if i is not None and i not in kept)]
 
 
 def dir_tokenizer(root: Path) -> tuple[HFTokenizer, dict[str, Any]]:
@@ -192,6 +234,8 @@ def dir_tokenizer(root: Path) -> tuple[HFTokenizer, dict[str, Any]]:
     if eos is None and gen_eos_ids:
         eos = gen_eos_ids[0]
 
+    eos, extra_eos = harmony_stops(backend.token_to_id, eos,
+                                   [i for i in gen_eos_ids if isinstance(i, int)])
     bos = token_id("bos")
     add_bos = config.get("add_bos_token")
     if add_bos is None:
@@ -202,7 +246,7 @@ def dir_tokenizer(root: Path) -> tuple[HFTokenizer, dict[str, Any]]:
         decode_kind=_decode_kind(spec.get("decoder")),
         bos_token_id=bos,
         eos_token_id=eos,
-        extra_eos_token_ids=[i for i in gen_eos_ids if isinstance(i, int)],
+        extra_eos_token_ids=extra_eos,
         pad_token_id=token_id("pad"),
         add_bos_token=bool(add_bos),
         add_eos_token=bool(config.get("add_eos_token", False)),

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from kvserve.entrypoints.server.limits import RequestLimits
+from kvserve.entrypoints.server.reasoning import REASONING_PARSERS
 from kvserve.entrypoints.server.tool_parsers import TOOL_PARSERS
 from kvserve.settings import add_fields_as_flags, fields_from_flags, setting, size_arg
 
@@ -66,14 +67,17 @@ class ServerArgs:
         None, "the model's tool-call format, for tool_choice auto: hermes (Qwen 2.5/3, "
               "Hermes; also fenced or bare JSON calls), qwen3_coder (Qwen3-Coder's XML), "
               "llama3_json (Llama 3.1/3.2), pythonic (Llama 3.2/4 Python-style lists), "
-              "mistral ([TOOL_CALLS]); auto: the one the chat template's markers show",
+              "mistral ([TOOL_CALLS]), gpt-oss or harmony (gpt-oss's commentary-channel "
+              "calls); auto: the one the chat template's markers show",
         choices=[*sorted(TOOL_PARSERS), "auto"])
     responses_store_size: int = setting(
         1000, "/v1/responses: the conversations kept for previous_response_id, the least "
               "recently used dropped first (0: none kept)")
     reasoning_parser: str | None = setting(
-        None, "split <think>...</think> into reasoning_content",
-        choices=["deepseek_r1", "qwen3"])
+        None, "split the thinking into reasoning_content: <think>...</think> (deepseek_r1, "
+              "qwen3), or harmony's analysis channel (gpt-oss, harmony: the default for a "
+              "chat template that writes harmony)",
+        choices=sorted(REASONING_PARSERS))
     pooling: str = setting(
         "mean", "/v1/embeddings: the mean of the final hidden states over the input's "
                 "tokens, or the last token's; L2-normalised", choices=["mean", "last"])

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 from kvserve.entrypoints.server.call_scan import CallScan, Scan
 from kvserve.entrypoints.server.errors import APIError
 from kvserve.entrypoints.server.protocol import ChatCompletionRequest, NamedToolChoice
-from kvserve.entrypoints.server.reasoning import THINK_END, ReasoningParser, get_reasoning_parser
+from kvserve.entrypoints.server.reasoning import ReasoningParser, get_reasoning_parser
 from kvserve.entrypoints.server.tool_parsers import (
     ParsedMessage,
     StreamDelta,
@@ -253,10 +253,12 @@ def plan_chat(body: ChatCompletionRequest, constraint: StructuredOutputs | None,
             if body.parallel_tool_calls is False:
                 schema["maxItems"] = 1
         constraint, constraint_field = StructuredOutputs(json=json.dumps(schema)), "tools"
-    if constraint is not None and reasoning_parser is not None:
-        # A reasoning model thinks first: the constraint starts after its thinking.
+    end_tag = get_reasoning_parser(reasoning_parser).END_TAG if reasoning_parser else None
+    if constraint is not None and end_tag is not None:
+        # A reasoning model thinks first: the constraint starts after its thinking. (A
+        # format with no end tag, such as harmony, is held to it from the first token.)
         try:
-            constraint = dataclasses.replace(constraint, reasoning_end=THINK_END)
+            constraint = dataclasses.replace(constraint, reasoning_end=end_tag)
         except ValueError as e:
             raise APIError(400, f"{constraint_field}: {e}", constraint_field) from e
     if mode == "auto" and constraint is None:

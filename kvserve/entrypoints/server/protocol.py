@@ -263,9 +263,25 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     echo: bool = False  # vLLM: prepend the last message when it is the assistant's
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: how hard a reasoning model thinks. Chat templates that take it (gpt-oss's)
+    # read it as the template variable `reasoning_effort`; others ignore it.
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs with reasoning_effort added (where it is set; a different
+        value in chat_template_kwargs is a 400)."""
+        kwargs = self.chat_template_kwargs
+        if self.reasoning_effort is None:
+            return kwargs
+        kwargs = dict(kwargs or {})
+        if kwargs.setdefault("reasoning_effort", self.reasoning_effort) != \
+                self.reasoning_effort:
+            raise APIError(400, "reasoning_effort differs from chat_template_kwargs' "
+                           "reasoning_effort", "reasoning_effort")
+        return kwargs
 
 
 class EmbeddingRequest(Strict):

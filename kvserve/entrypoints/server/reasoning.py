@@ -13,6 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
+from kvserve.entrypoints.server import harmony
 from kvserve.entrypoints.server.tool_parsers import partial_suffix_len
 
 THINK_START = "<think>"
@@ -70,6 +71,15 @@ class ReasoningParser(ABC):
     when that is None), and likewise for content, however the text was split into deltas."""
 
     name: ClassVar[str]
+    # Other names the registry knows this format by.
+    aliases: ClassVar[tuple[str, ...]] = ()
+    # The text that ends the thinking, after which a constraint (tools, response_format)
+    # applies; None: the format has no such text, and a constraint holds from the first
+    # token (the model then answers without thinking).
+    END_TAG: ClassVar[str | None] = THINK_END
+    # Control tokens the format is written with: the text must keep them (the server then
+    # decodes without skipping special tokens).
+    SPECIAL_TOKENS: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self._buffer = ""
@@ -247,10 +257,89 @@ class Qwen3ReasoningParser(ReasoningParser):
         return reasoning, content
 
 
+class GptOssReasoningParser(ReasoningParser):
+    """gpt-oss's harmony messages (kvserve.entrypoints.server.harmony): the `analysis`
+    channel is reasoning; the `final` channel, `commentary` written to the user (preambles)
+    and text outside the format are content; a message to a recipient (a tool call) goes to
+    the content whole, from `<|start|>` to its terminator, for the harmony tool parser to
+    read (the first message's `<|start|>assistant`, which is in the prompt, is written in
+    front). Other markup is dropped. Consecutive messages of one kind are joined by a blank
+    line.
+
+    Works on text with the markers kept (they are control tokens: the server decodes them
+    for this parser). A generation that never opens a final channel has no content; one cut
+    off while thinking has only reasoning."""
+
+    name: ClassVar[str] = "gpt-oss"
+    aliases: ClassVar[tuple[str, ...]] = ("harmony",)
+    END_TAG: ClassVar[str | None] = None
+    SPECIAL_TOKENS: ClassVar[tuple[str, ...]] = harmony.MARKERS
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._scanner = harmony.HarmonyScanner()
+        self._route_to: str = "content"  # the current message's: reasoning | content | call
+        self._written = {"reasoning": False, "content": False}  # text sent, for separators
+        self._separate = False  # the current message follows one of its kind: a blank line
+
+    def parse(self, text: str) -> tuple[str | None, str | None]:
+        whole = type(self)()
+        whole._buffer = text
+        reasoning, content = whole._route(final=True)
+        return _finalize(reasoning, True), _finalize(content, False)
+
+    def _route(self, final: bool) -> tuple[str, str]:
+        delta, self._buffer = self._buffer, ""
+        pieces = self._scanner.feed(delta)
+        if final:
+            pieces += self._scanner.finish()
+        out = {"reasoning": "", "content": ""}
+        for piece in pieces:
+            if piece.kind == "open":
+                assert piece.header is not None
+                self._open(piece.header, out)
+            elif piece.kind == "body" and self._route_to == "call":
+                out["content"] += piece.text
+            elif piece.kind == "body" and piece.text:
+                text = piece.text
+                if self._separate:
+                    text, self._separate = "\n\n" + text, False
+                out[self._route_to] += text
+                self._written[self._route_to] = True
+            elif piece.kind == "close" and self._route_to == "call":
+                out["content"] += piece.text
+            # other markup (headers, terminators, a cut-off header) is not text
+        return out["reasoning"], out["content"]
+
+    def _open(self, header: harmony.Header, out: dict[str, str]) -> None:
+        if header.recipient is not None:
+            self._route_to = "call"
+            raw = header.raw
+            # The first message's `<|start|>assistant` is in the prompt: written back so
+            # that the call reads as a whole message.
+            out["content"] += raw if raw.startswith(harmony.START) else \
+                harmony.START + "assistant" + raw
+            self._done = True
+            return
+        self._route_to = "reasoning" if header.channel == "analysis" else "content"
+        if self._route_to == "content":
+            self._done = True
+        self._separate = self._written[self._route_to]
+
+
+# Every parser under its name and its aliases.
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    DeepSeekR1ReasoningParser.name: DeepSeekR1ReasoningParser,
-    Qwen3ReasoningParser.name: Qwen3ReasoningParser,
+    key: cls
+    for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, GptOssReasoningParser)
+    for key in (cls.name, *cls.aliases)
 }
+
+
+def detect_reasoning_parser(chat_template: str | None) -> str | None:
+    """The reasoning parser a chat template's format cannot be read without, used when
+    --reasoning-parser is not given: gpt-oss's for harmony, whose every answer is inside
+    channel markup. None for other templates (their thinking is optional: a flag asks)."""
+    return GptOssReasoningParser.name if harmony.is_harmony_template(chat_template) else None
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:

@@ -29,6 +29,7 @@ from kvserve.entrypoints.server.errors import APIError
 from kvserve.entrypoints.server.history import HistoryRecorder
 from kvserve.entrypoints.server.metrics_text import PLAIN_REPLICA
 from kvserve.entrypoints.server.protocol_responses import ResponseStore
+from kvserve.entrypoints.server.reasoning import detect_reasoning_parser, get_reasoning_parser
 from kvserve.entrypoints.server.tool_parsers import (
     TOOL_PARSERS,
     detect_tool_parser,
@@ -62,7 +63,7 @@ class ServerState:
         # the dashboard's time series, recorded while the app runs (build_app's lifespan)
         self.recorder = HistoryRecorder(self.metrics, lambda: self.engine)
         self.responses = ResponseStore(args.responses_store_size)  # previous_response_id
-        self._tool_token_ids: dict[str, dict[str, int]] = {}  # by tool parser
+        self._token_ids: dict[tuple[str, ...], dict[str, int]] = {}  # by token names
 
     def ready(self) -> AsyncEngine:
         if self.engine is None:
@@ -111,13 +112,33 @@ class ServerState:
                            "tool_choice")
         return found
 
+    @property
+    def reasoning_parser(self) -> str | None:
+        """The reasoning parser chat requests use: --reasoning-parser, else the one a format
+        that cannot be read without it asks for (detect_reasoning_parser: gpt-oss's
+        harmony, whose answer is inside its markup)."""
+        if self.args.reasoning_parser is not None:
+            return self.args.reasoning_parser
+        return self.detected_reasoning_parser
+
+    @functools.cached_property
+    def detected_reasoning_parser(self) -> str | None:
+        """The reasoning parser the loaded model's chat template requires, read once."""
+        return detect_reasoning_parser(self.tokenizer.chat_template)
+
     def tool_token_ids(self, parser: str) -> dict[str, int]:
         """The ids of `parser`'s SPECIAL_TOKENS that this model's vocabulary has (cached)."""
-        if parser not in self._tool_token_ids:
-            names = get_tool_parser(parser).SPECIAL_TOKENS
+        return self._vocab_ids(get_tool_parser(parser).SPECIAL_TOKENS)
+
+    def reasoning_token_ids(self, parser: str) -> dict[str, int]:
+        """The ids of reasoning parser `parser`'s SPECIAL_TOKENS in this vocabulary."""
+        return self._vocab_ids(get_reasoning_parser(parser).SPECIAL_TOKENS)
+
+    def _vocab_ids(self, names: tuple[str, ...]) -> dict[str, int]:
+        if names not in self._token_ids:
             found = {t: self.tokenizer.token_to_id(t) for t in names}
-            self._tool_token_ids[parser] = {t: i for t, i in found.items() if i is not None}
-        return self._tool_token_ids[parser]
+            self._token_ids[names] = {t: i for t, i in found.items() if i is not None}
+        return self._token_ids[names]
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

@@ -71,14 +71,17 @@ async def submit_chat(state: ServerState, body: ChatCompletionRequest, rid: str
     auto = state.auto_tool_parser if body.tools and body.tool_choice in (None, "auto") \
         else None
     token_ids = state.tool_token_ids(auto) if auto is not None else None
-    plan = plan_chat(body, spec, spec_field, auto, state.args.reasoning_parser, token_ids)
-    if plan.mode == "auto" and token_ids and any(
-            state.tokenizer.is_special(i) for i in token_ids.values()):
-        # The form's calls are written with control tokens, which decoding would drop: the
-        # text must keep them for the parser to find the calls.
+    reasoning = state.reasoning_parser
+    plan = plan_chat(body, spec, spec_field, auto, reasoning, token_ids)
+    markers = list(token_ids.values()) if plan.mode == "auto" and token_ids else []
+    if reasoning is not None:
+        markers += state.reasoning_token_ids(reasoning).values()
+    if any(state.tokenizer.is_special(i) for i in markers):
+        # The form's calls (or the reasoning's channels) are written with control tokens,
+        # which decoding would drop: the text must keep them for the parsers to read it.
         body = body.model_copy(update={"skip_special_tokens": False})
     ids = encode_chat(state.processor, body.messages, body.add_generation_prompt,
-                       plan.tools, body.chat_template_kwargs, body.continue_final_message)
+                       plan.tools, body.template_kwargs(), body.continue_final_message)
     state.args.limits.check_prompt_tokens(len(ids), "messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens

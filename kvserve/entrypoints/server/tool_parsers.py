@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from kvserve.entrypoints.server import harmony
 from kvserve.entrypoints.server.call_scan import CallScan, Scan, scan_whole
 from kvserve.sample.sampling_params import JSON_OPTIONS
 
@@ -183,6 +184,8 @@ class ToolParser(ABC):
     override them to stream earlier."""
 
     name: ClassVar[str]
+    # Other names the registry knows this format by.
+    aliases: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, tool_names: list[str] | None = None,
                  schemas: dict[str, dict] | None = None) -> None:
@@ -1228,9 +1231,78 @@ class PythonicToolParser(Llama3JsonToolParser):
             return None
 
 
+class GptOssToolParser(ToolParser):
+    """gpt-oss's harmony calls (kvserve.entrypoints.server.harmony): a message to
+    `functions.<name>`, its body the arguments object, ended by `<|call|>`:
+
+        <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json
+        <|message|>{"city": "Paris"}<|call|>
+
+    (`to=` may come before `<|channel|>`; the first message of a generation has no
+    `<|start|>assistant`, which the prompt holds). Several calls may follow one another.
+    A call of an undeclared function, or whose body is not a JSON object, stays content,
+    markup and all; so does every other message, verbatim (the gpt-oss reasoning parser
+    has already taken the markup off the messages meant for the user).
+
+    Text outside calls streams at once; a call is held until its message ends, then sent
+    whole."""
+
+    name: ClassVar[str] = "gpt-oss"
+    aliases: ClassVar[tuple[str, ...]] = ("harmony",)
+    SPECIAL_TOKENS: ClassVar[tuple[str, ...]] = harmony.MARKERS
+
+    def __init__(self, tool_names: list[str] | None = None,
+                 schemas: dict[str, dict] | None = None) -> None:
+        super().__init__(tool_names, schemas)
+        self._scanner = harmony.HarmonyScanner()
+        self._call: str | None = None  # the function of the call message being read
+        self._held: list[str] = []  # its raw text so far (content if it is no call)
+
+    def parse(self, text: str) -> ParsedMessage:
+        whole = type(self)(self.tool_names, self.schemas)
+        first, last = whole.feed(text), whole.finish()
+        content = first.content + last.content
+        return ParsedMessage(content or None, whole.tool_calls())
+
+    def feed(self, delta: str) -> StreamDelta:
+        self._check_open()
+        return self._take(self._scanner.feed(delta))
+
+    def finish(self) -> StreamDelta:
+        self._check_open()
+        out = self._take(self._scanner.finish())
+        self._finished = True
+        out.content += self._content.close()
+        return out
+
+    def _take(self, pieces: list[harmony.Piece]) -> StreamDelta:
+        out = StreamDelta()
+        for piece in pieces:
+            if piece.kind == "open" and piece.header is not None and (
+                    name := piece.header.function) is not None and (
+                    self.tool_names is None or name in self.tool_names):
+                self._call, self._held = name, [piece.text]
+            elif self._call is None:
+                out.content += self._content.push(piece.text)
+            elif piece.kind != "close":
+                self._held.append(piece.text)
+            else:
+                body = "".join(self._held[1:])
+                arguments = normalize_arguments(body.strip())
+                if arguments is None:  # not an arguments object: the message is text
+                    out.content += self._content.push("".join(self._held) + piece.text)
+                else:
+                    out.tool_calls.append(self._emit_call(ToolCall(self._call, arguments)))
+                self._call, self._held = None, []
+        return out
+
+
+# Every parser under its name and its aliases.
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    cls.name: cls for cls in (HermesToolParser, Qwen3CoderToolParser, Llama3JsonToolParser,
-                              PythonicToolParser, MistralToolParser)
+    key: cls
+    for cls in (HermesToolParser, Qwen3CoderToolParser, Llama3JsonToolParser,
+                PythonicToolParser, MistralToolParser, GptOssToolParser)
+    for key in (cls.name, *cls.aliases)
 }
 
 
@@ -1238,6 +1310,9 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
     """The parser of the tool-call form a chat template writes or asks for (what
     `--tool-call-parser auto` picks), from its own markers; None when it shows none."""
     t = chat_template or ""
+    # harmony's markers are unambiguous (and its template names "tool_call" variables)
+    if harmony.is_harmony_template(t):
+        return GptOssToolParser.name
     if "<function=" in t and "<parameter=" in t:
         return Qwen3CoderToolParser.name
     if HermesToolParser.START in t:
