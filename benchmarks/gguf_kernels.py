@@ -51,6 +51,9 @@ def random_blocks(kind: str, rows: int, cols: int) -> torch.Tensor:
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
     scale = np.full(raw.shape[:2], 0.01, np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    if kind == "MXFP4":  # an E8M0 exponent, not a float16: 2^(121 - 128), near 0.01
+        raw[:, :, 0] = 121
+        return torch.from_numpy(raw.reshape(rows, -1))
     for off in ((208,) if kind == "Q6_K" else (0,) if kind.startswith("IQ4") else (0, 2)):
         raw[:, :, off:off + 2] = scale
     return torch.from_numpy(raw.reshape(rows, -1))

@@ -56,12 +56,14 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def write_gguf(hf_dir, out, arch: str | None = None,
                qtype=gguf.GGMLQuantizationType.F32, bad_tensor_type=None,
                random_q6k_down: bool = False, random_k_quants: bool = False,
-               random_iq4: bool = False) -> None:
+               random_iq4: bool = False, random_mxfp4: bool = False) -> None:
     """`random_q6k_down`: every ffn_down tensor as random Q6_K blocks (gguf cannot quantize to
     Q6_K), their scales at about the checkpoint's weights' size. `random_k_quants`: every
     layer matrix and the output as random K-quant blocks, as a Q4_K_M file mixes them (Q6_K
     for ffn_down, attn_v and the output, Q4_K for the rest). `random_iq4`: every layer matrix
-    and the output as random IQ4_XS blocks, attn_v as IQ4_NL."""
+    and the output as random IQ4_XS blocks, attn_v as IQ4_NL. `random_mxfp4`: every layer
+    matrix and the output as random MXFP4 blocks (gpt-oss's experts' type), attn_v as
+    IQ4_NL."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     model_arch = cfg["model_type"]
     arch = arch or model_arch
@@ -108,14 +110,16 @@ def write_gguf(hf_dir, out, arch: str | None = None,
             arr = _permute(arr, heads)
         if arr.ndim == 2 and name != "token_embd.weight" and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
-        elif random_iq4 and arr.ndim == 2 and name != "token_embd.weight":
-            kind = "IQ4_NL" if name.endswith("attn_v.weight") else "IQ4_XS"
+        elif (random_iq4 or random_mxfp4) and arr.ndim == 2 and name != "token_embd.weight":
+            kind = ("IQ4_NL" if name.endswith("attn_v.weight") else
+                    "MXFP4" if random_mxfp4 else "IQ4_XS")
             iq4 = gguf.GGMLQuantizationType[kind]
             blocks = _random_blocks(kind, *arr.shape, seed=len(key)).reshape(
                 arr.shape[0], arr.shape[1] // gguf.GGML_QUANT_SIZES[iq4][0], -1)
-            # d: weights of at most ~0.05 (IQ4_XS: d x a 6-bit scale (-32..31) x a level)
-            blocks[..., :2] = np.full(blocks.shape[:2], 1.5e-5 if kind == "IQ4_XS" else 4e-4,
-                                      np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
+            if kind != "MXFP4":  # (its exponents are _random_blocks')
+                # d: weights of at most ~0.05 (IQ4_XS: d x a 6-bit scale (-32..31) x a level)
+                blocks[..., :2] = np.full(blocks.shape[:2], 1.5e-5 if kind == "IQ4_XS" else 4e-4,
+                                          np.float16).view(np.uint8).reshape(*blocks.shape[:2], 2)
             w.add_tensor(name, blocks.reshape(arr.shape[0], -1), raw_dtype=iq4)
         elif random_k_quants and arr.ndim == 2 and name != "token_embd.weight":
             kind = "Q6_K" if name.endswith(("ffn_down.weight", "attn_v.weight",
@@ -305,6 +309,41 @@ def test_iq4_layers_read_the_files_codes(tmp_path_factory):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
 
 
+def test_mxfp4_layers_read_the_files_codes(tmp_path_factory):
+    """An MXFP4 file (attn_v in IQ4_NL): under `gguf` every matrix is read in place by
+    gguf_linear, logits the same whatever the chunking and close to the float32 model on
+    gguf's dequantization of the same blocks. `auto` keeps the int4 tiles for MXFP4, as for
+    IQ4_NL (no interleaved layout); kvserve plan counts the file's bytes in place, the tiles'
+    under auto."""
+    from kvserve.layers.linear import LinearBase
+    from kvserve.layers.quant import QuantizedWeight
+    from kvserve.models.gguf_file import gguf_weight_bytes
+
+    path, (in_place, ref, auto) = _packed_models(
+        tmp_path_factory, "mxfp4", ("gguf", "none", "auto"),
+        {"hidden_size": 256, "intermediate_size": 256}, {"random_mxfp4": True})
+    layers = [m for m in in_place.modules() if isinstance(m, LinearBase)]
+    assert all(isinstance(m.packed, GGUFWeight) for m in layers)
+    kinds = {k for m in layers for k in m.packed.kinds}
+    assert kinds == {"MXFP4", "IQ4_NL"} and in_place.lm_head.packed.kinds == ["MXFP4"]
+    a = paged_logits(in_place, IDS, [20, 1, 8], "cpu")
+    assert torch.equal(a, paged_logits(in_place, IDS, [29], "cpu"))
+    b = paged_logits(ref, IDS, [29], "cpu")
+    assert 0 < (a - b).abs().max() / b.abs().max() < 0.1
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+    auto_layers = [m for m in auto.modules() if isinstance(m, LinearBase)]
+    assert all(isinstance(m.packed, QuantizedWeight) for m in auto_layers)
+    tensors = parsed_gguf(path).tensors
+    quantized = [t for t in tensors if t.tensor_type.name in ("MXFP4", "IQ4_NL")]
+    assert {t.tensor_type.name for t in quantized} == {"MXFP4", "IQ4_NL"}
+    floats = sum(int(t.n_elements) * 4 for t in tensors if t.tensor_type.name == "F32")
+    held = gguf_weight_bytes(path, torch.float32, in_place=True)
+    assert held.in_place == sum(int(t.n_bytes) for t in quantized)
+    assert held.resident == held.in_place + floats
+    held = gguf_weight_bytes(path, torch.float32, in_place=False)
+    assert held.resident == sum(int(t.n_elements * 0.625) for t in quantized) + floats
+
+
 def test_not_a_gguf_file(tmp_path):
     path = tmp_path / "junk.gguf"
     path.write_bytes(b"definitely not gguf" * 10)
@@ -314,10 +353,14 @@ def test_not_a_gguf_file(tmp_path):
 
 def _random_blocks(kind: str, rows: int, cols: int, seed: int):
     """Random raw blocks of a GGUF type, their float16 scale fields set to sane values (any
-    bits are a valid block but for NaN/inf halves)."""
+    bits are a valid block but for NaN/inf halves); MXFP4's exponents e to weights of at most
+    12 x 2^(e - 128) = 0.047 (e <= 120), as a real block's."""
     rng = np.random.default_rng(seed)
     per, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
     blocks = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
+    if kind == "MXFP4":
+        blocks[..., 0] = rng.integers(117, 121, size=(rows, cols // per), dtype=np.uint8)
+        return blocks.reshape(rows, -1)
     if kind == "Q6_K":  # its float16 d is the block's last field
         d = (rng.random((rows, cols // per, 1)) * 0.02 + 0.001).astype(np.float16)
         blocks[..., 208:210] = d.view(np.uint8).reshape(rows, cols // per, 2)

@@ -19,10 +19,17 @@ from kvserve import kernels
 
 pytestmark = pytest.mark.skipif(kernels.ops() is None, reason="C++ kernels unavailable")
 
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+         "MXFP4"]
 # Byte offsets of the float16 scale fields in each type's block (kept finite and small).
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}
+              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0],
+              "MXFP4": []}
+# MXFP4's scale is byte 0, an E8M0 exponent e (2^(e - 128) with its doubled levels): random
+# in a range around real weights' (2^-18 .. 2^12), and on one block of each row one of the
+# edges where the scale is a float32 subnormal (e = 0, 1) or the smallest normal (e = 2).
+MXFP4_EXPONENTS = (110, 141)
+MXFP4_EDGES = (0, 1, 2)
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -36,6 +43,10 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
         if off == 2 and kind in ("Q4_1", "Q5_1"):
             scale = -scale * 8  # a minimum: negative, as a real block's usually is
         raw[:, :, off:off + 2] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
+    if kind == "MXFP4":
+        raw[:, :, 0] = rng.integers(*MXFP4_EXPONENTS, size=raw.shape[:2], dtype=np.uint8)
+        edge_block = rng.integers(0, raw.shape[1], size=rows)
+        raw[np.arange(rows), edge_block, 0] = np.resize(MXFP4_EDGES, rows)
     return raw.reshape(rows, -1)
 
 
@@ -77,6 +88,27 @@ def test_rows_are_gguf_dequantization(kind):
     assert torch.equal(got, gguf_weight(kind, raw, cols)[ids])
 
 
+def test_mxfp4_every_exponent_and_code_byte_is_gguf_dequantization():
+    """MXFP4's scale from each of the 256 exponents (subnormal at 0 and 1, overflowing to inf
+    with the largest levels from 253 on) against every code byte, bit for bit as gguf gives
+    them: row e has exponent e in all its blocks, and its 16 blocks' 256 code bytes are
+    0..255."""
+    cols = 16 * 32
+    raw = np.zeros((256, 16, 17), dtype=np.uint8)
+    raw[:, :, 0] = np.arange(256, dtype=np.uint8)[:, None]
+    raw[:, :, 1:] = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    raw = raw.reshape(256, -1)
+    with np.errstate(over="ignore"):  # 12 x 2^(e - 128) from e = 253 on: inf, as wanted
+        want = gguf_weight("MXFP4", raw, cols)
+    got = kernels.ops().gguf_rows(torch.from_numpy(raw), type_id("MXFP4"), cols,
+                                  torch.arange(256), torch.float32)
+    assert torch.equal(got, want)
+    # the scales themselves: element 1 is code 1, level 1, so 2^(e - 128) in row e
+    scales = np.ldexp(np.float32(1), np.arange(256) - 128).astype(np.float32)
+    assert torch.equal(got[:, 1], torch.from_numpy(scales))
+    assert got[1, 1].item() == 2.0 ** -127 and got[253:].isinf().any()
+
+
 @pytest.mark.parametrize("kind", TYPES)
 def test_linear_matches_reference_and_portable(kind):
     k = kernels.ops()
@@ -95,7 +127,7 @@ def test_linear_matches_reference_and_portable(kind):
     assert (native.double() - ref).abs().max().item() <= 1e-5 * scale + 1e-6
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS", "MXFP4"])
 def test_rows_do_not_depend_on_the_batch(kind):
     k = kernels.ops()
     cols = 256

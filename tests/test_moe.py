@@ -299,6 +299,43 @@ def test_layer_loop_is_the_module_path(moe_dirs, tmp_path, monkeypatch, arch, fo
                            want if chunks == [37] else _module_path_logits(model, chunks))
 
 
+def test_mxfp4_experts_are_read_in_place_all_at_once(tmp_path):
+    """MXFP4 experts (gpt-oss's type) under `gguf`: every expert a view of the file's blocks
+    read by gguf_linear, the layer loop's experts on gguf_grouped giving the modules' logits
+    bit for bit (whole and chunked), close to the float32 model of gguf's dequantization of
+    the same blocks; kvserve plan counts the stacks at the file's bytes, in its pages."""
+    from kvserve.models.gguf_file import gguf_weight_bytes
+
+    if kernels.ops() is None:
+        pytest.fail("the C++ kernels are built on every test machine")
+    hf_dir = build_tiny_moe(tmp_path / "hf", "qwen3moe", hidden=256, experts_size=256)
+    path = tmp_path / "tiny-qwen3moe-mxfp4.gguf"
+    write_moe_gguf(hf_dir, path, "qwen3moe", random_mxfp4=True)
+    in_place, ref = (load_model(path, torch.float32, torch.device("cpu"), _backend).model
+                     for _ in range(2))
+    in_place.pack_("gguf")
+    ref.pack_("none")
+    packed = [m.packed for layer in in_place.layers if isinstance(layer.mlp, SparseMoE)
+              for e in layer.mlp.experts for m in (e.gate_up_proj, e.down_proj)]
+    assert packed and all(isinstance(p, GGUFWeight) and p.kinds == ["MXFP4"] * len(p.kinds)
+                          for p in packed)
+    sparse = [layer.moe for layer in in_place.fused_weights().layers if layer.moe.top_k]
+    assert sparse and all(m.grouped for m in sparse)
+    a = paged_logits(in_place, IDS, [37], "cpu")
+    assert torch.equal(a, _module_path_logits(in_place, [37]))
+    assert torch.equal(paged_logits(in_place, IDS, [10, 17, 1, 9], "cpu"),
+                       _module_path_logits(in_place, [10, 17, 1, 9]))
+    b = paged_logits(ref, IDS, [37], "cpu")
+    assert 0 < (a - b).abs().max() / b.abs().max() < 0.1
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+    tensors = gguf.GGUFReader(str(path)).tensors
+    stacks = sum(int(t.n_bytes) for t in tensors if t.tensor_type.name == "MXFP4")
+    floats = sum(int(t.n_elements) * 4 for t in tensors if t.tensor_type.name == "F32")
+    assert stacks == sum(int(t.n_bytes) for t in tensors if "_exps." in t.name) > 0
+    held = gguf_weight_bytes(path, torch.float32, in_place=True)
+    assert held.in_place == stacks and held.resident == stacks + floats
+
+
 def test_converted_expert_stacks_load_as_the_original_layout(moe_dirs, tmp_path):
     """transformers 5's own layout (save_original_format=False: one gate_up_proj and one
     down_proj stack per layer) gives the same model."""
@@ -421,14 +458,15 @@ def test_random_workloads_are_independent_of_their_batch(moe_dirs, dtype, arch,
 
 def write_moe_gguf(hf_dir: Path, out: Path, arch: str,
                    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
-                   random_k_quants: bool = False) -> None:
+                   random_k_quants: bool = False, random_mxfp4: bool = False) -> None:
     """The checkpoint as llama.cpp's converter lays an MoE out: experts stacked per layer
     (ffn_gate_exps, ffn_up_exps [E, I, H], ffn_down_exps [E, H, I]) in `qtype`, the router
     ffn_gate_inp and the shared expert's gate ffn_gate_inp_shexp (a vector) in F32, the shared
     expert as ffn_*_shexp; Mixtral as a llama file (q/k rows permuted) with an expert
     count and no expert_feed_forward_length. Every other tensor F32. `random_k_quants`: the
     experts as random blocks of a Q4_K_M file's types instead (Q4_K gate and up, Q6_K down;
-    gguf cannot quantize to them), scaled to weights of ~0.05."""
+    gguf cannot quantize to them), scaled to weights of ~0.05. `random_mxfp4`: the experts as
+    random MXFP4 blocks (gpt-oss's experts' type), their exponents to weights of <= 0.047."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     sd = {k.removeprefix("model."): v.float().numpy()
           for k, v in load_file(hf_dir / "model.safetensors").items()}
@@ -491,6 +529,12 @@ def write_moe_gguf(hf_dir: Path, out: Path, arch: str,
                         np.uint8).reshape(*blocks.shape[:3], 2)
                 w.add_tensor(f"blk.{i}.{ours}_exps.weight", blocks.reshape(experts, rows, -1),
                              raw_dtype=gguf.GGMLQuantizationType[kind])
+                continue
+            if random_mxfp4:
+                rows, cols = stack.shape[1:]
+                blocks = _random_blocks("MXFP4", experts * rows, cols, seed=i * 3 + len(ours))
+                w.add_tensor(f"blk.{i}.{ours}_exps.weight", blocks.reshape(experts, rows, -1),
+                             raw_dtype=gguf.GGMLQuantizationType.MXFP4)
                 continue
             add(f"blk.{i}.{ours}_exps.weight", stack, qtype)
         if block + "shared_expert_gate.weight" in sd:

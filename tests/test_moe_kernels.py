@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvserve import kernels
@@ -43,9 +43,11 @@ def _experts(kinds: tuple[str, str], n: int, rows: int, cols: int, x8: bool, see
 
 @settings(max_examples=25, deadline=None)
 @given(kinds=st.sampled_from([("Q4_K", "Q4_K"), ("Q6_K", "Q4_K"), ("Q8_0", "Q8_0"),
-                              ("Q5_K", "Q6_K"), ("Q4_0", "Q5_0")]),
+                              ("Q5_K", "Q6_K"), ("Q4_0", "Q5_0"), ("MXFP4", "MXFP4"),
+                              ("MXFP4", "IQ4_NL")]),
        x8=st.booleans(), counts=st.lists(st.integers(0, 19), min_size=1, max_size=5),
        bf16=st.booleans(), seed=st.integers(0, 10_000))
+@example(kinds=("MXFP4", "IQ4_NL"), x8=True, counts=[3, 0, 6], bf16=False, seed=1)
 def test_grouped_rows_are_each_experts_own_linear(kinds, x8, counts, bf16, seed):
     """Row m of gguf_grouped is gguf_linear of row m alone against its expert's matrix, bit
     for bit, on every path built here, whatever the other experts' rows (none included)."""

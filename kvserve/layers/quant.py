@@ -37,7 +37,7 @@ QUANTIZATIONS = ("none", "int8", "int4")
 IN_PLACE = "gguf"
 INT4_GROUP = 32
 # GGUF tensor types by the weight-only format that keeps their precision class.
-INT4_SOURCES = {"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "IQ3_S",
+INT4_SOURCES = {"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "MXFP4", "IQ3_S",
                 "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"}
 INT8_SOURCES = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}
 
@@ -73,7 +73,7 @@ class QuantGroups:
 
 # GGML's type numbers (as GGUF stores them) of the types gguf_linear reads in place.
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
-              "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
+              "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "MXFP4": 39}
 # The GGUF types `--quantization auto` serves on gguf_linear, at the file's bytes, rather than
 # on the int4/int8 tiles: both interleaved 8 rows at a time at load (gguf_repack). On a
 # Zen 3, 2 threads (benchmarks/gguf_kernels.py, one layer of a 1.5B model): Q4_Kx8 as fast as
@@ -88,7 +88,8 @@ GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12,
 # in place (`gguf`: their 16 levels exactly, which the int4 tiles only approximate) by a
 # kernel of the file's layout that ran at 0.24-0.31x the tiles' speed at 1 and 512 rows on
 # that Zen 4 (`benchmarks/gguf_kernels.py --as-type IQ4_XS`): `auto` keeps the tiles for them
-# until they have an interleaved layout.
+# until they have an interleaved layout. MXFP4 (gpt-oss's experts) is IQ4_NL's kernel with
+# another table of levels and a power-of-two scale: the same holds for it.
 GGUF_AUTO_TYPES = frozenset({"Q4_K", "Q6_K"})
 
 

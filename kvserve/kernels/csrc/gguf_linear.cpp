@@ -9,6 +9,7 @@
 // and every float operation after them is the same on every path, in the same order:
 //
 //   Q4_0, Q5_0, Q8_0   s = sum q x - o sum x (o = 8, 16, 0)     acc = fma(d dx, s, acc)
+//   IQ4_NL, MXFP4      s = sum q x (q a code's signed level)    acc = fma(d dx, s, acc)
 //   Q4_1, Q5_1         s = sum q x                              acc = fma(d dx, s, acc)
 //                                                               acc = fma(m dx, sum x, acc)
 //     (8 float lanes, one per 4 inputs of each 32: see the portable path; summed in one tree)
@@ -42,7 +43,7 @@ namespace {
 // GGML's type numbers (ggml.h), as GGUF stores them.
 enum : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
-  kIQ4_NL = 20, kIQ4_XS = 23
+  kIQ4_NL = 20, kIQ4_XS = 23, kMXFP4 = 39
 };
 // kvserve's own: a type's blocks with 8 rows interleaved (gguf_repack), numbered 1000 + the
 // GGML type. A part of one is [rows / 8, blocks * 8 * block bytes].
@@ -57,6 +58,31 @@ constexpr bool is_kquant(int64_t type) {
 // IQ4_NL's and IQ4_XS's 16 levels (GGML's kvalues_iq4nl): a 4-bit code indexes them.
 alignas(16) constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                1,    13,   25,  38,  53,  69,  89,  113};
+
+// MXFP4's 16 levels (GGML's kvalues_mxfp4): FP4 E2M1's values doubled, so that they are
+// integers, and the block's scale halved to match (e8m0_half).
+alignas(16) constexpr int8_t kMXFP4Levels[16] = {0, 1, 2, 3, 4, 6, 8, 12,
+                                                 0, -1, -2, -3, -4, -6, -8, -12};
+
+// The types with blocks of 32 whose 4-bit codes (Q4_0's nibbles) index a table of 16 signed
+// levels: IQ4_NL (an f16 scale first) and MXFP4 (an E8M0 exponent first).
+constexpr bool is_table4(int64_t type) { return type == kIQ4_NL || type == kMXFP4; }
+
+template <int64_t Type>
+constexpr const int8_t* table4() {
+  return Type == kMXFP4 ? kMXFP4Levels : kIQ4Levels;
+}
+
+// An MXFP4 block's scale, 2^(e - 128) (the E8M0 exponent's 2^(e - 127), halved for the
+// doubled levels), built from its bits as GGML's ggml_e8m0_to_fp32_half and gguf's numpy code
+// do: e < 2 gives a subnormal float (2^-128, 2^-127), which an exponent field cannot hold.
+// Exact: every e gives a finite power of two.
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float d;
+  std::memcpy(&d, &bits, 4);
+  return d;
+}
 
 // IQ4_XS block (136 bytes): d (float16), scales_h (uint16: 2 high bits of each sub-block's
 // scale), scales_l (4 bytes: 4 low bits each), 128 bytes of codes; sub-block j's scale is
@@ -86,6 +112,7 @@ bool type_info(int64_t type, TypeInfo* info) {
     case kQ6_K: *info = {256, 210}; return true;
     case kIQ4_NL: *info = {32, 18}; return true;
     case kIQ4_XS: *info = {256, 136}; return true;
+    case kMXFP4: *info = {32, 17}; return true;
     case kQ4_Kx8: *info = {256, 8 * 144, 8}; return true;
     case kQ6_Kx8: *info = {256, 8 * 210, 8}; return true;
     default: return false;
@@ -106,6 +133,22 @@ inline uint32_t u32(const uint8_t* p) {
   uint32_t v;
   std::memcpy(&v, p, 4);
   return v;
+}
+
+// A block of 32's scale d (Q4_1/Q5_1: its first field; the minimum follows it).
+template <int64_t Type>
+inline float scale32(const uint8_t* w) {
+  if constexpr (Type == kMXFP4) return e8m0_half(w[0]);
+  return f16(w);
+}
+
+// Where a block of 32's codes start: after its scale (1 byte for MXFP4's exponent, an f16
+// for the others), Q4_1/Q5_1's minimum (f16) and Q5_0/Q5_1's 32 high bits.
+template <int64_t Type>
+constexpr int codes32_at() {
+  if constexpr (Type == kMXFP4) return 1;
+  const bool hasmin = Type == kQ4_1 || Type == kQ5_1, five = Type == kQ5_0 || Type == kQ5_1;
+  return (hasmin ? 4 : 2) + (five ? 4 : 0);
 }
 
 // The 6-bit scales and minimums of a Q4_K/Q5_K block's 8 sub-blocks, from its 12 bytes, as
@@ -230,15 +273,15 @@ inline float sum_lanes(const float* a) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3
 }
 
 // Code i (0..31) of a block of 32 (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 as stored, Q8_0 signed; IQ4_NL
-// the signed level its code indexes).
+// and MXFP4 the signed level their code indexes).
 template <int64_t Type>
 inline int32_t code32(const uint8_t* w, int i) {
   if constexpr (Type == kQ8_0) return static_cast<int8_t>(w[2 + i]);
   const bool hasmin = Type == kQ4_1 || Type == kQ5_1, five = Type == kQ5_0 || Type == kQ5_1;
-  const uint8_t* qs = w + (hasmin ? 4 : 2) + (five ? 4 : 0);
+  const uint8_t* qs = w + codes32_at<Type>();
   int32_t q = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
   if constexpr (five) q |= ((u32(w + (hasmin ? 4 : 2)) >> i) & 1) << 4;
-  if constexpr (Type == kIQ4_NL) return kIQ4Levels[q];  // Q4_0's nibble: a level's index
+  if constexpr (is_table4(Type)) return table4<Type>()[q];  // Q4_0's nibble: a level's index
   return q;
 }
 
@@ -271,7 +314,7 @@ inline void block_lanes(const uint8_t* w, const QuantX& x, int64_t m, int64_t b,
     if constexpr (Type == kQ4_0) s[l] -= 8 * xs[l];
     if constexpr (Type == kQ5_0) s[l] -= 16 * xs[l];
   }
-  const float dd = f16(w) * dx;
+  const float dd = scale32<Type>(w) * dx;
   for (int l = 0; l < 8; ++l) acc[l] = std::fma(dd, static_cast<float>(s[l]), acc[l]);
   if constexpr (Type == kQ4_1 || Type == kQ5_1) {
     const float md = f16(w + 2) * dx;
@@ -448,10 +491,12 @@ inline __m256i load32(const void* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
-// kIQ4Levels in both 128-bit lanes: a vpshufb table from 4-bit codes to levels.
+// A table of 16 levels (kIQ4Levels by default) in both 128-bit lanes: a vpshufb table from
+// 4-bit codes to levels.
+template <int64_t Type = kIQ4_NL>
 inline __m256i iq4_levels() {
   return _mm256_broadcastsi128_si256(
-      _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Levels)));
+      _mm_load_si128(reinterpret_cast<const __m128i*>(table4<Type>())));
 }
 
 // Int16 word j of `words` (the same 8 words in both 128-bit lanes) in every int16 lane of
@@ -593,22 +638,22 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
     for (; ahead < w + bytes + kAhead; ahead += 64)
       _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
     if constexpr (!is_kquant(Type)) {
-      const float d = f16(w);
-      __m256i q;  // the block's 32 codes as bytes (Q8_0, IQ4_NL: signed)
+      const float d = scale32<Type>(w);
+      __m256i q;  // the block's 32 codes as bytes (Q8_0, IQ4_NL, MXFP4: signed)
       if constexpr (Type == kQ8_0) {
         q = load32(w + 2);
-      } else {  // Q4_0's nibbles (IQ4_NL: indices of its levels)
+      } else {  // Q4_0's nibbles (IQ4_NL, MXFP4: indices of their levels)
         const bool hasmin = Type == kQ4_1 || Type == kQ5_1;
         const bool five = Type == kQ5_0 || Type == kQ5_1;
         const __m128i qs = _mm_loadu_si128(
-            reinterpret_cast<const __m128i*>(w + (hasmin ? 4 : 2) + (five ? 4 : 0)));
+            reinterpret_cast<const __m128i*>(w + codes32_at<Type>()));
         q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low);
         if constexpr (five)
           q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes(u32(w + (hasmin ? 4 : 2))),
                                                   _mm256_set1_epi8(16)));
-        if constexpr (Type == kIQ4_NL) q = _mm256_shuffle_epi8(iq4_levels(), q);
+        if constexpr (is_table4(Type)) q = _mm256_shuffle_epi8(iq4_levels<Type>(), q);
       }
-      constexpr bool is_signed = Type == kQ8_0 || Type == kIQ4_NL;
+      constexpr bool is_signed = Type == kQ8_0 || is_table4(Type);
       __m256i qa = q;  // signed codes: |q|, x taking q's sign
       if constexpr (is_signed) qa = _mm256_abs_epi8(q);
       for (int r = 0; r < NR; ++r) {
@@ -1369,6 +1414,7 @@ RowsFn pick(int64_t type, Path path) {
     case kQ5_K: return rows_fn<kQ5_K>(path);
     case kIQ4_NL: return rows_fn<kIQ4_NL>(path);
     case kIQ4_XS: return rows_fn<kIQ4_XS>(path);
+    case kMXFP4: return rows_fn<kMXFP4>(path);
     default: return rows_fn<kQ6_K>(path);
   }
 }
@@ -1548,6 +1594,11 @@ void dequant_block(int64_t type, const uint8_t* w, float* out) {
     case kIQ4_NL: {
       const float d = f16(w);
       for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(code32<kIQ4_NL>(w, i));
+      return;
+    }
+    case kMXFP4: {  // as gguf: the exponent's float times each level
+      const float d = e8m0_half(w[0]);
+      for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(code32<kMXFP4>(w, i));
       return;
     }
     case kIQ4_XS: {  // as gguf: each sub-block's d * scale, then times its levels
