@@ -25,7 +25,9 @@ for its dense models (whose helpers it uses). The shapes (--shape):
               layers; ~6 GiB of F16 on disk while it is built
   oss20b      all 24 of gpt-oss-20b's layers (its 201,088-token vocabulary is SmolLM2's
               49,152 here): oss20b-4l's quantized layers six times over, ~11 GiB as
-              MXFP4_MOE; paired.py (two servers' maps of one file share its pages)
+              MXFP4_MOE; vs_llamacpp.py, one server at a time (llama-server repacks the
+              experts into ~10 GiB of its own beside the file's pages: two servers do not
+              fit 24 GiB)
 
     python benchmarks/moe_vs_llamacpp.py [--shape small] [--out FILE] [--type Q4_K_M]
         [--rounds 3] [--no-run] [paired.py's (a3b: vs_llamacpp.py's) options...]
@@ -72,7 +74,7 @@ SHAPES = {
 SHAPES["a3b"] = dict(SHAPES["a3b-12l"], name="random Qwen3-MoE (30B-A3B shape, 48 layers)",
                      layers=48, repeats="a3b-12l", one_at_a_time=True)
 SHAPES["oss20b"] = dict(SHAPES["oss20b-4l"], name="random gpt-oss (20b shape, 24 layers)",
-                        layers=24, repeats="oss20b-4l")
+                        layers=24, repeats="oss20b-4l", one_at_a_time=True)
 
 
 def cpu_name() -> str:

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from kvserve import kernels
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.config import RopeScaling
+from kvserve.layers.quant import GGUFWeight
 from kvserve.layers.rotary import inverse_frequencies
 from kvserve.models.loader import load_model, read_model_config
 from kvserve.models.moe import SparseMoE, route
@@ -300,6 +301,36 @@ def test_tiny_gpt_oss_matches_transformers(oss_dir, tmp_path, source):
     ours.pack_("none")
     torch.testing.assert_close(paged_logits(ours, IDS, [10, 27], "cpu"), expected,
                                atol=1e-4, rtol=1e-4)
+
+
+def test_mxfp4_experts_match_their_dequantization(oss_dir, tmp_path):
+    """MXFP4 experts: loaded as views of the file's blocks (no float copy), their floats
+    matching transformers with its experts replaced by gguf's dequantization of those blocks
+    (within 1e-4); read in place by gguf_linear under --quantization gguf, alone and all at
+    once on gguf_grouped, close to the float model (int8 activations)."""
+    path = tmp_path / "tiny-mxfp4.gguf"
+    write_gpt_oss_gguf(oss_dir, path, MXFP4)
+    floats, in_place = (load_model(path, torch.float32, torch.device("cpu"), _backend).model
+                        for _ in range(2))
+    expert = floats.layers[0].mlp.experts[1]
+    assert {t.kind for t in expert.gate_up_proj.gguf_tensors.values()} == {"MXFP4"}
+    ref = paged_logits(floats, IDS, [10, 27], "cpu")
+    expected = _hf_logits(_reference(oss_dir, experts_from=path), IDS)
+    torch.testing.assert_close(ref, expected, atol=1e-4, rtol=1e-4)
+    in_place.pack_("gguf")
+    for layer in in_place.layers:
+        for e in layer.mlp.experts:
+            for m in (e.gate_up_proj, e.down_proj):
+                assert isinstance(m.packed, GGUFWeight) and set(m.packed.kinds) == {"MXFP4"}
+                assert m.weight.numel() == 0
+    if kernels.ops() is not None:
+        assert all(layer.moe.grouped for layer in in_place.fused_weights().layers)
+    # int8 activations; a token whose router's top choices nearly tie may take another
+    # expert, so the bound is on the typical error, not the largest
+    got = paged_logits(in_place, IDS, [10, 27], "cpu")
+    err = (got - ref).abs().mean() / ref.abs().mean()
+    assert err < 0.05, err
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
 
 
 def test_greedy_continuations_equal_transformers(oss_dir):

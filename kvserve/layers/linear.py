@@ -83,8 +83,8 @@ class LinearBase(nn.Module):
         `gguf` (IN_PLACE) serves a layer whose every part is a GGUF tensor of a type
         gguf_linear reads in the file's own blocks, in place (GGUFWeight), and any other layer
         as `auto` does. `auto` does the same for a layer whose parts are all of
-        quant.gguf_auto_types() (Q4_K and Q6_K where gguf_linear has a vector path), with Q4_K
-        interleaved at load (the same results). Otherwise a GGUF weight whose type has an
+        quant.gguf_auto_types() (Q4_K, Q6_K and MXFP4 where gguf_linear has a vector path),
+        with Q4_K interleaved at load (the same results). Otherwise a GGUF weight whose type has an
         exact form (see models/gguf_quants.py) keeps its own codes on the VNNI kernel, 4-bit
         ones widened to 8 for int8 or where parts mix; other weights are quantized again.
         `auto` (per layer): the layer's own GGUF precision class, none for float weights."""
@@ -135,7 +135,7 @@ class LinearBase(nn.Module):
 
     def auto_reads_gguf(self) -> bool:
         """Whether `auto` serves this layer on gguf_linear: every part is held in place, of a
-        type whose kernel beats the tiles here (gguf_auto_types)."""
+        type auto reads in place here (gguf_auto_types)."""
         parts = self._per_part(self.gguf_tensors)
         types = quant.gguf_auto_types()
         return all(p is not None and p.kind in types for p in parts)

@@ -175,7 +175,10 @@ inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
 // (32 or 256), with sums of q: per block of 32, its 8 lanes' (lane l: inputs 4l .. 4l + 3);
 // per block of 256, its 16 runs of 16 (int16, as the AVX2 path loads them).
 struct QuantX {
-  int64_t block = 0, K = 0;
+  // blocks: K / block, kept so that scale() multiplies: a division there (a runtime
+  // divisor) cost a 64-bit idiv every block of 32 in the row kernels, most of an MXFP4 or
+  // Q8_0 decode GEMV's time on a Zen 4
+  int64_t block = 0, K = 0, blocks = 0;
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> lanes;  // block 32: [M, K / 32, 8]
@@ -185,7 +188,7 @@ struct QuantX {
   std::vector<int32_t> sub_pairs;
 
   const int8_t* row(int64_t m) const { return q.data() + m * K; }
-  float scale(int64_t m, int64_t b) const { return d[m * (K / block) + b]; }
+  float scale(int64_t m, int64_t b) const { return d[m * blocks + b]; }
   const int32_t* lane_sums(int64_t m, int64_t b) const {
     return lanes.data() + (m * (K / 32) + b) * 8;
   }
@@ -201,6 +204,7 @@ struct QuantX {
 void quantize_x_shape(int64_t M, int64_t K, int64_t block, QuantX& out) {
   out.block = block;
   out.K = K;
+  out.blocks = K / block;
   out.q.resize(M * K);
   out.d.resize(M * K / block);
   if (block == 32) {
