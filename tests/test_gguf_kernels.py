@@ -123,6 +123,13 @@ def test_linear_matches_reference_and_portable(kind):
     print(f"{kind}: paths {k.gguf_paths()} (best {k.gguf_path()}) against portable")
     for path in k.gguf_paths():
         assert torch.equal(k.gguf_linear(x, [raw], [type_id(kind)], none, path=path), native)
+    # one activation row against an odd number of weight rows (the VNNI path's two-row
+    # kernel for the table types, and its last row alone)
+    one = k.gguf_linear(x[:1], [raw[:47]], [type_id(kind)], none)
+    assert torch.equal(one, native[:1, :47])
+    for path in k.gguf_paths():
+        assert torch.equal(k.gguf_linear(x[:1], [raw[:47]], [type_id(kind)], none, path=path),
+                           one)
     scale = ref.abs().max().item()
     assert (native.double() - ref).abs().max().item() <= 1e-5 * scale + 1e-6
 

@@ -24,11 +24,17 @@ from kvserve.layers.quant import GGUFWeight
 from kvserve.layers.rotary import inverse_frequencies
 from kvserve.models.loader import load_model, read_model_config
 from kvserve.models.moe import SparseMoE, route
-from kvserve.sample.sampling_params import SamplingParams
 from tests.conftest import TINY_CHAT_TEMPLATE, byte_level_tokenizer_json, make_llm
-from tests.test_determinism import Alone, engine_args, run_workload
 from tests.test_gguf import write_shape, write_tokens
 from tests.test_model import paged_logits
+from tests.test_moe import (
+    _backend,
+    _hf_logits,
+    _module_path_logits,
+    assert_greedy_is_the_references,
+    assert_requests_run_as_alone,
+    assert_tp2_greedy_matches_one_process,
+)
 
 IDS = torch.randint(0, 320, (37,), generator=torch.Generator().manual_seed(3)).tolist()
 WINDOW = 8  # the sliding layers' window: far shorter than the prompts
@@ -138,10 +144,6 @@ def oss_dir(tmp_path_factory) -> Path:
     return build_tiny_gpt_oss(tmp_path_factory.mktemp("tiny-gpt-oss"))
 
 
-def _backend(c):
-    return TorchPagedAttention.for_model(c)
-
-
 def _reference(path: Path, experts_from: Path | None = None):
     """transformers' model of `path`; with `experts_from` (a GGUF), its experts replaced by
     gguf's own dequantization of the file's expert stacks (an independent reading of the
@@ -162,11 +164,6 @@ def _reference(path: Path, experts_from: Path | None = None):
                 params[f"model.layers.{i}.mlp.experts.down_proj"].copy_(
                     stacks[f"blk.{i}.ffn_down_exps.weight"].transpose(1, 2))
     return ref
-
-
-def _hf_logits(ref, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return ref(torch.tensor([ids])).logits[0].float()
 
 
 # ------------------------------------------------------------------------- configuration
@@ -336,31 +333,14 @@ def test_mxfp4_experts_match_their_dequantization(oss_dir, tmp_path):
 def test_greedy_continuations_equal_transformers(oss_dir):
     """The engine (weights packed, the layers in the C++ loop) against transformers' argmax,
     token by token, past the sliding window."""
-    ref = _reference(oss_dir)
-    prompts = [IDS[:9], IDS[5:30]]
     llm = make_llm(oss_dir)
-    model = llm.engine.local_core.runner.model
     if kernels.ops() is not None:
-        fused = model.fused_weights()
+        fused = llm.engine.local_core.runner.model.fused_weights()
         assert all(layer.moe.top_k == 2 for layer in fused.layers)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    for prompt, out in zip(prompts, outs, strict=True):
-        ids = list(prompt)
-        for _ in range(12):
-            ids.append(int(_hf_logits(ref, ids)[-1].argmax()))
-        assert out.outputs[0].token_ids == ids[len(prompt):]
+    assert_greedy_is_the_references(llm, _reference(oss_dir), [IDS[:9], IDS[5:30]])
 
 
 # ------------------------------------------------------------------ the C++ layer loop
-
-
-def _module_path_logits(model, chunks: list[int]) -> torch.Tensor:
-    backend = model.layers[0].self_attn.backend
-    backend.fused_inputs = lambda meta, dtype: None
-    try:
-        return paged_logits(model, IDS, chunks, "cpu")
-    finally:
-        del backend.fused_inputs
 
 
 @pytest.mark.parametrize("form", ["none", "bf16", "mxfp4"])
@@ -379,36 +359,23 @@ def test_layer_loop_is_the_module_path(oss_dir, tmp_path, form):
     else:
         model = load_model(oss_dir, dtype, torch.device("cpu"), _backend).model
         model.pack_("none")
-    want = _module_path_logits(model, [37])
+    want = _module_path_logits(model, [37], IDS)
     for chunks in ([37], [1] * 5 + [32], [10, 17, 1, 9]):
         assert torch.equal(paged_logits(model, IDS, chunks, "cpu"),
-                           want if chunks == [37] else _module_path_logits(model, chunks))
+                           want if chunks == [37] else _module_path_logits(model, chunks, IDS))
 
 
 def test_requests_are_independent_of_their_batch(oss_dir, tmp_path):
     """Each request's tokens and logprobs, bit for bit, as it gives alone: batched, chunked,
     prefix-cache hits, preemption, n-gram speculation; greedy and seeded."""
-    model = str(oss_dir)
-    rng = np.random.default_rng(11)
-    prefix = rng.integers(2, 320, 20).tolist()
-    requests = []
-    for i in range(6):
-        tail = rng.integers(2, 320, 3 + 5 * i).tolist()
-        params = (SamplingParams(temperature=0, logprobs=1, max_tokens=14, ignore_eos=True)
-                  if i % 2 else
-                  SamplingParams(temperature=1.0, seed=i, logprobs=1, max_tokens=14,
-                                 ignore_eos=True))
-        requests.append(((prefix if i < 4 else []) + tail, params, i % 3))
-    alone = Alone()
-    preempted = 0
-    for budget, blocks, caching, spec in ((8, 14, True, None), (16, 24, True, "ngram")):
-        cfg = {"model": model, "draft_model": model, "max_num_batched_tokens": budget,
-               "block_size": 4, "num_kv_blocks": blocks, "enable_prefix_caching": caching,
-               "short_prompt_steps": True, "tier": None, "speculation": spec}
-        args = engine_args(cfg, "float32", tmp_path)
-        counts: dict[str, int] = {}
-        got = run_workload(args, requests, counts, must_be_invariant=True)
-        preempted += counts["preemptions"]
-        for (prompt, params, _), out in zip(requests, got, strict=True):
-            assert out == alone(args, prompt, params), (budget, prompt, params)
-    assert preempted > 0
+    assert_requests_run_as_alone(str(oss_dir), tmp_path, seed=11, count=6, step=5,
+                                 max_tokens=14,
+                                 runs=((8, 14, True, None), (16, 24, True, "ngram")))
+
+
+@pytest.mark.slow
+def test_tp2_greedy_matches_one_process(oss_dir):
+    """Two gloo ranks (each with half the query heads and their sinks, every expert cut by its
+    features, the experts' down bias added once) give one process's greedy tokens, prompts
+    chunked over 16-token steps beside decodes."""
+    assert_tp2_greedy_matches_one_process(oss_dir, IDS, "none")

@@ -207,11 +207,18 @@ def test_tp2_greedy_matches_one_process(moe_dirs, arch, quantization):
     """Two gloo ranks, experts cut by their features, give one process's greedy tokens
     (float32; int8 experts, a shard scaled by its whole rows as one process scales them),
     prompts chunked over 16-token steps beside decodes."""
-    prompts = [IDS[:9], IDS[3:37], IDS[20:25]]
+    assert_tp2_greedy_matches_one_process(moe_dirs[arch], IDS, quantization)
+
+
+def assert_tp2_greedy_matches_one_process(model: Path, ids: list[int], quantization: str
+                                          ) -> None:
+    """Greedy tokens of three prompts cut from `ids`, chunked over 16-token steps beside
+    decodes, equal on one process and on two gloo ranks."""
+    prompts = [ids[:9], ids[3:37], ids[20:25]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = []
     for size in (1, 2):
-        with make_llm(moe_dirs[arch], tensor_parallel_size=size, quantization=quantization,
+        with make_llm(model, tensor_parallel_size=size, quantization=quantization,
                       max_num_batched_tokens=16) as llm:
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1]
@@ -247,21 +254,27 @@ def test_greedy_continuations_equal_transformers(moe_dirs, arch):
         fused = model.fused_weights()
         assert sum(layer.moe.top_k > 0 for layer in fused.layers) == len(
             [layer for layer in model.layers if isinstance(layer.mlp, SparseMoE)]) > 0
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert_greedy_is_the_references(llm, ref, prompts)
+
+
+def assert_greedy_is_the_references(llm, ref, prompts: list[list[int]], n: int = 12) -> None:
+    """`llm`'s greedy continuations of `prompts` (n tokens) are transformers' model `ref`'s
+    argmax, token by token."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     for prompt, out in zip(prompts, outs, strict=True):
         ids = list(prompt)
-        for _ in range(12):
+        for _ in range(n):
             ids.append(int(_hf_logits(ref, ids)[-1].argmax()))
         assert out.outputs[0].token_ids == ids[len(prompt):]
 
 
-def _module_path_logits(model, chunks: list[int]) -> torch.Tensor:
+def _module_path_logits(model, chunks: list[int], ids: list[int] = IDS) -> torch.Tensor:
     """paged_logits with the layers run as torch modules (the backend offers run_layers no
     inputs), the reference the C++ loop is held to."""
     backend = model.layers[0].self_attn.backend
     backend.fused_inputs = lambda meta, dtype: None
     try:
-        return paged_logits(model, IDS, chunks, "cpu")
+        return paged_logits(model, ids, chunks, "cpu")
     finally:
         del backend.fused_inputs
 
@@ -413,21 +426,32 @@ def test_requests_are_independent_of_their_batch(moe_dirs, arch, tmp_path):
     prefix-cache hits, preemption (a pool of 50 blocks of 4 for 8 requests of up to 67
     tokens), n-gram speculation and a draft model (the MoE model drafting for itself: a
     random model's drafts for another are all rejected); greedy and seeded requests."""
-    model = str(moe_dirs[arch])
-    rng = np.random.default_rng(7)
+    assert_requests_run_as_alone(
+        str(moe_dirs[arch]), tmp_path, seed=7, count=8, step=4, max_tokens=16,
+        runs=((8, 12, True, None), (512, 256, False, "ngram"), (16, 24, True, "ngram"),
+              (16, 24, True, "draft_model")))
+
+
+def assert_requests_run_as_alone(model: str, tmp_path, seed: int, count: int, step: int,
+                                 max_tokens: int, runs) -> None:
+    """`count` requests (all but the last three sharing a 20-token prefix, tails growing by
+    `step` tokens, greedy and seeded in turn, arriving over three steps), each run's tokens
+    and logprobs bit for bit the request's alone, for each of `runs` (step budget, pool
+    blocks of 4, prefix caching, speculation: None, "ngram" or "draft_model", the model
+    drafting for itself); some run preempts."""
+    rng = np.random.default_rng(seed)
     prefix = rng.integers(2, 320, 20).tolist()
     requests = []
-    for i in range(8):
-        tail = rng.integers(2, 320, 3 + 4 * i).tolist()
-        params = (SamplingParams(temperature=0, logprobs=1, max_tokens=16, ignore_eos=True)
-                  if i % 2 else
-                  SamplingParams(temperature=1.0, seed=i, logprobs=1, max_tokens=16,
+    for i in range(count):
+        tail = rng.integers(2, 320, 3 + step * i).tolist()
+        params = (SamplingParams(temperature=0, logprobs=1, max_tokens=max_tokens,
+                                 ignore_eos=True) if i % 2 else
+                  SamplingParams(temperature=1.0, seed=i, logprobs=1, max_tokens=max_tokens,
                                  ignore_eos=True))
-        requests.append(((prefix if i < 5 else []) + tail, params, i % 3))
+        requests.append(((prefix if i < count - 3 else []) + tail, params, i % 3))
     alone = Alone()
     preempted = 0
-    for budget, blocks, caching, spec in ((8, 12, True, None), (512, 256, False, "ngram"),
-                                          (16, 24, True, "ngram"), (16, 24, True, "draft_model")):
+    for budget, blocks, caching, spec in runs:
         cfg = {"model": model, "draft_model": model, "max_num_batched_tokens": budget,
                "block_size": 4, "num_kv_blocks": blocks, "enable_prefix_caching": caching,
                "short_prompt_steps": True, "tier": None, "speculation": spec}

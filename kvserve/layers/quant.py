@@ -88,10 +88,10 @@ GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12,
 # in place (`gguf`: their 16 levels exactly, which the int4 tiles only approximate) by a
 # kernel of the file's layout that ran at 0.24-0.31x the tiles' speed at 1 and 512 rows on
 # that Zen 4 (`benchmarks/gguf_kernels.py --as-type IQ4_XS`): `auto` keeps the tiles for them
-# until they have an interleaved layout. MXFP4 (gpt-oss's experts) runs IQ4_NL's kernel with
-# another table of levels and a power-of-two scale, as slowly (10-14 GB/s at one row on that
-# Zen 4, the int4 tiles ~3x faster), but `auto` reads it in place all the same: gpt-oss was
-# trained for its MXFP4 values, and the tiles' 16 even steps a group move the weights by 8.3%
+# until they have an interleaved layout. MXFP4 (gpt-oss's experts) runs IQ4_NL's kernels with
+# another table of levels and a power-of-two scale (at one row on that Zen 4: 8-10 GB/s, 16-19
+# with VNNI's two-row form; the int4 tiles ~3x the first), but `auto` reads it in place:
+# gpt-oss was trained for its MXFP4 values, and the tiles' 16 even steps a group move them by 8.3%
 # (relative L2 error against the MXFP4 values, random N(0, 0.02) blocks), as much as MXFP4's
 # own rounding of the float weights (11.4%); the tiles also hold 1.18x the file's bytes, in
 # anonymous memory. `--quantization int4` serves them on the tiles.
