@@ -24,7 +24,7 @@ from kvserve.layers.quant import GGUFWeight
 from kvserve.layers.rotary import inverse_frequencies
 from kvserve.models.loader import load_model, read_model_config
 from kvserve.models.moe import SparseMoE, route
-from tests.conftest import TINY_CHAT_TEMPLATE, byte_level_tokenizer_json, make_llm
+from tests.conftest import make_llm
 from tests.test_gguf import write_shape, write_tokens
 from tests.test_model import paged_logits
 from tests.test_moe import (
@@ -34,6 +34,7 @@ from tests.test_moe import (
     assert_greedy_is_the_references,
     assert_requests_run_as_alone,
     assert_tp2_greedy_matches_one_process,
+    save_random_checkpoint,
 )
 
 IDS = torch.randint(0, 320, (37,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -57,25 +58,7 @@ def build_tiny_gpt_oss(root: Path, seed: int = 0) -> Path:
                          "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 128, "rope_theta": 150000.0})
     torch.manual_seed(seed)
-    model = GptOssForCausalLM(config)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                new = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
-            elif name.endswith("sinks"):
-                new = torch.randn(p.shape, generator=g)
-            elif "bias" in name:
-                new = 0.1 * torch.randn(p.shape, generator=g)
-            else:
-                new = 0.2 * torch.randn(p.shape, generator=g)
-            p.copy_(new.half().float())
-    model.save_pretrained(root, safe_serialization=True)
-    (root / "tokenizer.json").write_text(byte_level_tokenizer_json())
-    (root / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
-        "chat_template": TINY_CHAT_TEMPLATE}))
-    return root
+    return save_random_checkpoint(GptOssForCausalLM(config), root, seed)
 
 
 def write_gpt_oss_gguf(hf_dir: Path, out: Path,

@@ -79,12 +79,23 @@ def build_tiny_moe(root: Path, arch: str, seed: int = 0, hidden: int = 64,
                                                  num_local_experts=8))
     else:
         raise ValueError(f"no tiny {arch} model")
+    return save_random_checkpoint(model, root, seed)
+
+
+def save_random_checkpoint(model, root: Path, seed: int) -> Path:
+    """`model` (a transformers model) with every parameter redrawn, routers too (transformers
+    zeroes them): norms 1 + N(0, 0.1), biases N(0, 0.1), attention sinks N(0, 1), the rest
+    N(0, 0.2) (peaked logits, as conftest's tiny models), all rounded to float16 values (so an
+    F16 GGUF of them is exact); saved to `root` with a byte-level tokenizer and the tiny chat
+    template."""
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for name, p in model.named_parameters():  # routers too (transformers zeroes them)
+        for name, p in model.named_parameters():
             if "norm" in name:
                 new = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
-            elif name.endswith("bias"):
+            elif name.endswith("sinks"):
+                new = torch.randn(p.shape, generator=g)
+            elif "bias" in name:
                 new = 0.1 * torch.randn(p.shape, generator=g)
             else:
                 new = 0.2 * torch.randn(p.shape, generator=g)
