@@ -362,3 +362,20 @@ def test_tp2_greedy_matches_one_process(oss_dir):
     features, the experts' down bias added once) give one process's greedy tokens, prompts
     chunked over 16-token steps beside decodes."""
     assert_tp2_greedy_matches_one_process(oss_dir, IDS, "none")
+
+
+def test_mxfp4_blocks_in_a_checkpoint_are_refused_clearly(oss_dir, tmp_path):
+    """OpenAI's own checkpoints hold the experts as MXFP4 `*_blocks` / `*_scales` tensors,
+    which kvserve does not read from safetensors: the load says what to serve instead."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "mxfp4-hf"
+    shutil.copytree(oss_dir, hf)
+    sd = load_file(hf / "model.safetensors")
+    sd["model.layers.0.mlp.experts.gate_up_proj_blocks"] = torch.zeros(8, 128, 2, 16,
+                                                                        dtype=torch.uint8)
+    save_file(sd, hf / "model.safetensors")
+    with pytest.raises(ValueError, match="MXFP4 blocks .* serve the model's GGUF"):
+        load_model(hf, torch.float32, torch.device("cpu"), _backend)
