@@ -104,7 +104,8 @@ class ModelConfig:
     sandwich_norms: bool = False
     # "silu", "gelu_tanh", or "swiglu_oai" (gpt-oss: the gate clamped above at
     # `swiglu_limit`, the up projection to +-swiglu_limit, and (up + 1) * gate *
-    # sigmoid(swiglu_alpha * gate))
+    # sigmoid(swiglu_alpha * gate)). The defaults are gpt-oss's: its config.json states them,
+    # llama.cpp's GGUF conversion does not write them (its graph uses these constants).
     hidden_act: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0

@@ -31,6 +31,7 @@ from tests.test_moe import (
     _backend,
     _hf_logits,
     _module_path_logits,
+    add_gguf_tensor,
     assert_greedy_is_the_references,
     assert_requests_run_as_alone,
     assert_tp2_greedy_matches_one_process,
@@ -87,11 +88,7 @@ def write_gpt_oss_gguf(hf_dir: Path, out: Path,
     write_tokens(w, cfg["vocab_size"])
 
     def add(name: str, arr: np.ndarray, kind=gguf.GGMLQuantizationType.F32) -> None:
-        if kind == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(arr), kind),
-                         raw_dtype=kind)
+        add_gguf_tensor(w, name, arr, kind)
 
     add("token_embd.weight", sd["embed_tokens.weight"])
     add("output_norm.weight", sd["norm.weight"])

@@ -491,6 +491,15 @@ def test_random_workloads_are_independent_of_their_batch(moe_dirs, dtype, arch,
 # --------------------------------------------------------------------------------- GGUF
 
 
+def add_gguf_tensor(w: gguf.GGUFWriter, name: str, arr: np.ndarray,
+                    kind: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> None:
+    """`arr` as tensor `name` of `w`: F32 as it is, any other type quantized by gguf."""
+    if kind == gguf.GGMLQuantizationType.F32:
+        w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+    else:
+        w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(arr), kind), raw_dtype=kind)
+
+
 def write_moe_gguf(hf_dir: Path, out: Path, arch: str,
                    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
                    random_k_quants: bool = False, random_mxfp4: bool = False) -> None:
@@ -520,10 +529,7 @@ def write_moe_gguf(hf_dir: Path, out: Path, arch: str,
     write_tokens(w, cfg["vocab_size"])
 
     def add(name: str, arr: np.ndarray, kind=gguf.GGMLQuantizationType.F32) -> None:
-        if kind == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(arr, kind), raw_dtype=kind)
+        add_gguf_tensor(w, name, arr, kind)
 
     add("token_embd.weight", sd["embed_tokens.weight"])
     add("output_norm.weight", sd["norm.weight"])

@@ -231,12 +231,10 @@ class TorchPagedAttention(AttentionBackend):
             # K and V written with one copy: [2, T, Hkv, W] -> slots of [2, Hkv, num_slots, W].
             rows = self._store(torch.stack((k, v)))
             kv_cache.index_copy_(2, meta.slot_mapping, rows.transpose(1, 2))
-        if ops is not None:
-            if sinks is None:  # (the Triton kernels' signature has no sinks)
-                return ops.paged_attention(q, kv_cache, meta.seqs, meta.tables,
-                                           meta.block_size, self.scale, window).flatten(1)
+        if ops is not None:  # sinks only to the C++ kernel (Triton's signature has none)
+            extra = () if sinks is None else (sinks,)
             return ops.paged_attention(q, kv_cache, meta.seqs, meta.tables, meta.block_size,
-                                       self.scale, window, sinks).flatten(1)
+                                       self.scale, window, *extra).flatten(1)
         path = meta.torch_path(window)
         if path.decode_only:
             return self._decode(q, kv_cache, path, meta.block_size, sinks).flatten(1)

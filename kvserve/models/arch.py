@@ -16,9 +16,6 @@ SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen2moe", "qwe
 # Whether an MoE architecture renormalizes the chosen experts' weights, where a GGUF does not
 # say (expert_weights_norm): what llama.cpp and transformers do for each.
 MOE_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "gpt-oss": True}
-# gpt-oss's clamped SwiGLU (alpha, limit): its config.json states them; llama.cpp's GGUF
-# conversion does not write them, and its graph uses these constants.
-GPT_OSS_SWIGLU = (1.702, 7.0)
 # gpt-oss: every other layer (the even ones) attends through a sliding window.
 GPT_OSS_SLIDING_EVERY = 2
 

@@ -26,7 +26,6 @@ from kvserve.models.arch import (
     GEMMA3_GLOBAL_EVERY,
     GEMMA3_LOCAL_THETA,
     GPT_OSS_SLIDING_EVERY,
-    GPT_OSS_SWIGLU,
     MOE_NORM_TOPK,
     SUPPORTED_ARCHS,
     GgufSource,
@@ -179,8 +178,6 @@ def gguf_model_config(reader) -> ModelConfig:
         norm_scale_in_float32=gemma,
         sandwich_norms=gemma,
         hidden_act="gelu_tanh" if gemma else "swiglu_oai" if oss else "silu",
-        swiglu_alpha=GPT_OSS_SWIGLU[0],
-        swiglu_limit=GPT_OSS_SWIGLU[1],
         name=str(_field(reader, "general.name", "")),
         **_moe_fields(reader, arch, layers),
     )

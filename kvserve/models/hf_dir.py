@@ -16,7 +16,6 @@ from kvserve.config import ModelConfig, RopeScaling
 from kvserve.models.arch import (
     GEMMA3_GLOBAL_EVERY,
     GEMMA3_LOCAL_THETA,
-    GPT_OSS_SWIGLU,
     GgufSource,
     split_fused,
     yarn_attn_factor,
@@ -169,8 +168,7 @@ def hf_model_config(path: Path) -> ModelConfig:
         norm_scale_in_float32=gemma,
         sandwich_norms=gemma,
         hidden_act="gelu_tanh" if gemma else "swiglu_oai" if oss else "silu",
-        swiglu_alpha=float(cfg.get("swiglu_alpha", GPT_OSS_SWIGLU[0])),
-        swiglu_limit=float(cfg.get("swiglu_limit", GPT_OSS_SWIGLU[1])),
+        **{k: float(cfg[k]) for k in ("swiglu_alpha", "swiglu_limit") if k in cfg},
         # Llama's attention_bias puts a bias on o_proj too; Qwen2's q/k/v biases leave it out.
         o_bias=bool(cfg.get("attention_bias", False)),
         attention_sinks=oss,
@@ -252,7 +250,7 @@ def _moe_tensors(cfg: ModelConfig, name: str, f, key: str
     if m := _HF_STACK.match(name):
         layer, kind, bias = m.groups()
         stack = f.get_tensor(key)
-        oss = cfg.moe_gating == "topk_softmax"  # gpt-oss's transposed, interleaved stacks
+        oss = cfg.architecture == "gpt-oss"  # its transposed, interleaved stacks
         what = "bias" if bias else "weight"
         out = []
         for e in range(stack.shape[0]):

@@ -109,11 +109,11 @@ def load_weights(model: LlamaForCausalLM,
             elif kind in ("gate", "up", "down_proj") and not isinstance(mlp, SparseMoE):
                 mlp.load(kind, w, what, source)
             elif kind == "o_proj" and what == "bias":
-                attn.o_proj.load_bias(_floats(w))
+                attn.o_proj.load_bias(w)
             elif kind == "o_proj":
                 attn.o_proj.load(w, gguf=source)
             elif kind == "sinks":
-                attn.load_sinks(_floats(w))
+                attn.load_sinks(w)
             elif kind in ("input_layernorm", "post_attention_layernorm", "attn_out_norm",
                           "mlp_out_norm") and getattr(layer, kind) is not None:
                 _copy(getattr(layer, kind).weight, w, name)
@@ -151,12 +151,6 @@ def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
         return cfg
     s = head_shard(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
     return dataclasses.replace(cfg, num_heads=s.q_count, num_kv_heads=s.kv_count)
-
-
-def _floats(w: torch.Tensor | GGUFTensor) -> torch.Tensor:
-    """A vector (a bias, sink logits) as floats: a GGUF holds them as F32 tensors, which come
-    as they are, or dequantized where a file quantized them."""
-    return w.dequantized() if isinstance(w, GGUFTensor) else w
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

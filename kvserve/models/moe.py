@@ -182,13 +182,12 @@ class SparseMoE(nn.Module):
         or shared_gate.weight; router.bias and experts.E.{gate,up,down_proj}.bias (gpt-oss)."""
         joined = ".".join(name)
         if name == ["router", "bias"]:
-            self.router.load_bias(_floats(w))
+            self.router.load_bias(w)
         elif name[0] == "router" and len(name) == 2:
             self.router.load(_dense(w, self.router, joined))
         elif name[0] == "experts" and len(name) == 4 and name[1].isdigit() and \
                 int(name[1]) < len(self.experts):
-            self.experts[int(name[1])].load(name[2], w if name[3] == "weight" else _floats(w),
-                                            name[3], source)
+            self.experts[int(name[1])].load(name[2], w, name[3], source)
         elif name[0] == "shared" and len(name) == 3 and self.shared_expert is not None:
             self.shared_expert.load(name[1], w, name[2], source)
         elif name[0] == "shared_gate" and len(name) == 2 and self.shared_gate is not None:
@@ -203,11 +202,6 @@ def _sigmoid_by_row(g: torch.Tensor) -> torch.Tensor:
     scalar one, and the two differ in the last bit: a row's gate would depend on how many
     rows follow it in the step. Softmax computes each row on its own."""
     return torch.softmax(torch.cat((g, torch.zeros_like(g)), dim=1), dim=1)[:, :1]
-
-
-def _floats(w: torch.Tensor | GGUFTensor) -> torch.Tensor:
-    """A bias as floats (a GGUF stores them as F32 tensors; dequantized if not)."""
-    return w.dequantized() if isinstance(w, GGUFTensor) else w
 
 
 def _dense(w: torch.Tensor | GGUFTensor, layer: RouterLinear, name: str) -> torch.Tensor:

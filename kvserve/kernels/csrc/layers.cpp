@@ -390,8 +390,7 @@ at::Tensor run_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
       store_kv(cache, slots[g], qk.narrow(1, heads, kv_heads),
                qkv.narrow(1, heads + kv_heads, kv_heads));
       attn = paged_attention(qk.narrow(1, 0, heads), cache, seqs, tables[g], block_size, scale,
-                             w.window, w.sinks.defined() && w.sinks.numel()
-                                           ? c10::optional<at::Tensor>(w.sinks) : c10::nullopt);
+                             w.window, w.sinks);  // empty: no sinks
     }
     {
       KVS_PHASE(phases, kOProj, "o_proj");
