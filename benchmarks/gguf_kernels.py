@@ -1,7 +1,7 @@
-"""gguf_linear (a GGUF file's own blocks, read in place, and for Q4_K also interleaved 8 rows at
-a time as `auto` serves it) against quant_linear (kvserve's int4/int8 tiles, the form GGUF
-weights were repacked into before), on one layer's matrices of a real model's shape, at decode
-(1 row) and prefill (512 rows) sizes.
+"""gguf_linear (a GGUF file's own blocks, read in place, and for Q4_K, Q6_K and MXFP4 also
+interleaved 8 rows at a time as `auto` serves them) against quant_linear (kvserve's int4/int8
+tiles, the form GGUF weights were repacked into before), on one layer's matrices of a real
+model's shape, at decode (1 row) and prefill (512 rows) sizes.
 
     python benchmarks/gguf_kernels.py [--shape qwen2.5-1.5b] [--repeats 15] [--as-type IQ4_XS]
 
@@ -36,6 +36,9 @@ SHAPES = {
                      ("gate_up", 17920, 1536, "Q4_K"), ("down", 1536, 8960, "Q6_K")],
     "llama-1b": [("qkv", 3072, 2048, "Q4_K"), ("o", 2048, 2048, "Q4_K"),
                  ("gate_up", 16384, 2048, "Q4_K"), ("down", 2048, 8192, "Q6_K")],
+    # one expert's matrices (MXFP4_MOE: the experts MXFP4, attention Q8_0)
+    "gpt-oss-20b": [("qkv", 5120, 2880, "Q8_0"), ("o", 2880, 4096, "Q8_0"),
+                    ("gate_up", 5760, 2880, "MXFP4"), ("down", 2880, 2880, "MXFP4")],
 }
 
 
@@ -93,7 +96,8 @@ def main() -> None:
         w = ops.gguf_rows(raw, tid, k, torch.arange(n), torch.float32)
         tiles = QuantizedWeight(w, "int8" if kind == "Q6_K" else "int4")
         x8 = ops.gguf_repacked_type(tid)
-        packed = ops.gguf_repack(raw, tid, k, none[0]) if x8 else None
+        packed = ops.gguf_repack(raw, tid, k, none[0], torch.empty(
+            n // 8, 8 * raw.shape[1], dtype=torch.uint8)) if x8 else None
         for m in (1, 512):
             x = torch.randn(m, k)
             g = median_s(lambda x=x, raw=raw, tid=tid: ops.gguf_linear(x, [raw], [tid], none),

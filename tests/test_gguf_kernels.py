@@ -184,7 +184,7 @@ def test_bad_input_is_refused():
     assert k.gguf_paths()[0] == k.gguf_path() and k.gguf_paths()[-1] == "portable"
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "MXFP4"])
 def test_interleaved_gives_the_files_bits(kind):
     """gguf_repack's x8 layout (8 rows side by side, the same bytes) computes every row as the
     file's layout does, bit for bit, on both paths, in any row order and at any batch size."""
@@ -196,8 +196,9 @@ def test_interleaved_gives_the_files_bits(kind):
     raw = torch.from_numpy(random_blocks(kind, rows, cols, seed=12))
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(13))
     packed = repack(k, raw, tid, cols, order)
-    block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
-    assert packed.shape == (rows // 8, 3 * 8 * block_bytes) and packed.dtype == torch.uint8
+    block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    assert packed.shape == (rows // 8, cols // block * 8 * block_bytes)
+    assert packed.dtype == torch.uint8
     assert sorted(packed.flatten().tolist()) == sorted(raw.flatten().tolist())  # same bytes
     x = torch.randn(300, cols, generator=torch.Generator().manual_seed(14))
     none = [torch.empty(0, dtype=torch.long)]
@@ -275,6 +276,30 @@ def test_interleaved_q6k_extremes_stay_exact():
                                                       none, path=path))
             ref = quantized_x(x, 256) @ gguf_weight("Q6_K", raw.numpy(), cols).T
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-3)
+
+
+def test_interleaved_mxfp4_extremes_stay_exact():
+    """MXFP4x8's AVX2 form sums 4 chunks of vpmaddubsw in int16 (at most 4 * 2 * 24 * 127 =
+    24384, its levels made unsigned by adding 12): every code the largest level (12, code 7)
+    or the most negative (-12, code 15), against activations all of one sign, stays exact."""
+    k = kernels.ops()
+    tid = type_id("MXFP4")
+    cols = 512
+    for fill in (0x77, 0xFF):
+        raw = random_blocks("MXFP4", 16, cols, seed=21)
+        raw.reshape(16, -1, 17)[:, :, 1:] = fill
+        raw = torch.from_numpy(raw)
+        packed = repack(k, raw, tid, cols)
+        none = [torch.empty(0, dtype=torch.long)]
+        for x in (torch.ones(5, cols), -torch.ones(5, cols)):
+            want = k.gguf_linear(x, [raw], [tid], none, path="portable")
+            for m in (1, 5):
+                for path in k.gguf_paths():
+                    got = k.gguf_linear(x[:m], [packed], [k.gguf_repacked_type(tid)], none,
+                                        path=path)
+                    assert torch.equal(got, want[:m])
+            ref = quantized_x(x, 32).double() @ gguf_weight("MXFP4", raw.numpy(), cols).double().T
+            torch.testing.assert_close(want.double(), ref, rtol=1e-6, atol=0)
 
 
 def test_interleaving_bad_input_is_refused():

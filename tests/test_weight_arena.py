@@ -133,7 +133,7 @@ def test_the_estimate_is_what_the_load_interleaves(k_quant_gguf, monkeypatch):
     from kvserve.models.loader import load_model
     from tests.test_gguf import _backend
 
-    assert {name for name in ("Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS")
+    assert {name for name in ("Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", "IQ4_NL", "MXFP4")
             if interleaved_at_load(name)} == set(INTERLEAVED_TYPES)
     monkeypatch.setattr(quant, "gguf_auto_types", lambda: quant.GGUF_AUTO_TYPES)
     model = load_model(k_quant_gguf, torch.float32, torch.device("cpu"), _backend).model

@@ -84,7 +84,7 @@ class LinearBase(nn.Module):
         gguf_linear reads in the file's own blocks, in place (GGUFWeight), and any other layer
         as `auto` does. `auto` does the same for a layer whose parts are all of
         quant.gguf_auto_types() (Q4_K, Q6_K and MXFP4 where gguf_linear has a vector path),
-        with Q4_K interleaved at load (the same results). Otherwise a GGUF weight whose type has an
+        each interleaved at load (the same results). Otherwise a GGUF weight whose type has an
         exact form (see models/gguf_quants.py) keeps its own codes on the VNNI kernel, 4-bit
         ones widened to 8 for int8 or where parts mix; other weights are quantized again.
         `auto` (per layer): the layer's own GGUF precision class, none for float weights."""
@@ -117,8 +117,8 @@ class LinearBase(nn.Module):
             self.gguf_groups = {}
 
     def gguf_weight(self, interleave: bool = False) -> GGUFWeight | None:
-        """The layer served from its GGUF blocks in place (Q4_K, Q6_K interleaved at load with
-        `interleave`), where every part has them and gguf_linear reads their types here;
+        """The layer served from its GGUF blocks in place (Q4_K, Q6_K, MXFP4 interleaved at
+        load with `interleave`), where every part has them and gguf_linear reads their types here;
         else None."""
         parts = self._per_part(self.gguf_tensors)
         if any(p is None for p in parts):

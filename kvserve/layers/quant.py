@@ -88,13 +88,14 @@ GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12,
 # in place (`gguf`: their 16 levels exactly, which the int4 tiles only approximate) by a
 # kernel of the file's layout that ran at 0.24-0.31x the tiles' speed at 1 and 512 rows on
 # that Zen 4 (`benchmarks/gguf_kernels.py --as-type IQ4_XS`): `auto` keeps the tiles for them
-# until they have an interleaved layout. MXFP4 (gpt-oss's experts) runs IQ4_NL's kernels with
-# another table of levels and a power-of-two scale (at one row on that Zen 4: 8-10 GB/s, 16-19
-# with VNNI's two-row form; the int4 tiles ~3x the first), but `auto` reads it in place:
-# gpt-oss was trained for its MXFP4 values, and the tiles' 16 even steps a group move them by 8.3%
-# (relative L2 error against the MXFP4 values, random N(0, 0.02) blocks), as much as MXFP4's
-# own rounding of the float weights (11.4%); the tiles also hold 1.18x the file's bytes, in
-# anonymous memory. `--quantization int4` serves them on the tiles.
+# until they have an interleaved layout. MXFP4 (gpt-oss's experts) has one (MXFP4x8): on that
+# Zen 4 (`--shape gpt-oss-20b`) an expert's gate/up ran at 224 G multiply-adds a second at 512
+# rows (1.11x the int4 tiles; 3.7x the file's layout) and 0.172 ms at one row (the tiles
+# 0.116). `auto` reads it so rather than on the tiles: gpt-oss was trained for its MXFP4
+# values, and the tiles' 16 even steps a group move them by 8.3% (relative L2 error against
+# the MXFP4 values, random N(0, 0.02) blocks), as much as MXFP4's own rounding of the float
+# weights (11.4%); the tiles also hold 1.18x the file's bytes. `--quantization int4` serves
+# them on the tiles.
 GGUF_AUTO_TYPES = frozenset({"Q4_K", "Q6_K", "MXFP4"})
 
 
@@ -296,11 +297,11 @@ class GGUFWeight(PackedWeight):
     256 for the K-quants) and each block's integer sum is exact, so the portable and the AVX2
     paths give the same bits and a row's result does not depend on the batch.
 
-    With `interleave`, a part whose type has an interleaved layout (Q4_K, Q6_K) and whose
-    rows are a multiple of 8 is repacked into it at load (`gguf_repack`: the same bytes, 8 rows side
-    by side, one per vector lane), in the process's memory (kvserve.weight_arena), and the
-    file's pages it was read from are handed back; the results are the same bits as the file's
-    layout gives."""
+    With `interleave`, a part whose type has an interleaved layout (Q4_K, Q6_K, MXFP4) and
+    whose rows are a multiple of 8 is repacked into it at load (`gguf_repack`: the same bytes,
+    8 rows side by side, one per vector lane), in the process's memory
+    (kvserve.weight_arena), and the file's pages it was read from are handed back; the results
+    are the same bits as the file's layout gives."""
 
     def __init__(self, parts: list[GGUFTensor], dtype: torch.dtype,
                  device: torch.device, interleave: bool = False) -> None:

@@ -9,15 +9,17 @@
 // and every float operation after them is the same on every path, in the same order:
 //
 //   Q4_0, Q5_0, Q8_0   s = sum q x - o sum x (o = 8, 16, 0)     acc = fma(d dx, s, acc)
-//   IQ4_NL, MXFP4      s = sum q x (q a code's signed level)    acc = fma(d dx, s, acc)
+//   IQ4_NL             s = sum q x (q a code's signed level)    acc = fma(d dx, s, acc)
 //   Q4_1, Q5_1         s = sum q x                              acc = fma(d dx, s, acc)
 //                                                               acc = fma(m dx, sum x, acc)
 //     (8 float lanes, one per 4 inputs of each 32: see the portable path; summed in one tree)
+//   MXFP4              s = sum q x over the block (q as IQ4_NL's)  acc = fma(d dx, s, acc)
 //   Q4_K, Q5_K         s = sum_j sc_j sum q x, t = sum_j m_j sum x
 //                                    acc = fma(d dx, s, acc) then fma(-(dmin dx), t, acc)
 //   Q6_K               s = sum_j sc_j (sum q x - 32 sum x)      acc = fma(d dx, s, acc)
-//     (one accumulator per output: a K-quant block's sums are whole integers, so a layout
-//     with 8 rows in the lanes, Q4_Kx8 or Q6_Kx8, gives the same bits as the file's)
+//     (one accumulator per output: a K-quant block's sums, and MXFP4's, are whole integers,
+//     so a layout with 8 rows in the lanes, Q4_Kx8, Q6_Kx8 or MXFP4x8, gives the same bits
+//     as the file's)
 //
 // The integer sums are exact whatever order adds them, so the portable path (plain C++), the
 // AVX2 path (vpmaddubsw / vpmaddwd) and the VNNI path (the x8 layouts on vpdpbusd, with
@@ -47,13 +49,25 @@ enum : int64_t {
 };
 // kvserve's own: a type's blocks with 8 rows interleaved (gguf_repack), numbered 1000 + the
 // GGML type. A part of one is [rows / 8, blocks * 8 * block bytes].
-enum : int64_t { kX8 = 1000, kQ4_Kx8 = kX8 + kQ4_K, kQ6_Kx8 = kX8 + kQ6_K };
+enum : int64_t {
+  kX8 = 1000, kQ4_Kx8 = kX8 + kQ4_K, kQ6_Kx8 = kX8 + kQ6_K, kMXFP4x8 = kX8 + kMXFP4
+};
 
 // The K-quants (and IQ4_XS, blocks of 256 too) keep one accumulator per output; the types
-// with blocks of 32, 8 lanes.
+// with blocks of 32, 8 lanes, except MXFP4 (one_acc).
 constexpr bool is_kquant(int64_t type) {
   return type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kIQ4_XS;
 }
+
+// MXFP4 keeps one accumulator per output, as the K-quants do, although its blocks are of 32:
+// its interleaved layout (MXFP4x8, 8 or 16 rows in a register's lanes) then makes one float
+// step a block and row, against the 8 of the lanes' form, whose float steps held an MXFP4
+// prefill to ~50 G multiply-adds a second on a Zen 4 (the int32 sums ran ~4x faster).
+constexpr bool one_acc(int64_t type) { return is_kquant(type) || type == kMXFP4; }
+
+// MXFP4's levels made unsigned for vpmaddubsw / vpdpbusd (level + 12: 0 .. 24); the sum of
+// the signed levels is then the sum of these less 12 times the block's sum of x.
+constexpr int kMXFP4Offset = 12;
 
 // IQ4_NL's and IQ4_XS's 16 levels (GGML's kvalues_iq4nl): a 4-bit code indexes them.
 alignas(16) constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -115,6 +129,7 @@ bool type_info(int64_t type, TypeInfo* info) {
     case kMXFP4: *info = {32, 17}; return true;
     case kQ4_Kx8: *info = {256, 8 * 144, 8}; return true;
     case kQ6_Kx8: *info = {256, 8 * 210, 8}; return true;
+    case kMXFP4x8: *info = {32, 8 * 17, 8}; return true;
     default: return false;
   }
 }
@@ -182,6 +197,7 @@ struct QuantX {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> lanes;  // block 32: [M, K / 32, 8]
+  std::vector<int32_t> sums;   // block 32: [M, K / 32], each block's sum (of its lanes')
   std::vector<int16_t> runs;   // block 256: [M, K / 256, 16]
   // block 256: [M, K / 256, 4], word k the sums of sub-blocks (of 32) 2k and 2k + 1 as int16
   // (low, high): what vpmaddwd takes against a row's minimums 2k and 2k + 1
@@ -192,6 +208,7 @@ struct QuantX {
   const int32_t* lane_sums(int64_t m, int64_t b) const {
     return lanes.data() + (m * (K / 32) + b) * 8;
   }
+  int32_t block_sum(int64_t m, int64_t b) const { return sums[m * blocks + b]; }
   const int16_t* run_sums(int64_t m, int64_t b) const {
     return runs.data() + (m * (K / 256) + b) * 16;
   }
@@ -209,6 +226,7 @@ void quantize_x_shape(int64_t M, int64_t K, int64_t block, QuantX& out) {
   out.d.resize(M * K / block);
   if (block == 32) {
     out.lanes.resize(M * K / 4);
+    out.sums.resize(M * K / 32);
   } else {
     out.runs.resize(M * K / 16);
     out.sub_pairs.resize(M * K / 64);
@@ -326,6 +344,14 @@ inline void block_lanes(const uint8_t* w, const QuantX& x, int64_t m, int64_t b,
   }
 }
 
+// An MXFP4 block's exact integer sum against activation row m's block b (one_acc).
+inline int32_t mxfp4_sum(const uint8_t* w, const QuantX& x, int64_t m, int64_t b) {
+  const int8_t* xb = x.row(m) + b * 32;
+  int32_t s = 0;
+  for (int i = 0; i < 32; ++i) s += code32<kMXFP4>(w, i) * xb[i];
+  return s;
+}
+
 // A K-quant block's exact integer sums against activation row m's block b: s (codes times
 // scales times x; Q6_K's less 32 times each scale's sum of x) and t (Q4_K/Q5_K: minimums
 // times their sub-blocks' sums of x).
@@ -369,7 +395,13 @@ template <int64_t Type>
 void rows_portable(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX& x, int64_t m0,
                    int nr, float* out) {
   for (int r = 0; r < nr; ++r) {
-    if constexpr (is_kquant(Type)) {
+    if constexpr (Type == kMXFP4) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < blocks; ++b)
+        acc = kquant_acc(acc, e8m0_half(w[b * bytes]), 0.f, x.scale(m0 + r, b),
+                         mxfp4_sum(w + b * bytes, x, m0 + r, b), 0, false);
+      out[r] = acc;
+    } else if constexpr (is_kquant(Type)) {
       float acc = 0.f;
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* wb = w + b * bytes;
@@ -408,16 +440,24 @@ void rows_portable(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX
 //                128 h + 32 + 4 c .., 128 h + 96 + 4 c ..), then of qh at 128 + 32 h + 4 c
 //                (their top two bits: bits 0-1, 2-3, 4-5, 6-7 for the four runs of 32 in
 //                that order)
-// Their arithmetic is the file's type's (kquant_sums, kquant_acc): the same bits as the
-// file's blocks.
+// MXFP4x8 holds 8 rows' MXFP4 blocks in 136 bytes (8 x 17):
+//   [0, 8)       the exponents of rows 0..7
+//   [8, 136)     4 chunks of 32 bytes, chunk c at 8 + 32 c: bytes 4 r .. 4 r + 3 are row r's
+//                code bytes 4 c .. 4 c + 3 (low nibbles: inputs 4 c .. 4 c + 3; high
+//                nibbles: inputs 16 + 4 c .. 16 + 4 c + 3)
+// Their arithmetic is the file's type's (kquant_sums or mxfp4_sum, kquant_acc): the same
+// bits as the file's blocks.
 template <int64_t Type>
-constexpr int64_t kX8Bytes = 8 * (Type == kQ4_K ? 144 : 210);
+constexpr int64_t kX8Bytes = 8 * (Type == kQ4_K ? 144 : Type == kMXFP4 ? 17 : 210);
 
 // The layouts above as runs: f(offset in row r's block, offset in the group, bytes), for
 // every run of row r. Packing and unpacking both follow them, so they cannot disagree.
 template <int64_t Type, typename F>
 inline void x8_runs(int r, F f) {
-  if constexpr (Type == kQ4_K) {
+  if constexpr (Type == kMXFP4) {
+    f(0, r, 1);  // the exponent
+    for (int c = 0; c < 4; ++c) f(1 + 4 * c, 8 + 32 * c + 4 * r, 4);
+  } else if constexpr (Type == kQ4_K) {
     f(0, 2 * r, 2);       // d
     f(2, 16 + 2 * r, 2);  // dmin
     for (int w = 0; w < 3; ++w) f(4 + 4 * w, 32 + 32 * w + 4 * r, 4);
@@ -459,11 +499,16 @@ void x8_portable(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, 
       float acc = 0.f;
       for (int64_t b = 0; b < blocks; ++b) {
         x8_block<Type>(g + b * kX8Bytes<Type>, i, blk);
-        int32_t s, t;
-        kquant_sums<Type>(blk, x, m0 + r, b, &s, &t);
-        acc = Type == kQ6_K
-                  ? kquant_acc(acc, f16(blk + 208), 0.f, x.scale(m0 + r, b), s, 0, false)
-                  : kquant_acc(acc, f16(blk), f16(blk + 2), x.scale(m0 + r, b), s, t, true);
+        if constexpr (Type == kMXFP4) {
+          acc = kquant_acc(acc, e8m0_half(blk[0]), 0.f, x.scale(m0 + r, b),
+                           mxfp4_sum(blk, x, m0 + r, b), 0, false);
+        } else {
+          int32_t s, t;
+          kquant_sums<Type>(blk, x, m0 + r, b, &s, &t);
+          acc = Type == kQ6_K
+                    ? kquant_acc(acc, f16(blk + 208), 0.f, x.scale(m0 + r, b), s, 0, false)
+                    : kquant_acc(acc, f16(blk), f16(blk + 2), x.scale(m0 + r, b), s, t, true);
+        }
       }
       out[8 * r + i] = acc;
     }
@@ -632,7 +677,7 @@ template <int64_t Type, int NR>
 void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX& x, int64_t m0,
                   float* out) {
   __m256 acc[NR];  // the lanes of the types with blocks of 32
-  float kacc[NR];  // the K-quants' one accumulator per output
+  float kacc[NR];  // one accumulator per output (one_acc: the K-quants, MXFP4)
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps(), kacc[r] = 0.f;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   // Every cache line kAhead bytes ahead of the block read is prefetched, once. The row's
@@ -669,6 +714,10 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
         if constexpr (Type == kQ4_0) s = _mm256_sub_epi32(s, _mm256_slli_epi32(xs, 3));
         if constexpr (Type == kQ5_0) s = _mm256_sub_epi32(s, _mm256_slli_epi32(xs, 4));
         const float dx = x.scale(m, b);
+        if constexpr (Type == kMXFP4) {  // one accumulator (one_acc)
+          kacc[r] = kquant_acc(kacc[r], d, 0.f, dx, hsum_i32(s), 0, false);
+          continue;
+        }
         acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(s), acc[r]);
         if constexpr (Type == kQ4_1 || Type == kQ5_1)
           acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16(w + 2) * dx), _mm256_cvtepi32_ps(xs),
@@ -798,7 +847,7 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
     }
   }
   for (int r = 0; r < NR; ++r)
-    out[r] = is_kquant(Type) ? kacc[r] : sum_lanes8(acc[r]);
+    out[r] = one_acc(Type) ? kacc[r] : sum_lanes8(acc[r]);
 }
 
 template <int64_t Type>
@@ -927,6 +976,77 @@ void x8_dot_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, 
       }
     }
     for (int r = 0; r < NR; ++r) acc[r] = q4x8_acc(mins, d, dmin, x, m0 + r, b, s[r], acc[r]);
+  }
+  for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+// 8 rows' MXFP4 scales (e8m0_half in 8 lanes) from their exponent bytes at p.
+inline __m256 e8m0x8(const uint8_t* p) {
+  const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+  const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(
+      normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
+
+// MXFP4's levels made unsigned (kMXFP4Offset added) in both 128-bit lanes: a vpshufb table.
+inline __m256i mxfp4_unsigned() {
+  return _mm256_add_epi8(iq4_levels<kMXFP4>(), _mm256_set1_epi8(kMXFP4Offset));
+}
+
+// 8 rows of MXFP4x8 against NR activation rows, the rows in the lanes: per chunk, the 8
+// rows' 4 unsigned levels times 4 activations broadcast (vpmaddubsw: pairs at most
+// 2 * 24 * 127; the 4 chunks of the low nibbles summed in int16, at most 24384, and those of
+// the high ones), then pairs summed into int32 per row (vpmaddwd). Vnni: the 8 chunk halves
+// summed by vpdpbusd into one int32 per row. Either way less 12 times the block's sum of x:
+// mxfp4_sum's integer, then kquant_acc's float steps in 8 lanes.
+template <int NR, bool Vnni>
+void x8mx_dot_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, float* out) {
+  constexpr int64_t kBytes = kX8Bytes<kMXFP4>;
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i table = mxfp4_unsigned();
+  const uint8_t* ahead = g + kAhead;
+  for (int64_t b = 0; b < blocks; ++b, g += kBytes) {
+    for (; ahead < g + kBytes + kAhead; ahead += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+    __m256i lo[NR], hi[NR];  // int16 pairs (Vnni: lo alone, the int32 sums)
+    for (int r = 0; r < NR; ++r) {
+      lo[r] = hi[r] = _mm256_setzero_si256();
+      if constexpr (Vnni) lo[r] = _mm256_set1_epi32(-kMXFP4Offset * x.block_sum(m0 + r, b));
+    }
+    for (int c = 0; c < 4; ++c) {
+      const __m256i p = load32(g + 8 + 32 * c);
+      const __m256i ulo = _mm256_shuffle_epi8(table, _mm256_and_si256(p, low));
+      const __m256i uhi = _mm256_shuffle_epi8(
+          table, _mm256_and_si256(_mm256_srli_epi16(p, 4), low));
+      for (int r = 0; r < NR; ++r) {
+        const int8_t* a = x.row(m0 + r) + b * 32 + 4 * c;
+        int32_t alo, ahi;
+        std::memcpy(&alo, a, 4);
+        std::memcpy(&ahi, a + 16, 4);
+        if constexpr (Vnni) {
+          lo[r] = dpbusd(dpbusd(lo[r], ulo, _mm256_set1_epi32(alo)), uhi,
+                         _mm256_set1_epi32(ahi));
+        } else {
+          lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(ulo, _mm256_set1_epi32(alo)));
+          hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(uhi, _mm256_set1_epi32(ahi)));
+        }
+      }
+      in_registers(lo);
+      if constexpr (!Vnni) in_registers(hi);
+    }
+    const __m256 d = e8m0x8(g);
+    for (int r = 0; r < NR; ++r) {
+      __m256i s = lo[r];
+      if constexpr (!Vnni)
+        s = _mm256_sub_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(lo[r], ones), _mm256_madd_epi16(hi[r], ones)),
+            _mm256_set1_epi32(kMXFP4Offset * x.block_sum(m0 + r, b)));
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scale(m0 + r, b))),
+                               _mm256_cvtepi32_ps(s), acc[r]);
+    }
   }
   for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
@@ -1290,11 +1410,64 @@ void x16_q6k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const Qu
   }
 }
 
+// 16 rows' MXFP4 scales (e8m0x8 for two groups): g0's 8 exponents, then g1's.
+inline __m512 e8m0x16(const uint8_t* g0, const uint8_t* g1) {
+  const __m512i e = _mm512_cvtepu8_epi32(
+      _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(g0)),
+                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(g1))));
+  const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+  const __m512i subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(
+      _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2)), normal, subnormal));
+}
+
+// MXFP4x8's 16 rows (two adjacent groups) on vpdpbusd: per block, the 8 chunk halves' levels
+// made unsigned once (vpshufb), then for each activation row 8 vpdpbusd from a sum started
+// at -12 times the block's sum of x (mxfp4_sum's integer), and one float step (kquant_acc's,
+// in 16 lanes).
+template <int NR>
+void x16_mxfp4_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const QuantX& x,
+                    int64_t m0, float* out) {
+  constexpr int64_t kBytes = kX8Bytes<kMXFP4>;
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i table = _mm512_broadcast_i64x4(mxfp4_unsigned());
+  const uint8_t *ahead0 = g0 + kAhead, *ahead1 = g1 + kAhead;
+  const int8_t* xr[NR];
+  for (int r = 0; r < NR; ++r) xr[r] = x.row(m0 + r);
+  for (int64_t b = 0; b < blocks; ++b, g0 += kBytes, g1 += kBytes) {
+    for (; ahead0 < g0 + kBytes + kAhead; ahead0 += 64, ahead1 += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead0), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead1), _MM_HINT_T0);
+    }
+    __m512i u[8];  // chunk c's low nibbles' levels (inputs 4c ..), then its high ones' (16 + 4c ..)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m512i p = load2x32(g0 + 8 + 32 * c, g1 + 8 + 32 * c);
+      u[c] = _mm512_shuffle_epi8(table, _mm512_and_si512(p, low));
+      u[4 + c] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(p, 4), low));
+    }
+    const __m512 d = e8m0x16(g0, g1);
+    for (int r = 0; r < NR; ++r) {
+      const int8_t* a = xr[r] + b * 32;
+      __m512i s = _mm512_set1_epi32(-kMXFP4Offset * x.block_sum(m0 + r, b));
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) s = dpbusd_bcast(s, u[i], a + 4 * (i % 4) + 16 * (i / 4));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.scale(m0 + r, b))),
+                               _mm512_cvtepi32_ps(s), acc[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
 template <int64_t Type, int NR>
 void x16_dot(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const QuantX& x, int64_t m0,
              float* out) {
   if constexpr (Type == kQ4_K)
     x16_q4k_vnni<NR>(g0, g1, blocks, x, m0, out);
+  else if constexpr (Type == kMXFP4)
+    x16_mxfp4_vnni<NR>(g0, g1, blocks, x, m0, out);
   else
     x16_q6k_vnni<NR>(g0, g1, blocks, x, m0, out);
 }
@@ -1315,18 +1488,18 @@ void x16_vnni(const uint8_t* g, int64_t stride, int64_t blocks, const QuantX& x,
   }
 }
 
-// Two weight rows of a table type (IQ4_NL, MXFP4: the file's layout) against one activation
-// row m, in 512-bit registers: row 0's block in the low 256 bits, row 1's in the high, so
-// that one instruction does what row_dot_avx2 does for one row. Each half keeps its row's
-// lanes and float steps (the same int32 sums, the same fused multiply-adds in block order):
-// vpdpbusd of the levels made unsigned (level + off) against x, less off times x's lane
-// sums, is the sum row_dot_avx2 makes of the signed levels. Row by row, the block-of-32
-// pipeline held an MXFP4 GEMV to 8-10 GB/s at one row on a Zen 4, far from the memory's.
+// Two weight rows of IQ4_NL (the file's layout) against one activation row m, in 512-bit
+// registers: row 0's block in the low 256 bits, row 1's in the high, so that one instruction
+// does what row_dot_avx2 does for one row. Each half keeps its row's lanes and float steps
+// (the same int32 sums, the same fused multiply-adds in block order): vpdpbusd of the levels
+// made unsigned (level + off) against x, less off times x's lane sums, is the sum
+// row_dot_avx2 makes of the signed levels. Row by row, the block-of-32 pipeline held an
+// MXFP4 GEMV (before MXFP4x8) to 8-10 GB/s at one row on a Zen 4, far from the memory's.
 template <int64_t Type>
 void rows2_vnni(const uint8_t* w0, const uint8_t* w1, int64_t blocks, int64_t bytes,
                 const QuantX& x, int64_t m, float* out) {
-  static_assert(is_table4(Type), "a table of 16 signed levels");
-  constexpr int off = Type == kMXFP4 ? 12 : 127;  // the most negative level's magnitude
+  static_assert(Type == kIQ4_NL, "IQ4_NL's lanes (MXFP4 keeps one accumulator: one_acc)");
+  constexpr int off = 127;  // the most negative level's magnitude
   const __m512i table = _mm512_add_epi8(
       _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table4<Type>()))),
       _mm512_set1_epi8(off));
@@ -1371,6 +1544,8 @@ template <int64_t Type, int NR, bool Vnni>
 void x8_dot(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, float* out) {
   if constexpr (Type == kQ4_K)
     x8_dot_avx2<NR, Vnni>(g, blocks, x, m0, out);
+  else if constexpr (Type == kMXFP4)
+    x8mx_dot_avx2<NR, Vnni>(g, blocks, x, m0, out);
   else
     x8q6_dot_avx2<NR, Vnni>(g, blocks, x, m0, out);
 }
@@ -1411,11 +1586,18 @@ const char* path_name(Path path) {
 // The activations quantized for `path`: its own form of the one arithmetic (the same bits).
 template <typename T>
 void quantize_x(const T* x, int64_t M, int64_t K, int64_t block, QuantX& out, Path path) {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  if (path != Path::kPortable) return quantize_x_avx2(x, M, K, block, out);
-#endif
   (void)path;
-  quantize_x_portable(x, M, K, block, out);
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if (path != Path::kPortable)
+    quantize_x_avx2(x, M, K, block, out);
+  else
+#endif
+    quantize_x_portable(x, M, K, block, out);
+  if (block == 32)  // integers: the same on every path
+    for (size_t i = 0; i < out.sums.size(); ++i) {
+      const int32_t* l = out.lanes.data() + 8 * i;
+      out.sums[i] = l[0] + l[1] + l[2] + l[3] + l[4] + l[5] + l[6] + l[7];
+    }
 }
 
 // n results of one activation row as T (bf16: c10::BFloat16's rounding, kvs::narrow_row's
@@ -1457,19 +1639,16 @@ RowsFn rows_fn(Path path) {
 }
 
 // Two weight rows against one activation row (rows2_vnni), for the types that have it on
-// the VNNI path; else null. At one row it read an MXFP4 matrix 1.6-1.7x as fast as
-// row_dot_avx2 (8192 x 2880: 9.2 -> 16.0 GB/s, Zen 4); at four it made no difference
-// (45-49 against 40-57 GMAC/s at 512 rows), so prefill keeps row_dot_avx2.
+// the VNNI path; else null. At one row it read an MXFP4 matrix (in the lanes' form MXFP4
+// had before MXFP4x8) 1.6-1.7x as fast as row_dot_avx2 (8192 x 2880: 9.2 -> 16.0 GB/s,
+// Zen 4); at four it made no difference (45-49 against 40-57 GMAC/s at 512 rows).
 using Rows2Fn = void (*)(const uint8_t*, const uint8_t*, int64_t, int64_t, const QuantX&,
                          int64_t, float*);
 
 Rows2Fn pick2(int64_t type, Path path) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512DQ__)
-  if (path == Path::kVnni) {
-    if (type == kMXFP4) return rows2_vnni<kMXFP4>;
-    if (type == kIQ4_NL) return rows2_vnni<kIQ4_NL>;
-  }
+  if (path == Path::kVnni && type == kIQ4_NL) return rows2_vnni<kIQ4_NL>;
 #endif
   (void)type;
   (void)path;
@@ -1514,6 +1693,7 @@ GroupFn group_fn(Path path) {
 // speed there (Q4_Kx8's, with its chains split the same way, ran even with it). The same
 // bits on every form.
 GroupFn pick_group(int64_t x8, Path path, int64_t M) {
+  if (x8 == kMXFP4x8) return group_fn<kMXFP4>(path);
   if (path == Path::kVnni && M <= kRows && !(x8 == kQ6_Kx8 && M == 1)) path = Path::kAvx2;
   return x8 == kQ4_Kx8 ? group_fn<kQ4_K>(path) : group_fn<kQ6_K>(path);
 }
@@ -1525,6 +1705,7 @@ using PairFn = void (*)(const uint8_t*, int64_t, int64_t, const QuantX&, int64_t
 // Where built, for a call of M rows above decode sizes (see pick_group).
 PairFn pick_pair(int64_t x8, Path path, int64_t M) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (path == Path::kVnni && x8 == kMXFP4x8) return x16_vnni<kMXFP4>;
   if (path == Path::kVnni && M > kRows) return x8 == kQ4_Kx8 ? x16_vnni<kQ4_K> : x16_vnni<kQ6_K>;
 #endif
   (void)x8;
@@ -1784,7 +1965,7 @@ bool gguf_supports(int64_t type) {
 }
 
 int64_t gguf_repacked_type(int64_t type) {
-  return type == kQ4_K ? kQ4_Kx8 : type == kQ6_K ? kQ6_Kx8 : 0;
+  return type == kQ4_K ? kQ4_Kx8 : type == kQ6_K ? kQ6_Kx8 : type == kMXFP4 ? kMXFP4x8 : 0;
 }
 
 // Rows `order` (int64, output order; empty: all in order) of a [N, row bytes] part of GGML type
@@ -1820,6 +2001,8 @@ at::Tensor gguf_repack(const at::Tensor& part, int64_t type, int64_t K, const at
         uint8_t* dst = op + g * out.stride(0) + b * out_info.bytes;
         if (type == kQ4_K)
           x8_pack<kQ4_K>(src, dst);
+        else if (type == kMXFP4)
+          x8_pack<kMXFP4>(src, dst);
         else
           x8_pack<kQ6_K>(src, dst);
       }
