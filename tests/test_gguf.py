@@ -312,9 +312,10 @@ def test_iq4_layers_read_the_files_codes(tmp_path_factory):
 def test_mxfp4_layers_read_the_files_codes(tmp_path_factory):
     """An MXFP4 file (attn_v in IQ4_NL): under `gguf` every matrix is read in place by
     gguf_linear, logits the same whatever the chunking and close to the float32 model on
-    gguf's dequantization of the same blocks. `auto` reads MXFP4 in place too (its own
-    values: the int4 tiles would move them) and keeps the int4 tiles for IQ4_NL; kvserve plan
-    counts the file's bytes in place, and under auto the tiles' for IQ4_NL."""
+    gguf's dequantization of the same blocks. `auto` serves MXFP4 on gguf_linear too (its own
+    values: the int4 tiles would move them), interleaved at load, and keeps the int4 tiles for
+    IQ4_NL; kvserve plan counts the file's bytes in place, and under auto the same bytes in
+    the process's memory and the tiles' for IQ4_NL."""
     from kvserve.layers.linear import LinearBase
     from kvserve.layers.quant import QuantizedWeight
     from kvserve.models.gguf_file import gguf_weight_bytes
@@ -346,9 +347,9 @@ def test_mxfp4_layers_read_the_files_codes(tmp_path_factory):
     assert held.in_place == sum(int(t.n_bytes) for t in quantized)
     assert held.resident == held.in_place + floats
     held = gguf_weight_bytes(path, torch.float32, in_place=False)
-    assert held.in_place == sum(int(t.n_bytes) for t in quantized if t.tensor_type.name ==
-                                "MXFP4")
-    assert held.resident == held.in_place + floats + sum(
+    mxfp4 = sum(int(t.n_bytes) for t in quantized if t.tensor_type.name == "MXFP4")
+    assert held.in_place == 0  # MXFP4 interleaved at load into the process's memory
+    assert held.resident == mxfp4 + floats + sum(
         int(t.n_elements * 0.625) for t in quantized if t.tensor_type.name == "IQ4_NL")
 
 
