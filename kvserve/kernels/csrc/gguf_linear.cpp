@@ -1232,6 +1232,16 @@ inline __m512 f16x16(const uint8_t* a, const uint8_t* b) {  // a's 8 halves, the
   return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
 }
 
+// Two streams read in step (the x16 kernels' two groups, rows2_vnni's two rows), prefetched
+// line by line up to `end0` in the first and as far into the second, each line once: the
+// pointers carry where they got to.
+inline void prefetch_two(const uint8_t*& ahead0, const uint8_t*& ahead1, const uint8_t* end0) {
+  for (; ahead0 < end0; ahead0 += 64, ahead1 += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(ahead0), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead1), _MM_HINT_T0);
+  }
+}
+
 // acc += vpdpbusd(u, the 4 signed bytes at p in every lane), the bytes broadcast from memory
 // by the instruction itself ({1to16}): GCC 12 emits a vpbroadcastd and a vpdpbusd for the
 // intrinsics, twice the instructions of the kernels' inner loops. On the Zen 5 of
@@ -1265,10 +1275,7 @@ void x16_q4k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const Qu
   const int8_t* xr[NR];
   for (int r = 0; r < NR; ++r) xr[r] = x.row(m0 + r);
   for (int64_t b = 0; b < blocks; ++b, g0 += kBytes, g1 += kBytes) {
-    for (; ahead0 < g0 + kBytes + kAhead; ahead0 += 64, ahead1 += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead0), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(ahead1), _MM_HINT_T0);
-    }
+    prefetch_two(ahead0, ahead1, g0 + kBytes + kAhead);
     __m512i s[NR];
     for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_si512();
     const uint8_t *qs0 = g0 + 128, *qs1 = g1 + 128;
@@ -1345,10 +1352,7 @@ void x16_q6k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const Qu
   const int8_t* xr[NR];
   for (int r = 0; r < NR; ++r) xr[r] = x.row(m0 + r);
   for (int64_t b = 0; b < blocks; ++b, g0 += kBytes, g1 += kBytes) {
-    for (; ahead0 < g0 + kBytes + kAhead; ahead0 += 64, ahead1 += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead0), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(ahead1), _MM_HINT_T0);
-    }
+    prefetch_two(ahead0, ahead1, g0 + kBytes + kAhead);
     __m512i s[NR];
     for (int r = 0; r < NR; ++r) s[r] = _mm512_setzero_si512();
     for (int h = 0; h < 2; ++h) {
@@ -1437,10 +1441,7 @@ void x16_mxfp4_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const 
   const int8_t* xr[NR];
   for (int r = 0; r < NR; ++r) xr[r] = x.row(m0 + r);
   for (int64_t b = 0; b < blocks; ++b, g0 += kBytes, g1 += kBytes) {
-    for (; ahead0 < g0 + kBytes + kAhead; ahead0 += 64, ahead1 += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead0), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(ahead1), _MM_HINT_T0);
-    }
+    prefetch_two(ahead0, ahead1, g0 + kBytes + kAhead);
     __m512i u[8];  // chunk c's low nibbles' levels (inputs 4c ..), then its high ones' (16 + 4c ..)
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
@@ -1511,10 +1512,7 @@ void rows2_vnni(const uint8_t* w0, const uint8_t* w1, int64_t blocks, int64_t by
   const uint8_t* ahead0 = w0 + kAhead;
   const uint8_t* ahead1 = w1 + kAhead;
   for (int64_t b = 0; b < blocks; ++b, w0 += bytes, w1 += bytes) {
-    for (; ahead0 < w0 + bytes + kAhead; ahead0 += 64, ahead1 += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead0), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(ahead1), _MM_HINT_T0);
-    }
+    prefetch_two(ahead0, ahead1, w0 + bytes + kAhead);
     const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w0 + at));
     const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w1 + at));
     // [c0 | c0 | c1 | c1], the second copy of each shifted down a nibble: each row's 32
