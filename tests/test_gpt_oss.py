@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from kvserve import kernels
 from kvserve.attention.torch_paged import TorchPagedAttention
 from kvserve.config import RopeScaling
+from kvserve.layers import quant
 from kvserve.layers.quant import GGUFWeight
 from kvserve.layers.rotary import inverse_frequencies
 from kvserve.models.loader import load_model, read_model_config
@@ -308,6 +309,25 @@ def test_mxfp4_experts_match_their_dequantization(oss_dir, tmp_path):
     err = (got - ref).abs().mean() / ref.abs().mean()
     assert err < 0.05, err
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    if kernels.ops() is None or not quant.gguf_auto_types():
+        return
+    # auto: the experts interleaved at load (MXFP4x8), the file's bits on other layouts
+    auto = load_model(path, torch.float32, torch.device("cpu"), _backend).model
+    auto.pack_("auto")
+    experts = [m.packed for layer in auto.layers for e in layer.mlp.experts
+               for m in (e.gate_up_proj, e.down_proj)]
+    assert all(isinstance(p, GGUFWeight) and p.interleaved == [True] * len(p.kinds)
+               for p in experts)
+    n = sum(len(p.kinds) for p in experts)
+    assert f"{n} MXFP4 tensors, {n} of them interleaved at load" in auto.weight_kernel()
+    same = [(a.packed, b.packed) for a, b in zip(auto.modules(), in_place.modules(),
+                                                 strict=True)
+            if isinstance(getattr(a, "packed", None), GGUFWeight)]
+    assert same and any(True in a.interleaved for a, _ in same)
+    gen = torch.Generator().manual_seed(0)
+    for interleaved, read_in_place in same:
+        x = torch.randn(5, interleaved.k, generator=gen)
+        assert torch.equal(interleaved.matmul(x), read_in_place.matmul(x))
 
 
 def test_greedy_continuations_equal_transformers(oss_dir):

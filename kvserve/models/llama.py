@@ -260,8 +260,19 @@ class LlamaForCausalLM(nn.Module):
         return self._fused
 
     def weight_kernel(self) -> str:
-        """Which kernel the projections run on, in words (for logs)."""
+        """Which kernel the projections run on, in words (for logs): the attention's, and
+        the GGUF kernel's layers where it serves others (an MoE's experts, say)."""
         packed = self.layers[0].self_attn.qkv_proj.packed
+        gguf = [m.packed for m in self.modules() if isinstance(m, LinearBase)
+                and isinstance(m.packed, GGUFWeight)]
+        if isinstance(packed, GGUFWeight) or not gguf:
+            return self._projection_kernel(packed, gguf)
+        return f"{self._projection_kernel(packed, gguf)}; {self._projection_kernel(gguf[0], gguf)}"
+
+    def _projection_kernel(self, packed: object, gguf: list[GGUFWeight]) -> str:
+        """The kernel of a layer packed as `packed`, in words; `gguf`: every layer on the
+        GGUF kernel, counted by tensor type and by how many were interleaved at load (the
+        rest are read in place)."""
         if isinstance(packed, DenseWeight):
             amx = packed.packed.dtype == torch.bfloat16 and packed.kernels.dense_uses_amx(
                 self.config.hidden_size)
@@ -270,12 +281,14 @@ class LlamaForCausalLM(nn.Module):
                       self.embed_tokens.weight.dtype else "")
             return "kvserve's dense kernel" + (" (AMX)" if amx else f" ({isa()}{stored})")
         if isinstance(packed, GGUFWeight):
-            layers = [m.packed for m in self.modules() if isinstance(m, LinearBase)
-                      and isinstance(m.packed, GGUFWeight)]
-            kinds = Counter(kind for p in layers for kind in p.kinds)
+            tensors = [(kind, x8) for p in gguf
+                       for kind, x8 in zip(p.kinds, p.interleaved, strict=True)]
+            kinds = Counter(kind for kind, _ in tensors)
+            interleaved = sum(x8 for _, x8 in tensors)
             return (f"kvserve's GGUF kernel ({packed.kernels.gguf_path()}), the file's own "
-                    "blocks in place: " + ", ".join(f"{n} {k}" for k, n in
-                                                   sorted(kinds.items())) + " tensors")
+                    "blocks: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+                    + f" tensors, {interleaved} of them interleaved at load, the rest read "
+                    "in place")
         if isinstance(packed, QuantizedWeight):
             if packed.kernels is None:
                 return f"torch's {packed.method} kernel"

@@ -77,6 +77,7 @@ from kvserve.models.cache_budget import (
 )
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import DeferredReader, LoadedModel, build_model, for_context, load_model
+from kvserve.models.paths import INTERLEAVED_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +180,8 @@ def load_packed(path: Path, dtype: torch.dtype, device: torch.device,
     if entry is not None and loaded.model.reads_gguf_in_place():
         # Its matrices are the file's own pages, or interleaved from them at load (at about
         # the speed of a copy): an entry would only copy them.
-        log.info("weight cache: %s is served from the file's memory map (Q4_K and Q6_K "
-                 "interleaved at load), nothing to cache", path.name)
+        log.info("weight cache: %s is served from the file's memory map (%s interleaved at "
+                 "load), nothing to cache", path.name, ", ".join(INTERLEAVED_TYPES))
     elif entry is not None:
         save(entry, loaded, applied, budget)
     return loaded, applied
