@@ -1489,18 +1489,20 @@ void x16_vnni(const uint8_t* g, int64_t stride, int64_t blocks, const QuantX& x,
   }
 }
 
-// Two weight rows of IQ4_NL (the file's layout) against one activation row m, in 512-bit
-// registers: row 0's block in the low 256 bits, row 1's in the high, so that one instruction
-// does what row_dot_avx2 does for one row. Each half keeps its row's lanes and float steps
-// (the same int32 sums, the same fused multiply-adds in block order): vpdpbusd of the levels
-// made unsigned (level + off) against x, less off times x's lane sums, is the sum
-// row_dot_avx2 makes of the signed levels. Row by row, the block-of-32 pipeline held an
-// MXFP4 GEMV (before MXFP4x8) to 8-10 GB/s at one row on a Zen 4, far from the memory's.
+// Two weight rows of a table type (IQ4_NL, MXFP4: the file's layout) against one activation
+// row m, in 512-bit registers: row 0's block in the low 256 bits, row 1's in the high, so
+// that one instruction does what row_dot_avx2 does for one row. Each half keeps its row's
+// lanes and float steps (the same int32 sums, the same fused multiply-adds in block order):
+// vpdpbusd of the levels made unsigned (level + off) against x, less off times x's lane
+// sums, is the sum row_dot_avx2 makes of the signed levels; MXFP4's one accumulator
+// (one_acc) takes each half's 8 lanes summed into its first (exact), whose float steps are
+// then kquant_acc's. Row by row, the block-of-32 pipeline held an MXFP4 GEMV to 8-10 GB/s at
+// one row on a Zen 4, far from the memory's.
 template <int64_t Type>
 void rows2_vnni(const uint8_t* w0, const uint8_t* w1, int64_t blocks, int64_t bytes,
                 const QuantX& x, int64_t m, float* out) {
-  static_assert(Type == kIQ4_NL, "IQ4_NL's lanes (MXFP4 keeps one accumulator: one_acc)");
-  constexpr int off = 127;  // the most negative level's magnitude
+  static_assert(is_table4(Type), "a table of 16 signed levels");
+  constexpr int off = Type == kMXFP4 ? kMXFP4Offset : 127;  // the most negative level's size
   const __m512i table = _mm512_add_epi8(
       _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table4<Type>()))),
       _mm512_set1_epi8(off));
@@ -1523,16 +1525,26 @@ void rows2_vnni(const uint8_t* w0, const uint8_t* w1, int64_t blocks, int64_t by
         _mm512_mask_srli_epi16(both, 0xFF00FF00u, both, 4), low);
     const __m512i a = _mm512_broadcast_i64x4(load32(xr + b * 32));
     const __m512i xs = _mm512_broadcast_i64x4(load32(x.lane_sums(m, b)));
-    const __m512i s = _mm512_sub_epi32(
+    __m512i s = _mm512_sub_epi32(
         _mm512_dpbusd_epi32(zero, _mm512_shuffle_epi8(table, codes), a),
         _mm512_mullo_epi32(xs, offs));
+    if constexpr (one_acc(Type)) {  // lanes 0 and 8: each row's whole sum
+      s = _mm512_add_epi32(s, _mm512_bsrli_epi128(s, 8));
+      s = _mm512_add_epi32(s, _mm512_bsrli_epi128(s, 4));
+      s = _mm512_add_epi32(s, _mm512_shuffle_i32x4(s, s, 0xB1));  // 128-bit lanes swapped
+    }
     const float dx = x.scale(m, b);
     const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(scale32<Type>(w0) * dx),
                                          _mm256_set1_ps(scale32<Type>(w1) * dx), 1);
     acc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(s), acc);
   }
-  out[0] = sum_lanes8(_mm512_castps512_ps256(acc));
-  out[1] = sum_lanes8(_mm512_extractf32x8_ps(acc, 1));
+  if constexpr (one_acc(Type)) {
+    out[0] = _mm512_cvtss_f32(acc);
+    out[1] = _mm_cvtss_f32(_mm512_extractf32x4_ps(acc, 2));
+  } else {
+    out[0] = sum_lanes8(_mm512_castps512_ps256(acc));
+    out[1] = sum_lanes8(_mm512_extractf32x8_ps(acc, 1));
+  }
 }
 #else
 constexpr int64_t kPairRows = kRows;
@@ -1646,7 +1658,10 @@ using Rows2Fn = void (*)(const uint8_t*, const uint8_t*, int64_t, int64_t, const
 Rows2Fn pick2(int64_t type, Path path) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512DQ__)
-  if (path == Path::kVnni && type == kIQ4_NL) return rows2_vnni<kIQ4_NL>;
+  if (path == Path::kVnni) {
+    if (type == kMXFP4) return rows2_vnni<kMXFP4>;
+    if (type == kIQ4_NL) return rows2_vnni<kIQ4_NL>;
+  }
 #endif
   (void)type;
   (void)path;
