@@ -348,6 +348,24 @@ def test_harmony_template_plain_system_and_effort(fixed_date: None) -> None:
         "<|start|>user<|message|>Hi<|end|><|start|>assistant"
 
 
+def test_responses_reasoning_effort_reaches_the_template(fixed_date: None) -> None:
+    """The Responses API's `reasoning.effort` is chat completions' reasoning_effort; a
+    summary may be asked for (none is written); an unknown effort is refused."""
+    from pydantic import ValidationError
+
+    from kvserve.entrypoints.server.protocol_responses import ResponsesRequest
+
+    def kwargs(**body):
+        return ResponsesRequest(input="Hi", **body).chat_request([]).template_kwargs()
+
+    assert kwargs() is None
+    assert kwargs(reasoning={"effort": "low", "summary": "auto"}) == {"reasoning_effort": "low"}
+    assert render([{"role": "user", "content": "Hi"}],
+                  **kwargs(reasoning={"effort": "high"})).startswith(SYSTEM.format("high"))
+    with pytest.raises(ValidationError):
+        kwargs(reasoning={"effort": "extreme"})
+
+
 def test_harmony_template_tools_and_a_call_round_trip(fixed_date: None) -> None:
     from kvserve.tokenizer.chat_template import _template_message
 

@@ -54,6 +54,16 @@ def test_response_matches_chat_completions(client):
     assert r.usage.input_tokens == chat.usage.prompt_tokens
 
 
+def test_reasoning_effort_is_answered_and_harmless_to_other_templates(client):
+    """`reasoning.effort` goes to the chat template as reasoning_effort (tests/test_harmony);
+    SmolLM2's template does not read it, so the tokens are the same as without it."""
+    kw = {"model": MODEL, "input": "Name a color.", "max_output_tokens": 8, "temperature": 0}
+    plain = client.responses.create(**kw)
+    low = client.responses.create(**kw, reasoning={"effort": "low"})
+    assert low.reasoning.effort == "low" and plain.reasoning.effort is None
+    assert low.output_text == plain.output_text
+
+
 def test_incomplete_at_max_output_tokens(client):
     r = client.responses.create(model=MODEL, input="Count from one to twenty.",
                                 max_output_tokens=3, temperature=0)

@@ -129,6 +129,16 @@ class TextConfig(Strict):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(Strict):
+    """How hard a reasoning model thinks: `effort` reaches the chat template as
+    `reasoning_effort` (gpt-oss's template reads it), as chat completions' field does.
+    `summary` is accepted and answered with none: the reasoning item carries the model's
+    reasoning text whole."""
+
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(Strict):
     model: str | None = None
     input: str | list[InputItem]
@@ -146,6 +156,7 @@ class ResponsesRequest(Strict):
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["disabled"] | None = None
+    reasoning: ReasoningConfig | None = None
 
     def input_messages(self) -> list[ChatMessage]:
         """The new input as chat messages: consecutive function calls (and the reasoning and
@@ -209,7 +220,8 @@ class ResponsesRequest(Strict):
             stream=self.stream, temperature=self.temperature, top_p=self.top_p, tools=tools,
             tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls, user=self.user,
             response_format=response_format, add_generation_prompt=not prefill,
-            continue_final_message=prefill)
+            continue_final_message=prefill,
+            reasoning_effort=self.reasoning.effort if self.reasoning else None)
 
 
 def answer_message(text: str, calls: list[dict], reasoning: str | None) -> ChatMessage:

@@ -455,6 +455,13 @@ class ResponseTextConfig(_Body):
     format: dict[str, Any]  # the request's text.format, as it came ({"type": "text"} if none)
 
 
+class ResponseReasoning(_Body):
+    """The request's reasoning settings as answered: its effort (None: the template's
+    default); no summaries are written."""
+    effort: Literal["minimal", "low", "medium", "high"] | None
+    summary: None
+
+
 class ResponseObject(_Body):
     """A /v1/responses answer, and the `response` of its streams' lifecycle events."""
     id: str
@@ -478,6 +485,7 @@ class ResponseObject(_Body):
     truncation: Literal["disabled"]
     metadata: dict[str, str]
     user: str | None
+    reasoning: ResponseReasoning
     usage: ResponseUsage | None
 
 

@@ -108,6 +108,8 @@ class _Shell:
             not isinstance(choice, str) else (choice or "auto"),
             "tools": [tool_json(t) for t in b.tools or []], "text": {"format": fmt},
             "truncation": "disabled", "metadata": b.metadata or {}, "user": b.user,
+            "reasoning": {"effort": b.reasoning.effort if b.reasoning else None,
+                          "summary": None},
             "usage": None if out is None or c is None else _usage(out, c)}
 
 
