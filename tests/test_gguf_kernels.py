@@ -184,7 +184,7 @@ def test_bad_input_is_refused():
     assert k.gguf_paths()[0] == k.gguf_path() and k.gguf_paths()[-1] == "portable"
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "MXFP4"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "IQ4_NL", "MXFP4"])
 def test_interleaved_gives_the_files_bits(kind):
     """gguf_repack's x8 layout (8 rows side by side, the same bytes) computes every row as the
     file's layout does, bit for bit, on both paths, in any row order and at any batch size."""
@@ -278,16 +278,20 @@ def test_interleaved_q6k_extremes_stay_exact():
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-3)
 
 
-def test_interleaved_mxfp4_extremes_stay_exact():
+@pytest.mark.parametrize("kind,fills", [("MXFP4", (0x77, 0xFF)), ("IQ4_NL", (0x00, 0xFF))])
+def test_interleaved_table_extremes_stay_exact(kind, fills):
     """MXFP4x8's AVX2 form sums 4 chunks of vpmaddubsw in int16 (at most 4 * 2 * 24 * 127 =
-    24384, its levels made unsigned by adding 12): every code the largest level (12, code 7)
-    or the most negative (-12, code 15), against activations all of one sign, stays exact."""
+    24384, its levels made unsigned by adding 12); IQ4_NLx8's takes the levels' magnitudes
+    (pairs at most 2 * 127 * 127) and VNNI its levels plus 127 (at most 240). Every code the
+    largest level or the most negative (MXFP4: 12 and -12, codes 7 and 15; IQ4_NL: -127 and
+    113, codes 0 and 15), against activations all of one sign, stays exact."""
     k = kernels.ops()
-    tid = type_id("MXFP4")
+    tid = type_id(kind)
     cols = 512
-    for fill in (0x77, 0xFF):
-        raw = random_blocks("MXFP4", 16, cols, seed=21)
-        raw.reshape(16, -1, 17)[:, :, 1:] = fill
+    block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
+    for fill in fills:
+        raw = random_blocks(kind, 16, cols, seed=21)
+        raw.reshape(16, -1, block_bytes)[:, :, block_bytes - 16:] = fill
         raw = torch.from_numpy(raw)
         packed = repack(k, raw, tid, cols)
         none = [torch.empty(0, dtype=torch.long)]
@@ -298,7 +302,7 @@ def test_interleaved_mxfp4_extremes_stay_exact():
                     got = k.gguf_linear(x[:m], [packed], [k.gguf_repacked_type(tid)], none,
                                         path=path)
                     assert torch.equal(got, want[:m])
-            ref = quantized_x(x, 32).double() @ gguf_weight("MXFP4", raw.numpy(), cols).double().T
+            ref = quantized_x(x, 32).double() @ gguf_weight(kind, raw.numpy(), cols).double().T
             torch.testing.assert_close(want.double(), ref, rtol=1e-6, atol=0)
 
 

@@ -75,7 +75,7 @@ class QuantGroups:
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
               "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "MXFP4": 39}
 # The GGUF types `--quantization auto` serves on gguf_linear, at the file's bytes, rather than
-# on the int4/int8 tiles: both interleaved 8 rows at a time at load (gguf_repack). On a
+# on the int4/int8 tiles: each interleaved 8 rows at a time at load (gguf_repack). On a
 # Zen 3, 2 threads (benchmarks/gguf_kernels.py, one layer of a 1.5B model): Q4_Kx8 as fast as
 # the int4 tiles at one row and 1.10-1.13x at 512, at 0.5625 bytes a weight against 0.625;
 # Q6_Kx8 1.09x the int8 tiles at 512 rows (1.5x the file's layout), at 0.82 bytes a weight
@@ -84,11 +84,15 @@ GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12,
 # threads) the x8 kernels on vpdpbusd, 16 rows a 512-bit register, ran at 0.98x the tiles'
 # speed (Q4_K) and 0.79x (Q6_K) at 512 rows; served, the 1.5B Q4_K_M prefilled at 1.59x
 # llama-server and decoded at 0.87x (the tiles, in an earlier run: 1.67x and 0.93x) and held
-# 1.62 GiB at its peak against the tiles' 6.95: memory decided it. IQ4_XS and IQ4_NL are read
-# in place (`gguf`: their 16 levels exactly, which the int4 tiles only approximate) by a
-# kernel of the file's layout that ran at 0.24-0.31x the tiles' speed at 1 and 512 rows on
-# that Zen 4 (`benchmarks/gguf_kernels.py --as-type IQ4_XS`): `auto` keeps the tiles for them
-# until they have an interleaved layout. MXFP4 (gpt-oss's experts) has one (MXFP4x8): on that
+# 1.62 GiB at its peak against the tiles' 6.95: memory decided it. IQ4_XS is read in place
+# (`gguf`: its 16 levels exactly, which the int4 tiles only approximate) by a kernel of the
+# file's layout that ran at 0.24-0.31x the tiles' speed at 1 and 512 rows on that Zen 4
+# (`benchmarks/gguf_kernels.py --as-type IQ4_XS`): `auto` keeps the tiles for it until it has
+# an interleaved layout. IQ4_NL has one (IQ4_NLx8, MXFP4x8's form with a float16 scale): on
+# that Zen 4 one layer of the 1.5B's shape (`--as-type IQ4_NL`) ran at 1.17x the tiles at 512
+# rows, and in the avx2 build at 0.74x (its levels' magnitudes on vpmaddubsw, against the
+# tiles' values that move its levels); `auto` serves it so, at its own values and the file's
+# bytes. MXFP4 (gpt-oss's experts) has one too (MXFP4x8): on that
 # Zen 4 (`--shape gpt-oss-20b`) an expert's gate/up ran at 224 G multiply-adds a second at 512
 # rows (1.11x the int4 tiles; 3.7x the file's layout) and 0.172 ms at one row (the tiles
 # 0.116). `auto` reads it so rather than on the tiles: gpt-oss was trained for its MXFP4
@@ -96,7 +100,7 @@ GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12,
 # the MXFP4 values, random N(0, 0.02) blocks), as much as MXFP4's own rounding of the float
 # weights (11.4%); the tiles also hold 1.18x the file's bytes. `--quantization int4` serves
 # them on the tiles.
-GGUF_AUTO_TYPES = frozenset({"Q4_K", "Q6_K", "MXFP4"})
+GGUF_AUTO_TYPES = frozenset({"Q4_K", "Q6_K", "IQ4_NL", "MXFP4"})
 
 
 def gguf_auto_types() -> frozenset[str]:

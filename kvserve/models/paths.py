@@ -80,7 +80,7 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
 # The GGML types `auto` interleaves 8 rows at a time at load where the kernels have an x86
 # vector path (quant.interleaved_at_load asks the kernels; this list is for a start that has
 # not loaded them yet: tests/test_weight_arena.py checks that the two agree).
-INTERLEAVED_TYPES = ("Q4_K", "Q6_K", "MXFP4")
+INTERLEAVED_TYPES = ("Q4_K", "Q6_K", "IQ4_NL", "MXFP4")
 
 
 def interleaved_bytes(path: str | os.PathLike) -> int:

@@ -9,17 +9,17 @@
 // and every float operation after them is the same on every path, in the same order:
 //
 //   Q4_0, Q5_0, Q8_0   s = sum q x - o sum x (o = 8, 16, 0)     acc = fma(d dx, s, acc)
-//   IQ4_NL             s = sum q x (q a code's signed level)    acc = fma(d dx, s, acc)
 //   Q4_1, Q5_1         s = sum q x                              acc = fma(d dx, s, acc)
 //                                                               acc = fma(m dx, sum x, acc)
 //     (8 float lanes, one per 4 inputs of each 32: see the portable path; summed in one tree)
-//   MXFP4              s = sum q x over the block (q as IQ4_NL's)  acc = fma(d dx, s, acc)
+//   IQ4_NL, MXFP4      s = sum q x over the block (q a code's signed level)
+//                                                              acc = fma(d dx, s, acc)
 //   Q4_K, Q5_K         s = sum_j sc_j sum q x, t = sum_j m_j sum x
 //                                    acc = fma(d dx, s, acc) then fma(-(dmin dx), t, acc)
 //   Q6_K               s = sum_j sc_j (sum q x - 32 sum x)      acc = fma(d dx, s, acc)
-//     (one accumulator per output: a K-quant block's sums, and MXFP4's, are whole integers,
-//     so a layout with 8 rows in the lanes, Q4_Kx8, Q6_Kx8 or MXFP4x8, gives the same bits
-//     as the file's)
+//     (one accumulator per output: a K-quant block's sums, and a table type's, are whole
+//     integers, so a layout with 8 rows in the lanes, Q4_Kx8, Q6_Kx8, IQ4_NLx8 or MXFP4x8,
+//     gives the same bits as the file's)
 //
 // The integer sums are exact whatever order adds them, so the portable path (plain C++), the
 // AVX2 path (vpmaddubsw / vpmaddwd) and the VNNI path (the x8 layouts on vpdpbusd, with
@@ -50,24 +50,36 @@ enum : int64_t {
 // kvserve's own: a type's blocks with 8 rows interleaved (gguf_repack), numbered 1000 + the
 // GGML type. A part of one is [rows / 8, blocks * 8 * block bytes].
 enum : int64_t {
-  kX8 = 1000, kQ4_Kx8 = kX8 + kQ4_K, kQ6_Kx8 = kX8 + kQ6_K, kMXFP4x8 = kX8 + kMXFP4
+  kX8 = 1000, kQ4_Kx8 = kX8 + kQ4_K, kQ6_Kx8 = kX8 + kQ6_K, kIQ4_NLx8 = kX8 + kIQ4_NL,
+  kMXFP4x8 = kX8 + kMXFP4
 };
 
 // The K-quants (and IQ4_XS, blocks of 256 too) keep one accumulator per output; the types
-// with blocks of 32, 8 lanes, except MXFP4 (one_acc).
+// with blocks of 32, 8 lanes, except the table types (one_acc).
 constexpr bool is_kquant(int64_t type) {
   return type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kIQ4_XS;
 }
 
-// MXFP4 keeps one accumulator per output, as the K-quants do, although its blocks are of 32:
-// its interleaved layout (MXFP4x8, 8 or 16 rows in a register's lanes) then makes one float
-// step a block and row, against the 8 of the lanes' form, whose float steps held an MXFP4
-// prefill to ~50 G multiply-adds a second on a Zen 4 (the int32 sums ran ~4x faster).
-constexpr bool one_acc(int64_t type) { return is_kquant(type) || type == kMXFP4; }
+// The types with blocks of 32 whose 4-bit codes (Q4_0's nibbles) index a table of 16 signed
+// levels: IQ4_NL (an f16 scale first) and MXFP4 (an E8M0 exponent first).
+constexpr bool is_table4(int64_t type) { return type == kIQ4_NL || type == kMXFP4; }
 
-// MXFP4's levels made unsigned for vpmaddubsw / vpdpbusd (level + 12: 0 .. 24); the sum of
-// the signed levels is then the sum of these less 12 times the block's sum of x.
-constexpr int kMXFP4Offset = 12;
+// The table types keep one accumulator per output, as the K-quants do, although their
+// blocks are of 32: their interleaved layouts (IQ4_NLx8, MXFP4x8: 8 or 16 rows in a
+// register's lanes) then make one float step a block and row, against the 8 of the lanes'
+// form, whose float steps held an MXFP4 prefill to ~50 G multiply-adds a second on a Zen 4
+// (the int32 sums ran ~4x faster).
+constexpr bool one_acc(int64_t type) { return is_kquant(type) || is_table4(type); }
+
+// A table type's levels made unsigned for vpmaddubsw / vpdpbusd: level + its offset (MXFP4:
+// 12, so 0 .. 24; IQ4_NL: 127, so 0 .. 240); the sum of the signed levels is then the sum of
+// these less the offset times the block's sum of x.
+template <int64_t Type>
+constexpr int kTableOffset = Type == kMXFP4 ? 12 : 127;
+// A table type's scale bytes, before its codes in a block and for each row in an x8 group:
+// MXFP4's exponent, IQ4_NL's float16.
+template <int64_t Type>
+constexpr int kScaleBytes = Type == kMXFP4 ? 1 : 2;
 
 // IQ4_NL's and IQ4_XS's 16 levels (GGML's kvalues_iq4nl): a 4-bit code indexes them.
 alignas(16) constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -77,10 +89,6 @@ alignas(16) constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -
 // integers, and the block's scale halved to match (e8m0_half).
 alignas(16) constexpr int8_t kMXFP4Levels[16] = {0, 1, 2, 3, 4, 6, 8, 12,
                                                  0, -1, -2, -3, -4, -6, -8, -12};
-
-// The types with blocks of 32 whose 4-bit codes (Q4_0's nibbles) index a table of 16 signed
-// levels: IQ4_NL (an f16 scale first) and MXFP4 (an E8M0 exponent first).
-constexpr bool is_table4(int64_t type) { return type == kIQ4_NL || type == kMXFP4; }
 
 template <int64_t Type>
 constexpr const int8_t* table4() {
@@ -129,6 +137,7 @@ bool type_info(int64_t type, TypeInfo* info) {
     case kMXFP4: *info = {32, 17}; return true;
     case kQ4_Kx8: *info = {256, 8 * 144, 8}; return true;
     case kQ6_Kx8: *info = {256, 8 * 210, 8}; return true;
+    case kIQ4_NLx8: *info = {32, 8 * 18, 8}; return true;
     case kMXFP4x8: *info = {32, 8 * 17, 8}; return true;
     default: return false;
   }
@@ -344,11 +353,12 @@ inline void block_lanes(const uint8_t* w, const QuantX& x, int64_t m, int64_t b,
   }
 }
 
-// An MXFP4 block's exact integer sum against activation row m's block b (one_acc).
-inline int32_t mxfp4_sum(const uint8_t* w, const QuantX& x, int64_t m, int64_t b) {
+// A table type's block's exact integer sum against activation row m's block b (one_acc).
+template <int64_t Type>
+inline int32_t table4_sum(const uint8_t* w, const QuantX& x, int64_t m, int64_t b) {
   const int8_t* xb = x.row(m) + b * 32;
   int32_t s = 0;
-  for (int i = 0; i < 32; ++i) s += code32<kMXFP4>(w, i) * xb[i];
+  for (int i = 0; i < 32; ++i) s += code32<Type>(w, i) * xb[i];
   return s;
 }
 
@@ -395,11 +405,11 @@ template <int64_t Type>
 void rows_portable(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX& x, int64_t m0,
                    int nr, float* out) {
   for (int r = 0; r < nr; ++r) {
-    if constexpr (Type == kMXFP4) {
+    if constexpr (is_table4(Type)) {
       float acc = 0.f;
       for (int64_t b = 0; b < blocks; ++b)
-        acc = kquant_acc(acc, e8m0_half(w[b * bytes]), 0.f, x.scale(m0 + r, b),
-                         mxfp4_sum(w + b * bytes, x, m0 + r, b), 0, false);
+        acc = kquant_acc(acc, scale32<Type>(w + b * bytes), 0.f, x.scale(m0 + r, b),
+                         table4_sum<Type>(w + b * bytes, x, m0 + r, b), 0, false);
       out[r] = acc;
     } else if constexpr (is_kquant(Type)) {
       float acc = 0.f;
@@ -440,23 +450,26 @@ void rows_portable(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX
 //                128 h + 32 + 4 c .., 128 h + 96 + 4 c ..), then of qh at 128 + 32 h + 4 c
 //                (their top two bits: bits 0-1, 2-3, 4-5, 6-7 for the four runs of 32 in
 //                that order)
-// MXFP4x8 holds 8 rows' MXFP4 blocks in 136 bytes (8 x 17):
-//   [0, 8)       the exponents of rows 0..7
-//   [8, 136)     4 chunks of 32 bytes, chunk c at 8 + 32 c: bytes 4 r .. 4 r + 3 are row r's
-//                code bytes 4 c .. 4 c + 3 (low nibbles: inputs 4 c .. 4 c + 3; high
+// MXFP4x8 and IQ4_NLx8 hold 8 rows' blocks of 32 in 136 bytes (8 x 17) or 144 (8 x 18),
+// with H = kScaleBytes (1: MXFP4's exponent; 2: IQ4_NL's float16 scale):
+//   [0, 8 H)     the scales of rows 0..7
+//   [8 H, ..)    4 chunks of 32 bytes, chunk c at 8 H + 32 c: bytes 4 r .. 4 r + 3 are row
+//                r's code bytes 4 c .. 4 c + 3 (low nibbles: inputs 4 c .. 4 c + 3; high
 //                nibbles: inputs 16 + 4 c .. 16 + 4 c + 3)
-// Their arithmetic is the file's type's (kquant_sums or mxfp4_sum, kquant_acc): the same
+// Their arithmetic is the file's type's (kquant_sums or table4_sum, kquant_acc): the same
 // bits as the file's blocks.
 template <int64_t Type>
-constexpr int64_t kX8Bytes = 8 * (Type == kQ4_K ? 144 : Type == kMXFP4 ? 17 : 210);
+constexpr int64_t kX8Bytes =
+    8 * (Type == kQ4_K ? 144 : Type == kMXFP4 ? 17 : Type == kIQ4_NL ? 18 : 210);
 
 // The layouts above as runs: f(offset in row r's block, offset in the group, bytes), for
 // every run of row r. Packing and unpacking both follow them, so they cannot disagree.
 template <int64_t Type, typename F>
 inline void x8_runs(int r, F f) {
-  if constexpr (Type == kMXFP4) {
-    f(0, r, 1);  // the exponent
-    for (int c = 0; c < 4; ++c) f(1 + 4 * c, 8 + 32 * c + 4 * r, 4);
+  if constexpr (is_table4(Type)) {
+    constexpr int h = kScaleBytes<Type>;
+    f(0, h * r, h);  // the scale
+    for (int c = 0; c < 4; ++c) f(h + 4 * c, 8 * h + 32 * c + 4 * r, 4);
   } else if constexpr (Type == kQ4_K) {
     f(0, 2 * r, 2);       // d
     f(2, 16 + 2 * r, 2);  // dmin
@@ -499,9 +512,9 @@ void x8_portable(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, 
       float acc = 0.f;
       for (int64_t b = 0; b < blocks; ++b) {
         x8_block<Type>(g + b * kX8Bytes<Type>, i, blk);
-        if constexpr (Type == kMXFP4) {
-          acc = kquant_acc(acc, e8m0_half(blk[0]), 0.f, x.scale(m0 + r, b),
-                           mxfp4_sum(blk, x, m0 + r, b), 0, false);
+        if constexpr (is_table4(Type)) {
+          acc = kquant_acc(acc, scale32<Type>(blk), 0.f, x.scale(m0 + r, b),
+                           table4_sum<Type>(blk, x, m0 + r, b), 0, false);
         } else {
           int32_t s, t;
           kquant_sums<Type>(blk, x, m0 + r, b, &s, &t);
@@ -714,7 +727,7 @@ void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX&
         if constexpr (Type == kQ4_0) s = _mm256_sub_epi32(s, _mm256_slli_epi32(xs, 3));
         if constexpr (Type == kQ5_0) s = _mm256_sub_epi32(s, _mm256_slli_epi32(xs, 4));
         const float dx = x.scale(m, b);
-        if constexpr (Type == kMXFP4) {  // one accumulator (one_acc)
+        if constexpr (one_acc(Type)) {  // the table types
           kacc[r] = kquant_acc(kacc[r], d, 0.f, dx, hsum_i32(s), 0, false);
           continue;
         }
@@ -989,35 +1002,51 @@ inline __m256 e8m0x8(const uint8_t* p) {
       normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
 }
 
-// MXFP4's levels made unsigned (kMXFP4Offset added) in both 128-bit lanes: a vpshufb table.
-inline __m256i mxfp4_unsigned() {
-  return _mm256_add_epi8(iq4_levels<kMXFP4>(), _mm256_set1_epi8(kMXFP4Offset));
+// A table type's levels made unsigned (kTableOffset added) in both 128-bit lanes: a vpshufb
+// table.
+template <int64_t Type>
+inline __m256i table_unsigned() {
+  return _mm256_add_epi8(iq4_levels<Type>(), _mm256_set1_epi8(kTableOffset<Type>));
 }
 
-// 8 rows of MXFP4x8 against NR activation rows, the rows in the lanes: per chunk, the 8
-// rows' 4 unsigned levels times 4 activations broadcast (vpmaddubsw: pairs at most
-// 2 * 24 * 127; the 4 chunks of the low nibbles summed in int16, at most 24384, and those of
-// the high ones), then pairs summed into int32 per row (vpmaddwd). Vnni: the 8 chunk halves
-// summed by vpdpbusd into one int32 per row. Either way less 12 times the block's sum of x:
-// mxfp4_sum's integer, then kquant_acc's float steps in 8 lanes.
-template <int NR, bool Vnni>
-void x8mx_dot_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, float* out) {
-  constexpr int64_t kBytes = kX8Bytes<kMXFP4>;
+// 8 rows' scales of a table type's x8 group (its first 8 kScaleBytes each), as floats.
+template <int64_t Type>
+inline __m256 table_scales8(const uint8_t* g) {
+  if constexpr (Type == kMXFP4) return e8m0x8(g);
+  return f16x8(g);
+}
+
+// 8 rows of MXFP4x8 or IQ4_NLx8 against NR activation rows, the rows in the lanes, each
+// block's integer sum (table4_sum's) then kquant_acc's float steps in 8 lanes:
+// - Vnni: per chunk, the 8 rows' 4 unsigned levels times 4 activations broadcast
+//   (vpdpbusd), from a sum started at -kTableOffset times the block's sum of x.
+// - MXFP4 without: vpmaddubsw of the unsigned levels (pairs at most 2 * 24 * 127; the 4 chunks
+//   of the low nibbles summed in int16, at most 24384, and those of the high ones), pairs into
+//   int32 by vpmaddwd, less 12 times the block's sum of x.
+// - IQ4_NL without: its levels made unsigned reach 240, whose pairs would saturate int16, so
+//   the signed levels' magnitudes against x taking their signs (pairs at most 2 * 127 * 127),
+//   each chunk's pairs into int32 by vpmaddwd.
+template <int64_t Type, int NR, bool Vnni>
+void x8t_dot_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, float* out) {
+  constexpr int64_t kBytes = kX8Bytes<Type>;
+  constexpr bool kSigned = Type == kIQ4_NL && !Vnni;
+  constexpr int kOff = kSigned ? 0 : kTableOffset<Type>;
   __m256 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const __m256i table = mxfp4_unsigned();
+  const __m256i table = kSigned ? iq4_levels<Type>() : table_unsigned<Type>();
   const uint8_t* ahead = g + kAhead;
   for (int64_t b = 0; b < blocks; ++b, g += kBytes) {
     for (; ahead < g + kBytes + kAhead; ahead += 64)
       _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
-    __m256i lo[NR], hi[NR];  // int16 pairs (Vnni: lo alone, the int32 sums)
+    // MXFP4 without VNNI: int16 pairs; else lo alone, the int32 sums
+    __m256i lo[NR], hi[NR];
     for (int r = 0; r < NR; ++r) {
       lo[r] = hi[r] = _mm256_setzero_si256();
-      if constexpr (Vnni) lo[r] = _mm256_set1_epi32(-kMXFP4Offset * x.block_sum(m0 + r, b));
+      if constexpr (Vnni) lo[r] = _mm256_set1_epi32(-kOff * x.block_sum(m0 + r, b));
     }
     for (int c = 0; c < 4; ++c) {
-      const __m256i p = load32(g + 8 + 32 * c);
+      const __m256i p = load32(g + 8 * kScaleBytes<Type> + 32 * c);
       const __m256i ulo = _mm256_shuffle_epi8(table, _mm256_and_si256(p, low));
       const __m256i uhi = _mm256_shuffle_epi8(
           table, _mm256_and_si256(_mm256_srli_epi16(p, 4), low));
@@ -1026,24 +1055,31 @@ void x8mx_dot_avx2(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0
         int32_t alo, ahi;
         std::memcpy(&alo, a, 4);
         std::memcpy(&ahi, a + 16, 4);
+        const __m256i blo = _mm256_set1_epi32(alo), bhi = _mm256_set1_epi32(ahi);
         if constexpr (Vnni) {
-          lo[r] = dpbusd(dpbusd(lo[r], ulo, _mm256_set1_epi32(alo)), uhi,
-                         _mm256_set1_epi32(ahi));
+          lo[r] = dpbusd(dpbusd(lo[r], ulo, blo), uhi, bhi);
+        } else if constexpr (kSigned) {
+          const __m256i plo = _mm256_maddubs_epi16(_mm256_abs_epi8(ulo),
+                                                   _mm256_sign_epi8(blo, ulo));
+          const __m256i phi = _mm256_maddubs_epi16(_mm256_abs_epi8(uhi),
+                                                   _mm256_sign_epi8(bhi, uhi));
+          lo[r] = _mm256_add_epi32(lo[r], _mm256_add_epi32(_mm256_madd_epi16(plo, ones),
+                                                           _mm256_madd_epi16(phi, ones)));
         } else {
-          lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(ulo, _mm256_set1_epi32(alo)));
-          hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(uhi, _mm256_set1_epi32(ahi)));
+          lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(ulo, blo));
+          hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(uhi, bhi));
         }
       }
       in_registers(lo);
-      if constexpr (!Vnni) in_registers(hi);
+      if constexpr (!Vnni && !kSigned) in_registers(hi);
     }
-    const __m256 d = e8m0x8(g);
+    const __m256 d = table_scales8<Type>(g);
     for (int r = 0; r < NR; ++r) {
       __m256i s = lo[r];
-      if constexpr (!Vnni)
+      if constexpr (!Vnni && !kSigned)
         s = _mm256_sub_epi32(
             _mm256_add_epi32(_mm256_madd_epi16(lo[r], ones), _mm256_madd_epi16(hi[r], ones)),
-            _mm256_set1_epi32(kMXFP4Offset * x.block_sum(m0 + r, b)));
+            _mm256_set1_epi32(kOff * x.block_sum(m0 + r, b)));
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scale(m0 + r, b))),
                                _mm256_cvtepi32_ps(s), acc[r]);
     }
@@ -1425,18 +1461,19 @@ inline __m512 e8m0x16(const uint8_t* g0, const uint8_t* g1) {
       _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2)), normal, subnormal));
 }
 
-// MXFP4x8's 16 rows (two adjacent groups) on vpdpbusd: per block, the 8 chunk halves' levels
-// made unsigned once (vpshufb), then for each activation row 8 vpdpbusd from a sum started
-// at -12 times the block's sum of x (mxfp4_sum's integer), and one float step (kquant_acc's,
-// in 16 lanes).
-template <int NR>
-void x16_mxfp4_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const QuantX& x,
+// MXFP4x8's or IQ4_NLx8's 16 rows (two adjacent groups) on vpdpbusd: per block, the 8 chunk
+// halves' levels made unsigned once (vpshufb), then for each activation row 8 vpdpbusd from
+// a sum started at -kTableOffset times the block's sum of x (table4_sum's integer), and one
+// float step (kquant_acc's, in 16 lanes).
+template <int64_t Type, int NR>
+void x16_table_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const QuantX& x,
                     int64_t m0, float* out) {
-  constexpr int64_t kBytes = kX8Bytes<kMXFP4>;
+  constexpr int64_t kBytes = kX8Bytes<Type>;
+  constexpr int h = kScaleBytes<Type>;
   __m512 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512i table = _mm512_broadcast_i64x4(mxfp4_unsigned());
+  const __m512i table = _mm512_broadcast_i64x4(table_unsigned<Type>());
   const uint8_t *ahead0 = g0 + kAhead, *ahead1 = g1 + kAhead;
   const int8_t* xr[NR];
   for (int r = 0; r < NR; ++r) xr[r] = x.row(m0 + r);
@@ -1445,14 +1482,18 @@ void x16_mxfp4_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const 
     __m512i u[8];  // chunk c's low nibbles' levels (inputs 4c ..), then its high ones' (16 + 4c ..)
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
-      const __m512i p = load2x32(g0 + 8 + 32 * c, g1 + 8 + 32 * c);
+      const __m512i p = load2x32(g0 + 8 * h + 32 * c, g1 + 8 * h + 32 * c);
       u[c] = _mm512_shuffle_epi8(table, _mm512_and_si512(p, low));
       u[4 + c] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(p, 4), low));
     }
-    const __m512 d = e8m0x16(g0, g1);
+    __m512 d;
+    if constexpr (Type == kMXFP4)
+      d = e8m0x16(g0, g1);
+    else
+      d = f16x16(g0, g1);
     for (int r = 0; r < NR; ++r) {
       const int8_t* a = xr[r] + b * 32;
-      __m512i s = _mm512_set1_epi32(-kMXFP4Offset * x.block_sum(m0 + r, b));
+      __m512i s = _mm512_set1_epi32(-kTableOffset<Type> * x.block_sum(m0 + r, b));
 #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) s = dpbusd_bcast(s, u[i], a + 4 * (i % 4) + 16 * (i / 4));
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.scale(m0 + r, b))),
@@ -1467,8 +1508,8 @@ void x16_dot(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const QuantX&
              float* out) {
   if constexpr (Type == kQ4_K)
     x16_q4k_vnni<NR>(g0, g1, blocks, x, m0, out);
-  else if constexpr (Type == kMXFP4)
-    x16_mxfp4_vnni<NR>(g0, g1, blocks, x, m0, out);
+  else if constexpr (is_table4(Type))
+    x16_table_vnni<Type, NR>(g0, g1, blocks, x, m0, out);
   else
     x16_q6k_vnni<NR>(g0, g1, blocks, x, m0, out);
 }
@@ -1502,7 +1543,7 @@ template <int64_t Type>
 void rows2_vnni(const uint8_t* w0, const uint8_t* w1, int64_t blocks, int64_t bytes,
                 const QuantX& x, int64_t m, float* out) {
   static_assert(is_table4(Type), "a table of 16 signed levels");
-  constexpr int off = Type == kMXFP4 ? kMXFP4Offset : 127;  // the most negative level's size
+  constexpr int off = kTableOffset<Type>;
   const __m512i table = _mm512_add_epi8(
       _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table4<Type>()))),
       _mm512_set1_epi8(off));
@@ -1554,8 +1595,8 @@ template <int64_t Type, int NR, bool Vnni>
 void x8_dot(const uint8_t* g, int64_t blocks, const QuantX& x, int64_t m0, float* out) {
   if constexpr (Type == kQ4_K)
     x8_dot_avx2<NR, Vnni>(g, blocks, x, m0, out);
-  else if constexpr (Type == kMXFP4)
-    x8mx_dot_avx2<NR, Vnni>(g, blocks, x, m0, out);
+  else if constexpr (is_table4(Type))
+    x8t_dot_avx2<Type, NR, Vnni>(g, blocks, x, m0, out);
   else
     x8q6_dot_avx2<NR, Vnni>(g, blocks, x, m0, out);
 }
@@ -1707,6 +1748,7 @@ GroupFn group_fn(Path path) {
 // bits on every form.
 GroupFn pick_group(int64_t x8, Path path, int64_t M) {
   if (x8 == kMXFP4x8) return group_fn<kMXFP4>(path);
+  if (x8 == kIQ4_NLx8) return group_fn<kIQ4_NL>(path);
   if (path == Path::kVnni && M <= kRows && !(x8 == kQ6_Kx8 && M == 1)) path = Path::kAvx2;
   return x8 == kQ4_Kx8 ? group_fn<kQ4_K>(path) : group_fn<kQ6_K>(path);
 }
@@ -1719,6 +1761,7 @@ using PairFn = void (*)(const uint8_t*, int64_t, int64_t, const QuantX&, int64_t
 PairFn pick_pair(int64_t x8, Path path, int64_t M) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   if (path == Path::kVnni && x8 == kMXFP4x8) return x16_vnni<kMXFP4>;
+  if (path == Path::kVnni && x8 == kIQ4_NLx8) return x16_vnni<kIQ4_NL>;
   if (path == Path::kVnni && M > kRows) return x8 == kQ4_Kx8 ? x16_vnni<kQ4_K> : x16_vnni<kQ6_K>;
 #endif
   (void)x8;
@@ -1978,7 +2021,13 @@ bool gguf_supports(int64_t type) {
 }
 
 int64_t gguf_repacked_type(int64_t type) {
-  return type == kQ4_K ? kQ4_Kx8 : type == kQ6_K ? kQ6_Kx8 : type == kMXFP4 ? kMXFP4x8 : 0;
+  switch (type) {
+    case kQ4_K: return kQ4_Kx8;
+    case kQ6_K: return kQ6_Kx8;
+    case kIQ4_NL: return kIQ4_NLx8;
+    case kMXFP4: return kMXFP4x8;
+    default: return 0;
+  }
 }
 
 // Rows `order` (int64, output order; empty: all in order) of a [N, row bytes] part of GGML type
@@ -2016,6 +2065,8 @@ at::Tensor gguf_repack(const at::Tensor& part, int64_t type, int64_t K, const at
           x8_pack<kQ4_K>(src, dst);
         else if (type == kMXFP4)
           x8_pack<kMXFP4>(src, dst);
+        else if (type == kIQ4_NL)
+          x8_pack<kIQ4_NL>(src, dst);
         else
           x8_pack<kQ6_K>(src, dst);
       }
