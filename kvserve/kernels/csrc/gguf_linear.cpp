@@ -690,7 +690,7 @@ template <int64_t Type, int NR>
 void row_dot_avx2(const uint8_t* w, int64_t blocks, int64_t bytes, const QuantX& x, int64_t m0,
                   float* out) {
   __m256 acc[NR];  // the lanes of the types with blocks of 32
-  float kacc[NR];  // one accumulator per output (one_acc: the K-quants, MXFP4)
+  float kacc[NR];  // one accumulator per output (one_acc: the K-quants, the table types)
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps(), kacc[r] = 0.f;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   // Every cache line kAhead bytes ahead of the block read is prefetched, once. The row's
