@@ -1,7 +1,7 @@
-"""gguf_linear (a GGUF file's own blocks, read in place, and for Q4_K, Q6_K and MXFP4 also
-interleaved 8 rows at a time as `auto` serves them) against quant_linear (kvserve's int4/int8
-tiles, the form GGUF weights were repacked into before), on one layer's matrices of a real
-model's shape, at decode (1 row) and prefill (512 rows) sizes.
+"""gguf_linear (a GGUF file's own blocks, read in place, and for the types with an interleaved
+layout also interleaved 8 rows at a time as `auto` serves them) against quant_linear
+(kvserve's int4/int8 tiles, the form GGUF weights were repacked into before), on one layer's
+matrices of a real model's shape, at decode (1 row) and prefill (512 rows) sizes.
 
     python benchmarks/gguf_kernels.py [--shape qwen2.5-1.5b] [--repeats 15] [--as-type IQ4_XS]
 

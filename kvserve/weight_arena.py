@@ -1,6 +1,6 @@
 """Memory for the weights a decode step reads from end to end: the parts interleaved at load
-(`GGUFWeight`, Q4_K and Q6_K 8 rows at a time), carved one after the other out of anonymous
-arenas mapped at a 2 MiB boundary and advised MADV_HUGEPAGE. With 4 KiB pages a stream
+(`GGUFWeight`, paths.INTERLEAVED_TYPES 8 rows at a time), carved one after the other out of
+anonymous arenas mapped at a 2 MiB boundary and advised MADV_HUGEPAGE. With 4 KiB pages a stream
 crosses a page (a TLB walk, and the end of what the hardware prefetcher follows) every
 4 KiB, and a part of its own smaller than 2 MiB (a 1.5B model's q/k/v and o) could never be
 on a huge page: on a Zen 3 (2 threads) a plain sum read 21.8 GB/s from 4 KiB pages and

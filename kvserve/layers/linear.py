@@ -83,8 +83,8 @@ class LinearBase(nn.Module):
         `gguf` (IN_PLACE) serves a layer whose every part is a GGUF tensor of a type
         gguf_linear reads in the file's own blocks, in place (GGUFWeight), and any other layer
         as `auto` does. `auto` does the same for a layer whose parts are all of
-        quant.gguf_auto_types() (Q4_K, Q6_K and MXFP4 where gguf_linear has a vector path),
-        each interleaved at load (the same results). Otherwise a GGUF weight whose type has an
+        quant.gguf_auto_types() (GGUF_AUTO_TYPES where gguf_linear has a vector path), each
+        interleaved at load (the same results). Otherwise a GGUF weight whose type has an
         exact form (see models/gguf_quants.py) keeps its own codes on the VNNI kernel, 4-bit
         ones widened to 8 for int8 or where parts mix; other weights are quantized again.
         `auto` (per layer): the layer's own GGUF precision class, none for float weights."""
@@ -117,9 +117,9 @@ class LinearBase(nn.Module):
             self.gguf_groups = {}
 
     def gguf_weight(self, interleave: bool = False) -> GGUFWeight | None:
-        """The layer served from its GGUF blocks in place (Q4_K, Q6_K, MXFP4 interleaved at
-        load with `interleave`), where every part has them and gguf_linear reads their types here;
-        else None."""
+        """The layer served from its GGUF blocks in place (those with an interleaved layout,
+        paths.INTERLEAVED_TYPES, interleaved at load with `interleave`), where every part has
+        them and gguf_linear reads their types here; else None."""
         parts = self._per_part(self.gguf_tensors)
         if any(p is None for p in parts):
             return None

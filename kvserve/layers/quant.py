@@ -301,11 +301,11 @@ class GGUFWeight(PackedWeight):
     256 for the K-quants) and each block's integer sum is exact, so the portable and the AVX2
     paths give the same bits and a row's result does not depend on the batch.
 
-    With `interleave`, a part whose type has an interleaved layout (Q4_K, Q6_K, MXFP4) and
-    whose rows are a multiple of 8 is repacked into it at load (`gguf_repack`: the same bytes,
-    8 rows side by side, one per vector lane), in the process's memory
-    (kvserve.weight_arena), and the file's pages it was read from are handed back; the results
-    are the same bits as the file's layout gives."""
+    With `interleave`, a part whose type has an interleaved layout (gguf_repacked_type; see
+    paths.INTERLEAVED_TYPES) and whose rows are a multiple of 8 is repacked into it at load
+    (`gguf_repack`: the same bytes, 8 rows side by side, one per vector lane), in the
+    process's memory (kvserve.weight_arena), and the file's pages it was read from are handed
+    back; the results are the same bits as the file's layout gives."""
 
     def __init__(self, parts: list[GGUFTensor], dtype: torch.dtype,
                  device: torch.device, interleave: bool = False) -> None:

@@ -402,7 +402,7 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, in_place: bool) -> WeightB
     (`--quantization gguf`) or as `auto` serves it; None for a model that is not a GGUF file.
     A matrix gguf_linear serves (in place: every type it reads; auto: gguf_auto_types()) counts
     its bytes in the file, in the file's pages (`in_place`) unless auto interleaves it at
-    load (Q4_K, Q6_K, MXFP4); the embedding is looked up in place when the head is served so.
+    load (paths.INTERLEAVED_TYPES); the embedding is looked up in place when the head is served so.
     Any other quantized matrix counts the int4 or int8 tiles it is packed into (0.625 or 1.125
     bytes a weight), the embedding `dtype`'s floats and a tied head an int8 copy; float
     tensors count `dtype`'s size. An MoE layer's stack of experts counts as its matrices, every
