@@ -1450,15 +1450,12 @@ void x16_q6k_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const Qu
   }
 }
 
-// 16 rows' MXFP4 scales (e8m0x8 for two groups): g0's 8 exponents, then g1's.
-inline __m512 e8m0x16(const uint8_t* g0, const uint8_t* g1) {
-  const __m512i e = _mm512_cvtepu8_epi32(
-      _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(g0)),
-                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(g1))));
-  const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
-  const __m512i subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
-  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(
-      _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2)), normal, subnormal));
+// 16 rows' scales of two table-type x8 groups: table_scales8 of g0's, then of g1's.
+template <int64_t Type>
+inline __m512 table_scales16(const uint8_t* g0, const uint8_t* g1) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(
+      _mm512_castps_pd(_mm512_castps256_ps512(table_scales8<Type>(g0))),
+      _mm256_castps_pd(table_scales8<Type>(g1)), 1));
 }
 
 // MXFP4x8's or IQ4_NLx8's 16 rows (two adjacent groups) on vpdpbusd: per block, the 8 chunk
@@ -1486,11 +1483,7 @@ void x16_table_vnni(const uint8_t* g0, const uint8_t* g1, int64_t blocks, const 
       u[c] = _mm512_shuffle_epi8(table, _mm512_and_si512(p, low));
       u[4 + c] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(p, 4), low));
     }
-    __m512 d;
-    if constexpr (Type == kMXFP4)
-      d = e8m0x16(g0, g1);
-    else
-      d = f16x16(g0, g1);
+    const __m512 d = table_scales16<Type>(g0, g1);
     for (int r = 0; r < NR; ++r) {
       const int8_t* a = xr[r] + b * 32;
       __m512i s = _mm512_set1_epi32(-kTableOffset<Type> * x.block_sum(m0 + r, b));
@@ -1544,9 +1537,7 @@ void rows2_vnni(const uint8_t* w0, const uint8_t* w1, int64_t blocks, int64_t by
                 const QuantX& x, int64_t m, float* out) {
   static_assert(is_table4(Type), "a table of 16 signed levels");
   constexpr int off = kTableOffset<Type>;
-  const __m512i table = _mm512_add_epi8(
-      _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table4<Type>()))),
-      _mm512_set1_epi8(off));
+  const __m512i table = _mm512_broadcast_i64x4(table_unsigned<Type>());
   const __m512i low = _mm512_set1_epi8(0x0F), offs = _mm512_set1_epi32(off);
   const __m512i zero = _mm512_setzero_si512();
   constexpr int at = codes32_at<Type>();
