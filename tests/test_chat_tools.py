@@ -15,6 +15,7 @@ from kvserve.entrypoints.server.chat_tools import (
 )
 from kvserve.entrypoints.server.errors import APIError
 from kvserve.entrypoints.server.protocol import ChatCompletionRequest
+from kvserve.entrypoints.server.protocol_messages import MessagesRequest
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
@@ -64,6 +65,41 @@ def test_modes_and_their_constraints():
     assert plan(tools=[ADD], tool_choice="none").tools is None
     thinking = plan(reasoning="qwen3", response_format={"type": "json_object"})
     assert thinking.constraint.reasoning_end == "</think>"
+    assert thinking.thinking_budget is None
+    budget = plan(reasoning="deepseek_r1", thinking_token_budget=7)
+    assert budget.constraint is None
+    assert (budget.thinking_budget.end, budget.thinking_budget.tokens) == ("</think>", 7)
+
+
+@pytest.mark.parametrize("reasoning", [None, "gpt-oss"])
+def test_a_thinking_budget_needs_a_format_with_an_end_tag(reasoning):
+    with pytest.raises(APIError) as e:
+        plan(reasoning=reasoning, thinking_token_budget=5)
+    assert e.value.status == 400 and e.value.param == "thinking_token_budget"
+    assert "--reasoning-parser" in str(e.value)
+
+
+def test_anthropic_thinking_and_effort_become_the_chat_requests():
+    def chat(**kw):
+        return MessagesRequest(max_tokens=50, messages=[{"role": "user", "content": "hi"}],
+                               **kw).chat_request()
+
+    enabled = chat(thinking={"type": "enabled", "budget_tokens": 20})
+    assert enabled.thinking_token_budget == 20
+    assert enabled.chat_template_kwargs == {"enable_thinking": True}
+    assert chat(thinking={"type": "adaptive"}).thinking_token_budget is None
+    assert chat(thinking={"type": "disabled"}).chat_template_kwargs == \
+        {"enable_thinking": False}
+    plain = chat()
+    assert plain.chat_template_kwargs is None and plain.reasoning_effort is None
+    assert [chat(output_config={"effort": e}).reasoning_effort
+            for e in ("low", "medium", "high", "xhigh", "max")] == \
+        ["low", "medium", "high", "high", "high"]
+    for thinking in ({"type": "enabled"}, {"type": "enabled", "budget_tokens": 50},
+                     {"type": "adaptive", "budget_tokens": 10}):
+        with pytest.raises(APIError) as e:
+            chat(thinking=thinking)
+        assert e.value.status == 400 and e.value.param == "thinking.budget_tokens"
 
 
 @pytest.mark.parametrize("body, param", [

@@ -214,3 +214,64 @@ def test_output_config_json_schema(client):
                                                            "schema": schema}},
                                  messages=ask("Pick a color and a count."))
     jsonschema.validate(json.loads(msg.content[0].text), schema)
+
+
+@pytest.fixture(scope="module")
+def thinker(real_model_path):
+    """The default model read as a DeepSeek R1 model: everything before `</think>` is
+    thinking. SmolLM2 never writes the tag, so its thinking ends only where a budget ends it."""
+    args = EngineArgs(model=str(real_model_path), kv_cache_memory="256MiB")
+    with run_server(args, reasoning_parser="deepseek_r1") as s:
+        yield s[0]
+
+
+def test_thinking_budget_then_the_answer(thinker):
+    """thinking.budget_tokens: the first budget tokens are the thinking block (the model's
+    own: they are its unbudgeted answer's first tokens), then the forced end tag, then the
+    answer in a text block; streamed, the same blocks; through chat completions'
+    thinking_token_budget, the same message."""
+    client = anthropic.Anthropic(base_url=thinker, api_key="x", max_retries=0,
+                                 _strict_response_validation=True)
+    q = ask("Name three rivers.")
+    thinking = {"type": "enabled", "budget_tokens": 8}
+    msg = client.messages.create(model=MODEL, max_tokens=30, **T0, thinking=thinking,
+                                 messages=q)
+    assert [b.type for b in msg.content] == ["thinking", "text"]
+    chat = openai_client(f"{thinker}/v1")
+    free = chat.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=q)
+    assert not free.choices[0].message.content  # all thinking, never ended
+    assert msg.content[0].thinking == free.choices[0].message.reasoning_content
+    assert msg.usage.output_tokens == 30 and msg.stop_reason == "max_tokens"
+    with client.messages.stream(model=MODEL, max_tokens=30, **T0, thinking=thinking,
+                                messages=q) as s:
+        streamed = s.get_final_message().content
+    assert [b.type for b in streamed] == ["thinking", "text"]
+    assert (streamed[0].thinking, streamed[1].text) == (msg.content[0].thinking,
+                                                        msg.content[1].text)
+    budgeted = chat.chat.completions.create(
+        model=MODEL, max_tokens=30, temperature=0, messages=q,
+        extra_body={"thinking_token_budget": 8,
+                    "chat_template_kwargs": {"enable_thinking": True}})
+    assert budgeted.choices[0].message.reasoning_content == msg.content[0].thinking
+    assert budgeted.choices[0].message.content == msg.content[1].text
+    omitted = client.messages.create(model=MODEL, max_tokens=30, **T0, messages=q,
+                                     thinking={**thinking, "display": "omitted"})
+    assert omitted.content[0].thinking == "" and omitted.content[1] == msg.content[1]
+    with client.messages.stream(model=MODEL, max_tokens=30, **T0, messages=q,
+                                thinking={**thinking, "display": "omitted"}) as s:
+        assert s.get_final_message().content[0].thinking == ""
+
+
+@pytest.mark.parametrize("thinking, max_tokens, needs", [
+    ({"type": "enabled", "budget_tokens": 1024}, 5, "thinker"),  # budget >= max_tokens
+    ({"type": "enabled"}, 50, "thinker"),
+    ({"type": "enabled", "budget_tokens": 10}, 50, "server"),  # no reasoning parser
+    ({"type": "adaptive"}, 50, "server"),
+])
+def test_thinking_errors(request, thinking, max_tokens, needs):
+    url = request.getfixturevalue(needs)
+    r = httpx.post(f"{url}/v1/messages", headers={"x-api-key": "sesame"}, json={
+        "max_tokens": max_tokens, "thinking": thinking,
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "thinking" in r.json()["error"]["message"]

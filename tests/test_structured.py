@@ -12,12 +12,13 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from kvserve.sample.sampling_params import SamplingParams, StructuredOutputs
+from kvserve.sample.sampling_params import SamplingParams, StructuredOutputs, ThinkingBudget
 from kvserve.sample.structured import (
     GrammarCompiler,
     StructuredOutputError,
     apply_bitmask,
     fill_bitmasks,
+    new_bitmask,
 )
 from tests.conftest import byte_level_tokenizer_json, make_llm
 
@@ -208,3 +209,107 @@ def test_a_constraint_can_start_after_the_thinking(compiler, spec):
     assert g.terminated
     with pytest.raises(ValueError, match="grammar cannot follow"):
         StructuredOutputs(grammar='start: "a"', reasoning_end="</think>")
+
+
+def _allowed(g, row=None) -> list[int]:
+    if row is None:
+        row = new_bitmask(1, 320)[0]
+        g.fill(row)
+    return [i for i in range(320) if (int(row[i // 32]) >> (i % 32)) & 1]
+
+
+def _run(g, text: str) -> str:
+    """Feed `text` a token at a time while the mask lets it through, then take every forced
+    token (a mask of one); return what was generated."""
+    out: list[int] = []
+    for t in ids(text):
+        if t not in _allowed(g):
+            break
+        g.accept(t)
+        out.append(t)
+    while len(a := _allowed(g)) == 1:
+        g.accept(a[0])
+        out.append(a[0])
+    return _BYTES.decode(out)
+
+
+@pytest.mark.parametrize("budget, text, want", [
+    (5, "abcdefgh", "abcde</think>"),        # spent: the end tag is forced
+    (20, "ab</think>cd", "ab</think>cd"),    # the model ended it within the budget
+    (8, "abcde</th", "abcde</t</think>"),    # a partial tag at the limit is left as it is
+    (0, "abc", "</think>"),                  # no thinking at all
+])
+def test_a_thinking_budget_forces_the_end_of_thinking(compiler, budget, text, want):
+    g = compiler.compile(None, ThinkingBudget("</think>", budget))
+    assert _run(g, text) == want
+    assert len(_allowed(g)) == 320 and not g.terminated  # the answer is free
+
+
+def test_a_thinking_budget_with_a_constraint_after_it(compiler):
+    g = compiler.compile(StructuredOutputs(regex="[0-9]+", reasoning_end="</think>"),
+                         ThinkingBudget("</think>", 3))
+    assert _run(g, "xyz!") == "xyz</think>"
+    assert {_BYTES.decode([t]) for t in _allowed(g)} == set("0123456789 \t\r\n")
+
+
+@pytest.mark.parametrize("budget, spec, prefix, drafts", [
+    (None, StructuredOutputs(regex="[0-9]+", reasoning_end="</think>"), "hm", "m.</think> 42"),
+    (4, None, "ab", "cdef"),
+    (4, None, "a", "b</think>"),
+    (6, StructuredOutputs(choice=("yes", "no"), reasoning_end="</think>"), "", "abcdef</th"),
+])
+def test_draft_masks_are_the_masks_of_the_tokens_in_turn(compiler, budget, spec, prefix,
+                                                         drafts):
+    """A step's masks for a row's drafts (each position's mask as if the drafts before it
+    had been generated) equal the masks met generating them one by one, and leave the
+    request's state where it was: with a thinking budget, and after a constraint's thinking
+    (llguidance cannot roll back a stop= lexeme; the thinking is a suffix= one)."""
+    budget = None if budget is None else ThinkingBudget("</think>", budget)
+    g, step = compiler.compile(spec, budget), compiler.compile(spec, budget)
+    for t in ids(prefix):
+        g.accept(t)
+        step.accept(t)
+    d = ids(drafts)
+    rows = new_bitmask(len(d) + 1, 320)
+    g.fill_drafts(rows, d)
+    for j, t in enumerate(d):
+        mask = _allowed(step)
+        assert _allowed(None, rows[j]) == mask, j
+        if t not in mask:  # rejected here: the positions after it allow everything
+            assert all(len(_allowed(None, r)) == 320 for r in rows[j + 1:])
+            break
+        step.accept(t)
+    for t in d:  # the real tokens arrive after the masks: g is where it started
+        if t not in _allowed(g):
+            break
+        g.accept(t)
+
+
+def test_a_thinking_budget_in_the_engine(tiny_llama_dir):
+    """The first `budget` tokens are the model's own, then the end tag; the same tokens
+    alone, among others with small steps, and with n-gram speculation (whose drafts the
+    budget checks)."""
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8]
+    budget = ThinkingBudget("</think>", 6)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                            thinking_budget=budget)
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True,
+                            thinking_budget=budget, structured_outputs=StructuredOutputs(
+                                regex="[a-z ]+", reasoning_end="</think>"))
+    free = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = make_llm(tiny_llama_dir).generate([prompt] * 3, [greedy, seeded, free])
+    first = alone[2].outputs[0]
+    out = alone[0].outputs[0]
+    assert out.token_ids[:6] == first.token_ids and "</think>" not in first.text
+    assert out.text.startswith(first.text + "</think>")
+    assert re.fullmatch(r"(?s)[^<]*.*?</think>[a-z ]*", alone[1].outputs[0].text)
+    busy = make_llm(tiny_llama_dir, max_num_batched_tokens=16).generate(
+        [[20, 21, 22] * 5, prompt, prompt],
+        [SamplingParams(temperature=1.0, max_tokens=30), greedy, seeded])
+    spec = make_llm(tiny_llama_dir, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    speculated = spec.generate([prompt, prompt], [greedy, seeded])
+    want = [o.outputs[0].token_ids for o in alone[:2]]
+    assert [o.outputs[0].token_ids for o in busy[1:]] == want
+    assert [o.outputs[0].token_ids for o in speculated] == want
+    spec.engine.check_integrity()

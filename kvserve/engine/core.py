@@ -111,9 +111,9 @@ class EngineCore(StartupCalibration):
     def add_request(self, req: Request) -> None:
         """Queue `req` (checked by check_request first); the core owns it from now on."""
         self.check_request(req)
-        spec = req.sampling_params.structured_outputs
-        if spec is not None:
-            req.grammar = self.grammars.compile(spec)
+        sp = req.sampling_params
+        if sp.structured_outputs is not None or sp.thinking_budget is not None:
+            req.grammar = self.grammars.compile(sp.structured_outputs, sp.thinking_budget)
         req.timeline.record = self._record_timelines
         req.timeline.add(req.arrival_time, "arrival", prompt_tokens=req.num_prompt_tokens)
         self.scheduler.add_request(req)

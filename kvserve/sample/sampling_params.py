@@ -112,6 +112,24 @@ class StructuredOutputs:
                     if getattr(self, n) is not None) if not self.json_object else "json_object"
 
 
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """A cap on a reasoning model's thinking (vLLM's `thinking_token_budget`): once the
+    output holds `tokens` tokens and `end` (the format's end of thinking, e.g. "</think>")
+    has not appeared in its text, the next tokens are forced to be `end`'s own, and the
+    model answers after it. Enforced with the structured outputs' mask
+    (kvserve.sample.structured), so it depends only on the request's own tokens."""
+
+    end: str
+    tokens: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.end, str) or not self.end:
+            raise ValueError("a thinking budget needs the non-empty text that ends thinking")
+        if _check_int("thinking_token_budget", self.tokens) < 0:
+            raise ValueError(f"thinking_token_budget must be >= 0, got {self.tokens}")
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request and when to stop it.
@@ -148,6 +166,7 @@ class SamplingParams:
     pooling: str | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
+    thinking_budget: ThinkingBudget | None = None
 
     def __post_init__(self) -> None:
         self._check_sampling()
@@ -240,6 +259,16 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,
                                                                   StructuredOutputs):
             raise ValueError("structured_outputs must be a StructuredOutputs")
+
+        if self.thinking_budget is not None:
+            if not isinstance(self.thinking_budget, ThinkingBudget):
+                raise ValueError("thinking_budget must be a ThinkingBudget")
+            if self.pooling is not None:
+                raise ValueError("an embedding request (pooling) takes no thinking budget")
+            rend = self.structured_outputs.reasoning_end if self.structured_outputs else None
+            if rend is not None and rend != self.thinking_budget.end:
+                raise ValueError("the thinking budget and the structured outputs must name "
+                                 "the same end of thinking")
 
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs)

@@ -20,6 +20,7 @@ matcher is a copy of the cached one, so a repeated schema costs microseconds.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -29,7 +30,7 @@ from collections.abc import Callable, Sequence
 import llguidance
 import torch
 
-from kvserve.sample.sampling_params import JSON_OPTIONS, StructuredOutputs
+from kvserve.sample.sampling_params import JSON_OPTIONS, StructuredOutputs, ThinkingBudget
 
 # Parser limits (llguidance's fuel): they bound the work of compiling a grammar and of each
 # mask, so a pathological schema is refused rather than stalling every step.
@@ -77,7 +78,9 @@ def _after_reasoning(spec: StructuredOutputs) -> str:
         assert spec.choice is not None
         answer = _choice_lark(spec.choice)
     return (f"start: thinking SPACE answer\n"
-            f"thinking[stop={json.dumps(spec.reasoning_end)}]: /(?s:.*)/\n"
+            # suffix=, not stop=: llguidance cannot roll a stop= lexeme back, which
+            # checking a step's drafts does
+            f"thinking[suffix={json.dumps(spec.reasoning_end)}]: /(?s:.*)/\n"
             f"SPACE: /[ \\t\\r\\n]*/\nanswer: {answer}\n")
 
 
@@ -103,43 +106,126 @@ def grammar_text(spec: StructuredOutputs) -> str:
     return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
 
 
-class Grammar:
-    """One request's matcher. `accept` advances it by a generated token; `terminated` is True
-    once the grammar allows no further token."""
+class BudgetState:
+    """Where a request stands against its thinking budget (sampling_params.ThinkingBudget):
+    tokens thought so far, whether the end of thinking has appeared in the output's bytes
+    (the model wrote it, or it was forced), and, once the budget is spent without it, how
+    many of the end's forced tokens have been given. A function of the output's tokens
+    alone; small enough to copy per draft position."""
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, budget: ThinkingBudget, end_ids: Sequence[int],
+                 decode: Callable[[int], bytes]) -> None:
+        self.limit = budget.tokens
+        self.end = budget.end.encode()
+        self.end_ids = list(end_ids)
+        self._decode = decode
+        self.count = 0
+        self.tail = b""  # the output's last bytes, up to len(end) - 1 of them
+        self.forcing: int | None = 0 if self.limit == 0 else None
+        self.done = False
+
+    def copy(self) -> BudgetState:
+        return copy.copy(self)
+
+    def forced(self) -> int | None:
+        """The one token the next position allows, or None: no constraint."""
+        return None if self.done or self.forcing is None else self.end_ids[self.forcing]
+
+    def advance(self, token: int) -> None:
+        if self.done:
+            return
+        if self.forcing is not None:
+            self.forcing += 1
+            self.done = self.forcing == len(self.end_ids)
+            return
+        self.count += 1
+        text = self.tail + self._decode(token)
+        if self.end in text:
+            self.done = True
+            return
+        self.tail = text[len(text) - len(self.end) + 1:]
+        if self.count >= self.limit:
+            self.forcing = 0
+
+
+class Grammar:
+    """One request's mask: llguidance's matcher for its constraint, and/or its thinking
+    budget (None for either when the request has none; never both None). `accept` advances
+    both by a generated token; `terminated` is True once the grammar allows no further
+    token."""
+
+    def __init__(self, matcher: llguidance.LLMatcher | None,
+                 budget: BudgetState | None = None) -> None:
+        assert matcher is not None or budget is not None
         self.matcher = matcher
+        self.budget = budget
 
     def accept(self, token: int) -> None:
-        if not self.matcher.consume_token(token):
+        if self.budget is not None:
+            forced = self.budget.forced()
+            if forced is not None and token != forced:
+                raise RuntimeError(f"the thinking budget forces token {forced}, got {token}")
+            self.budget.advance(token)
+        if self.matcher is not None and not self.matcher.consume_token(token):
             raise RuntimeError(f"the grammar rejected token {token}: "
                                f"{self.matcher.get_error() or 'not allowed'}")
 
     @property
     def terminated(self) -> bool:
-        return self.matcher.is_stopped()
+        return self.matcher is not None and self.matcher.is_stopped()
 
     def fill(self, row: torch.Tensor) -> None:
         """The allowed next tokens as a bitmask into `row` (int32, contiguous, CPU)."""
-        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
-        if self.matcher.is_error():
+        if self.matcher is None:
+            row.fill_(-1)
+        else:
+            self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+            self.check()
+        if self.budget is not None:
+            self.restrict(row)
+
+    def restrict(self, row: torch.Tensor) -> None:
+        """Apply the thinking budget to the matcher's mask in `row`: where it forces a
+        token, that token alone."""
+        token = self.budget.forced() if self.budget is not None else None
+        if token is None:
+            return
+        word, bit = divmod(token, 32)
+        if not (int(row[word]) >> bit) & 1:
+            raise RuntimeError(f"the constraint forbids token {token}, which the thinking "
+                               "budget forces (the end of thinking)")
+        row.zero_()
+        row[word] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # as int32
+
+    def check(self) -> None:
+        """Raise if the matcher failed (after a mask was computed for it)."""
+        if self.matcher is not None and self.matcher.is_error():
             raise RuntimeError(f"the grammar failed: {self.matcher.get_error()}")
 
     def fill_drafts(self, rows: torch.Tensor, drafts: Sequence[int]) -> None:
         """Masks for len(drafts) + 1 positions: position j allows what may follow the drafts
-        before it. Positions after a draft the grammar forbids allow everything (their
-        drafts are rejected before them). The matcher ends where it started."""
-        valid = self.matcher.validate_tokens(list(drafts))
-        self.fill(rows[0])
+        before it. Positions after a draft the mask forbids allow everything (their drafts
+        are rejected before them). The matcher and the budget end where they started."""
+        valid = len(drafts) if self.matcher is None else self.matcher.validate_tokens(
+            list(drafts))
+        budget = self.budget
+        if budget is not None:
+            self.budget = budget.copy()  # advanced over the drafts, then put back
         consumed = 0
         try:
+            self.fill(rows[0])
             for j in range(valid):
+                forced = self.budget.forced() if self.budget is not None else None
+                if forced is not None and drafts[j] != forced:
+                    valid = j  # the budget rejects this draft
+                    break
                 self.accept(drafts[j])
                 consumed += 1
                 self.fill(rows[j + 1])
         finally:
-            if consumed:
-                self.matcher.rollback(consumed)
+            self.budget = budget
+            if consumed and self.matcher is not None and not self.matcher.rollback(consumed):
+                raise RuntimeError(f"the grammar failed: {self.matcher.get_error()}")
         rows[valid + 1:].fill_(-1)
 
 
@@ -175,9 +261,19 @@ class GrammarCompiler:
             self._tokenizer_json = ""  # the text is not needed again
         return self._tokenizer
 
-    def compile(self, spec: StructuredOutputs) -> Grammar:
-        """A fresh matcher for `spec`; raises StructuredOutputError naming the problem."""
-        return Grammar(self._compiled(spec).deep_copy())
+    def compile(self, spec: StructuredOutputs | None,
+                budget: ThinkingBudget | None = None) -> Grammar:
+        """A fresh mask for `spec` and `budget` (at least one given); raises
+        StructuredOutputError naming the problem."""
+        matcher = self._compiled(spec).deep_copy() if spec is not None else None
+        state = None
+        if budget is not None:
+            tok = self.tokenizer
+            end_ids = tok.tokenize_str(budget.end)
+            if not end_ids:
+                raise StructuredOutputError(f"{budget.end!r} is no tokens in this vocabulary")
+            state = BudgetState(budget, end_ids, lambda t: tok.decode_bytes([t]))
+        return Grammar(matcher, state)
 
     def check(self, spec: StructuredOutputs) -> None:
         """Raise StructuredOutputError if `spec` cannot be enforced (compiling it into the
@@ -284,10 +380,10 @@ def fill_bitmasks(items: Sequence[tuple[int, Grammar, Sequence[int]]], vocab_siz
     for offset, _, drafts in items:
         rows.extend(range(offset, offset + len(drafts) + 1))
     bitmask = new_bitmask(len(rows), vocab_size)
-    plain: list[tuple[Grammar, int]] = []
+    plain: list[tuple[Grammar, int]] = []  # rows without drafts whose matcher fills them
     i = 0
     for _, grammar, drafts in items:
-        if drafts:
+        if drafts or grammar.matcher is None:
             grammar.fill_drafts(bitmask[i:i + len(drafts) + 1], drafts)
         else:
             plain.append((grammar, i))
@@ -301,8 +397,7 @@ def fill_bitmasks(items: Sequence[tuple[int, Grammar, Sequence[int]]], vocab_siz
         _executor.unsafe_compute_mask_ptr([(g.matcher, i) for g, i in plain],
                                           bitmask.data_ptr(), bitmask.shape[1] * 4,
                                           bitmask.shape[0])
-        for grammar, _ in plain:
-            matcher = grammar.matcher
-            if matcher.is_error():
-                raise RuntimeError(f"the grammar failed: {matcher.get_error()}")
+        for grammar, i in plain:
+            grammar.check()
+            grammar.restrict(bitmask[i])
     return rows, bitmask

@@ -15,7 +15,8 @@ ask of the engine, and how a choice's generated text becomes the message sent ba
 
 With a `--reasoning-parser`, the text up to the end of the thinking goes to
 `reasoning_content` first and only the rest is read for content and tool calls; a constraint
-(tools or response_format) applies only after the thinking's end tag.
+(tools or response_format) applies only after the thinking's end tag, and a
+`thinking_token_budget` forces that tag once the thinking has taken its tokens.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from kvserve.entrypoints.server.tool_parsers import (
     ToolParser,
     get_tool_parser,
 )
-from kvserve.sample.sampling_params import StructuredOutputs
+from kvserve.sample.sampling_params import StructuredOutputs, ThinkingBudget
 
 
 class NamedToolParser(ToolParser):
@@ -191,6 +192,7 @@ class ChatPlan:
     # Each tool's parameters schema: parsers of forms with text arguments type them by it.
     tool_schemas: dict[str, dict] = dataclasses.field(default_factory=dict)
     echo: str = ""  # vLLM's echo: the last (assistant) message's text, which this continues
+    thinking_budget: ThinkingBudget | None = None  # thinking_token_budget, with its end tag
 
     def parser(self) -> ToolParser | None:
         if self.mode == "named":
@@ -254,6 +256,14 @@ def plan_chat(body: ChatCompletionRequest, constraint: StructuredOutputs | None,
                 schema["maxItems"] = 1
         constraint, constraint_field = StructuredOutputs(json=json.dumps(schema)), "tools"
     end_tag = get_reasoning_parser(reasoning_parser).END_TAG if reasoning_parser else None
+    budget = None
+    if body.thinking_token_budget is not None:
+        if end_tag is None:
+            raise APIError(400, "a thinking budget needs a server started with "
+                           "--reasoning-parser for a format that ends its thinking with a tag "
+                           f"({reasoning_parser or 'none here'} has none)",
+                           "thinking_token_budget")
+        budget = ThinkingBudget(end=end_tag, tokens=body.thinking_token_budget)
     if constraint is not None and end_tag is not None:
         # A reasoning model thinks first: the constraint starts after its thinking. (A
         # format with no end tag, such as harmony, is held to it from the first token.)
@@ -269,7 +279,7 @@ def plan_chat(body: ChatCompletionRequest, constraint: StructuredOutputs | None,
     return ChatPlan(template_tools(tools) if mode != "none" else None, mode, function,
                     constraint, constraint_field,
                     auto_tool_parser if mode == "auto" else None, reasoning_parser, names,
-                    {t.function.name: _parameters(t) for t in tools})
+                    {t.function.name: _parameters(t) for t in tools}, thinking_budget=budget)
 
 
 def template_tools(tools: list) -> list[dict] | None:

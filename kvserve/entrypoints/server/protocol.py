@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.entrypoints.server.errors import APIError
-from kvserve.sample.sampling_params import SamplingParams, StructuredOutputs
+from kvserve.sample.sampling_params import SamplingParams, StructuredOutputs, ThinkingBudget
 
 
 class Strict(BaseModel):
@@ -123,7 +123,8 @@ class SamplingFields(Strict):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         structured: StructuredOutputs | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        thinking_budget: ThinkingBudget | None = None) -> SamplingParams:
         """Raises ValueError naming the field for out-of-range values."""
         return SamplingParams(
             n=self.n,
@@ -146,6 +147,7 @@ class SamplingFields(Strict):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=structured,
+            thinking_budget=thinking_budget,
             prompt_logprobs=prompt_logprobs,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
@@ -266,6 +268,9 @@ class ChatCompletionRequest(SamplingFields):
     # OpenAI's: how hard a reasoning model thinks. Chat templates that take it (gpt-oss's)
     # read it as the template variable `reasoning_effort`; others ignore it.
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    # vLLM's: at most this many tokens of thinking, then the reasoning parser's end tag is
+    # forced and the model answers (needs a --reasoning-parser whose format has one).
+    thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

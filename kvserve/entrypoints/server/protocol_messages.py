@@ -4,8 +4,10 @@ and their translation into the chat request the engine path already serves.
 Unknown fields are refused (extra="forbid"), as on the OpenAI routes: a feature kvserve does
 not implement is a 400 naming it. What is accepted and has no effect here, and why:
 `cache_control` (kvserve caches every prompt prefix, without being asked), `metadata.user_id`
-(logged), `thinking: {"type": "disabled"}`. Anthropic's client no longer sends `temperature`,
-`top_p` or `top_k`; they are taken when a request has them (default temperature 1).
+(logged). `thinking` and `output_config.effort` become the chat request's template switch,
+thinking budget and reasoning effort (Thinking, OutputConfig). Anthropic's client no longer
+sends `temperature`, `top_p` or `top_k`; they are taken when a request has them (default
+temperature 1).
 """
 
 from __future__ import annotations
@@ -98,7 +100,28 @@ class ToolChoice(Strict):
 
 
 class Thinking(Strict):
-    type: Literal["disabled"]
+    """Anthropic's `thinking`. "enabled" thinks for at most `budget_tokens` tokens (the chat
+    path's thinking_token_budget: the reasoning format's end tag is then forced), "adaptive"
+    as long as the model likes, "disabled" not at all. Each sets the chat template's
+    `enable_thinking` (Qwen 3's switch; templates without one ignore it). kvserve takes any
+    budget from 1, where Anthropic's models take at least 1024: small local models are
+    given smaller ones. `display: "omitted"` sends thinking blocks without their text."""
+
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: Annotated[int, Field(ge=1)] | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+    def check(self, max_tokens: int | None) -> None:
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise APIError(400, 'thinking of type "enabled" needs budget_tokens',
+                           "thinking.budget_tokens")
+        if self.type != "enabled" and self.budget_tokens is not None:
+            raise APIError(400, f'thinking of type "{self.type}" takes no budget_tokens',
+                           "thinking.budget_tokens")
+        if self.budget_tokens is not None and max_tokens is not None and \
+                self.budget_tokens >= max_tokens:
+            raise APIError(400, f"thinking.budget_tokens ({self.budget_tokens}) must be less "
+                           f"than max_tokens ({max_tokens})", "thinking.budget_tokens")
 
 
 class Metadata(Strict):
@@ -111,9 +134,16 @@ class JSONOutputFormat(Strict):
 
 
 class OutputConfig(Strict):
-    """Anthropic's structured outputs: the answer is JSON valid against `format.schema`."""
+    """Anthropic's structured outputs (the answer is JSON valid against `format.schema`) and
+    effort (the chat path's reasoning_effort, which gpt-oss's template reads: xhigh and max
+    are its high)."""
 
     format: JSONOutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+    def reasoning_effort(self) -> Literal["low", "medium", "high"] | None:
+        e = self.effort
+        return "high" if e in ("xhigh", "max") else e  # type: ignore[return-value]
 
 
 class CountTokensRequest(Strict):
@@ -123,6 +153,16 @@ class CountTokensRequest(Strict):
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's switch for `thinking` (None: the template's default)."""
+        if self.thinking is None:
+            return None
+        return {"enable_thinking": self.thinking.type != "disabled"}
+
+    @property
+    def omit_thinking(self) -> bool:
+        return self.thinking is not None and self.thinking.display == "omitted"
 
     @property
     def prefill(self) -> bool:
@@ -205,6 +245,9 @@ class MessagesRequest(CountTokensRequest):
         tools, choice, parallel = self.chat_tools()
         prefill = self.prefill
         fmt = self.output_config.format if self.output_config else None
+        thinking = self.thinking
+        if thinking is not None:
+            thinking.check(self.max_tokens)
         return ChatCompletionRequest(
             model=self.model, messages=self.chat_messages(), max_tokens=self.max_tokens,
             add_generation_prompt=not prefill, continue_final_message=prefill,
@@ -213,4 +256,8 @@ class MessagesRequest(CountTokensRequest):
             parallel_tool_calls=parallel,
             user=self.metadata.user_id if self.metadata else None,
             response_format=None if fmt is None else ResponseFormat(
-                type="json_schema", json_schema=JSONSchemaFormat(schema=fmt.schema_)))
+                type="json_schema", json_schema=JSONSchemaFormat(schema=fmt.schema_)),
+            reasoning_effort=self.output_config.reasoning_effort() if self.output_config
+            else None,
+            chat_template_kwargs=self.template_kwargs(),
+            thinking_token_budget=thinking.budget_tokens if thinking else None)

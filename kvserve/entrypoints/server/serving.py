@@ -292,9 +292,10 @@ def check_stream_options(stream: bool, options) -> None:
 
 
 def sampling_params_for(body, max_tokens: int | None, logprobs: int | None, structured=None,
-            prompt_logprobs: int | None = None):
+            prompt_logprobs: int | None = None, thinking_budget=None):
     try:
-        return body.sampling_params(max_tokens, logprobs, structured, prompt_logprobs)
+        return body.sampling_params(max_tokens, logprobs, structured, prompt_logprobs,
+                                    thinking_budget)
     except ValueError as e:
         raise APIError(400, str(e)) from e
 

@@ -86,7 +86,8 @@ async def submit_chat(state: ServerState, body: ChatCompletionRequest, rid: str
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params_for(body, max_tokens, top, plan.constraint, body.prompt_logprobs)
+    params = sampling_params_for(body, max_tokens, top, plan.constraint, body.prompt_logprobs,
+                                 plan.thinking_budget)
     log.debug("request %s user %s", rid, body.user)
     last = body.messages[-1]
     plan.echo = last.text() if body.echo and last.role == "assistant" else ""

@@ -25,7 +25,7 @@ from kvserve.entrypoints.server.chat_tools import (
     chat_message,
     template_tools,
 )
-from kvserve.entrypoints.server.errors import anthropic_error_body
+from kvserve.entrypoints.server.errors import APIError, anthropic_error_body
 from kvserve.entrypoints.server.protocol_messages import CountTokensRequest, MessagesRequest
 from kvserve.entrypoints.server.serving import (
     ClientGone,
@@ -45,9 +45,14 @@ router = APIRouter()
              responses=schemas.responses(schemas.Message, schemas.ANTHROPIC_ERRORS))
 async def messages(state: State, body: MessagesRequest, raw: Request) -> Response:
     rid = f"msg_{uuid.uuid4().hex[:24]}"
+    if body.thinking is not None and body.thinking.type != "disabled" and \
+            state.reasoning_parser is None:
+        raise APIError(400, f'thinking of type "{body.thinking.type}" needs a server started '
+                       "with --reasoning-parser for the model's format of thinking", "thinking")
     plan, stream, prompt_tokens = await submit_chat(state, body.chat_request(), rid)
     if body.stream:
-        return StreamingResponse(_events(rid, state.model_name, plan, stream, prompt_tokens),
+        return StreamingResponse(_events(rid, state.model_name, plan, stream, prompt_tokens,
+                                         body.omit_thinking),
                                  media_type="text/event-stream")
     try:
         (out,) = await collect([stream], raw)
@@ -55,7 +60,7 @@ async def messages(state: State, body: MessagesRequest, raw: Request) -> Respons
         return Response(status_code=499)
     raise_failed([out])
     c = out.outputs[0]
-    blocks, has_calls = _blocks(plan, c.text)
+    blocks, has_calls = _blocks(plan, c.text, body.omit_thinking)
     reason, sequence = stop_reason(c, has_calls)
     return JSONResponse({"id": rid, "type": "message", "role": "assistant",
                          "model": state.model_name, "content": blocks, "stop_reason": reason,
@@ -72,7 +77,7 @@ async def count_tokens(state: State, body: CountTokensRequest) -> Response:
     tools, _, _ = body.chat_tools()
     hidden = body.tool_choice is not None and body.tool_choice.type == "none"
     ids = encode_chat(state.processor, body.chat_messages(), not body.prefill,
-                      None if hidden else template_tools(tools or []),
+                      None if hidden else template_tools(tools or []), body.template_kwargs(),
                       continue_final_message=body.prefill)
     return JSONResponse({"input_tokens": len(ids)})
 
@@ -94,14 +99,16 @@ def _usage(out: RequestOutput, c: CompletionOutput) -> dict:
             "output_tokens": c.num_output_tokens, "cache_read_input_tokens": cached}
 
 
-def _blocks(plan: ChatPlan, text: str) -> tuple[list[dict], bool]:
-    """A whole answer's content blocks: thinking, text, then a tool_use block per call. A
-    call whose arguments do not decode to an object (cut off by max_tokens) is text."""
+def _blocks(plan: ChatPlan, text: str, omit_thinking: bool = False
+            ) -> tuple[list[dict], bool]:
+    """A whole answer's content blocks: thinking (its text left out when `omit_thinking`),
+    text, then a tool_use block per call. A call whose arguments do not decode to an object
+    (cut off by max_tokens) is text."""
     message, has_calls = chat_message(plan, text)
     blocks: list[dict[str, Any]] = []
     if message.get("reasoning_content"):
-        blocks.append({"type": "thinking", "thinking": message["reasoning_content"],
-                       "signature": ""})
+        blocks.append({"type": "thinking", "signature": "",
+                       "thinking": "" if omit_thinking else message["reasoning_content"]})
     body = message.get("content") or ""
     calls = []
     for call in message.get("tool_calls", []):
@@ -127,9 +134,10 @@ class _BlockStream:
     """Chat deltas (chat_tools.ChoiceStream's) as content block events: a block opens when a
     delta of another kind arrives, and closes when the next opens or the answer ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, omit_thinking: bool = False) -> None:
         self.index = -1
         self.kind: str | None = None
+        self.omit_thinking = omit_thinking
 
     def _open(self, block: dict) -> list[str]:
         out = self.close()
@@ -152,8 +160,9 @@ class _BlockStream:
         if delta.get("reasoning_content"):
             if self.kind != "thinking":
                 out += self._open({"type": "thinking", "thinking": "", "signature": ""})
-            out.append(self._delta({"type": "thinking_delta",
-                                    "thinking": delta["reasoning_content"]}))
+            if not self.omit_thinking:
+                out.append(self._delta({"type": "thinking_delta",
+                                        "thinking": delta["reasoning_content"]}))
         if delta.get("content"):
             if self.kind != "text":
                 out += self._open({"type": "text", "text": ""})
@@ -169,7 +178,7 @@ class _BlockStream:
 
 
 async def _events(rid: str, model: str, plan: ChatPlan, stream: RequestStream,
-                  prompt_tokens: int) -> AsyncIterator[str]:
+                  prompt_tokens: int, omit_thinking: bool = False) -> AsyncIterator[str]:
     """message_start, the content blocks' events, message_delta (stop reason, usage) and
     message_stop; an `error` event instead of the rest if the request fails."""
     yield _event({"type": "message_start", "message": {
@@ -177,7 +186,7 @@ async def _events(rid: str, model: str, plan: ChatPlan, stream: RequestStream,
         "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
     choice = ChoiceStream(plan)
-    blocks = _BlockStream()
+    blocks = _BlockStream(omit_thinking)
     try:
         async for out in stream:
             if out.error:
