@@ -17,10 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
+from kvserve.entrypoints.server import harmony
 from kvserve.entrypoints.server.chat_tools import tool_call_grammar
 from kvserve.entrypoints.server.protocol import FunctionDefinition, Tool
 from kvserve.entrypoints.server.tool_parsers import (
     TOOL_PARSERS,
+    GptOssToolParser,
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
@@ -212,13 +214,10 @@ def test_a_pythonic_list_once_opened_is_valid_calls(compiler, declared, seed, pi
     assert set(allowed(free)) >= set(range(1, 320)) - {BYTE_FF}
 
 
-# Forms whose tool_choice auto is parsed but not grammar-held, and why.
-NO_GRAMMAR = {
-    # harmony writes calls after messages made of control tokens (channels, <|end|>,
-    # <|start|>), which a lazy grammar's free text cannot hold: it needs the whole message
-    # structure written with token ids. Not done yet.
-    "gpt-oss",
-}
+# Forms without a grammar when the vocabulary's ids of their control tokens are not given:
+# harmony's messages are made of them (channels, <|end|>, <|start|>), so its grammar names
+# them by id (test_a_harmony_call_once_opened_is_always_valid).
+NO_GRAMMAR = {"gpt-oss"}
 
 
 def test_every_form_has_a_grammar():
@@ -309,3 +308,70 @@ def test_free_text_is_the_unconstrained_text(tiny_llama_dir):
     assert [o.outputs[0].token_ids for o in busy[2:5]] == want
     assert [o.outputs[0].token_ids for o in speculated] == want
     spec.engine.check_integrity()
+
+
+def harmony_tokenizer() -> tuple[Tokenizer, GrammarCompiler, dict[str, int]]:
+    """The byte-level tokenizer with harmony's markers added as special tokens; `<|return|>`
+    and `<|call|>` end a generation, as they do gpt-oss's."""
+    tok = Tokenizer.from_str(byte_level_tokenizer_json())
+    tok.add_special_tokens(list(harmony.MARKERS))
+    ids = {m: tok.token_to_id(m) for m in harmony.MARKERS}
+    eos = [EOS, ids[harmony.RETURN], ids[harmony.CALL]]
+    return tok, GrammarCompiler(tok.to_str(), tok.get_vocab_size(), eos), ids
+
+
+@settings(max_examples=25, deadline=None)
+@given(declared=_TOOLS, prose=_PROSE, seed=st.integers(0, 2**16),
+       header=st.sampled_from(["<|channel|>commentary to=functions.", " to=functions.",
+                               "<|start|>assistant<|channel|>commentary to=functions."]))
+def test_a_harmony_call_once_opened_is_always_valid(declared, prose, seed, header):
+    """gpt-oss's calls: free messages (their bodies may name `to=functions.` freely), then a
+    header that names a function opens a call, and from there the text, decoded keeping
+    the markers, parses to a call of a declared function valid against its schema."""
+    schemas = dict(declared)
+    tok, compiler, token_ids = harmony_tokenizer()
+    g = compiler.compile(StructuredOutputs(grammar=tool_call_grammar(
+        GptOssToolParser, tools_of(declared), token_ids)))
+    size = tok.get_vocab_size()
+    before = (f"<|channel|>analysis<|message|>{prose} to=functions.x {prose}<|end|>"
+              if header.startswith("<|start|>") else "")
+    out = tok.encode(before + header, add_special_tokens=False).ids
+    for t in out:
+        g.accept(t)
+    rng = random.Random(seed)
+    for _ in range(800):
+        row = new_bitmask(1, size)[0]
+        g.fill(row)
+        bits = ((row.unsqueeze(-1) >> torch.arange(32)) & 1).flatten()[:size]
+        t = rng.choice(bits.nonzero().flatten().tolist())
+        if t == EOS:
+            break
+        out.append(t)
+        if t in (token_ids[harmony.RETURN], token_ids[harmony.CALL]):
+            break
+        g.accept(t)
+    text = tok.decode(out, skip_special_tokens=False)
+    calls = GptOssToolParser(list(schemas)).parse(text).tool_calls
+    assert len(calls) == 1, text
+    jsonschema.validate(json.loads(calls[0].arguments), schemas[calls[0].name])
+
+
+def test_harmony_free_text_stays_free():
+    """Without a call: messages and their markers, a plain answer, and `to=functions.` in a
+    body, all as the model writes them."""
+    tok, compiler, token_ids = harmony_tokenizer()
+    grammar = tool_call_grammar(GptOssToolParser, tools_of([("f", {"type": "object"})]),
+                                token_ids)
+    assert GptOssToolParser.lazy_grammar({"f": {}}) is None  # no markers: no grammar
+    for text in ["<|channel|>analysis<|message|>I could call to=functions.f here.<|end|>"
+                 "<|start|>assistant<|channel|>final<|message|>No call needed.<|return|>",
+                 "<|channel|>analysis<|message|>I could call to=functions.f here.<|end|>"
+                 "<|start|>assistant<|channel|>final<|message|>No call needed.<|return|>",
+                 "Just an answer, no format at all.",
+                 "<|channel|>commentary<|message|>A preamble.<|end|><|start|>assistant"
+                 "<|channel|>final<|message|>Done"]:
+        g = compiler.compile(StructuredOutputs(grammar=grammar))
+        for t in tok.encode(text, add_special_tokens=False).ids:
+            assert g.matcher.validate_tokens([t]) == 1, (text, tok.decode([t]))
+            if t not in (token_ids[harmony.RETURN], token_ids[harmony.CALL]):
+                g.accept(t)

@@ -1251,6 +1251,47 @@ class GptOssToolParser(ToolParser):
     aliases: ClassVar[tuple[str, ...]] = ("harmony",)
     SPECIAL_TOKENS: ClassVar[tuple[str, ...]] = harmony.MARKERS
 
+    @classmethod
+    def lazy_grammar(cls, functions: dict[str, dict],
+                     token_ids: Mapping[str, int] | None = None) -> str | None:
+        # Harmony's messages, with its markers as the control tokens they are (a text
+        # terminal cannot hold one, so the free parts are runs of text and markers): each
+        # message a header, then `<|message|>` and a body, or a call. A header's text that
+        # names `to=functions.` (after its start, a space or a marker, as the parser reads
+        # a recipient) opens a call, lazily: a declared name, the rest of a short header
+        # (a space or a marker first, so that no name runs into a longer one; words such
+        # as `json`, never a second `to=`), then the arguments object and `<|call|>`. No
+        # grammar where the vocabulary lacks a marker.
+        ids = token_ids or {}
+        if any(m not in ids for m in harmony.MARKERS):
+            return None
+        start, channel, message, constrain, end, ret, call = (
+            f"<[{ids[m]}]>" for m in harmony.MARKERS)
+        # header text between markers, one lexeme a run (two in a row could split the
+        # trigger between them and read past it)
+        head = f"(HTEXT? ({channel} | {constrain}))* HTEXT?"
+        names = "(" + " | ".join(f"call{i}" for i in range(len(functions))) + ")"
+        lines = [f"start: (msg | first_call) ({start} (msg | call))*",
+                 f"msg: {head} ({message} BODY)? ({end} | {ret})?",
+                 # The first message's header (its `<|start|>assistant` is in the prompt)
+                 # opens with a marker or with ` to=`, as the parser reads it; later ones
+                 # open with `assistant`.
+                 f"first_call: ({channel} | {constrain}) {head} call_open {names}"
+                 f" | first_open {names}",
+                 f"call: {head} call_open {names}",
+                 "HTEXT: /(?s:.+)/ & ~/(?s:.*to=functions\\..*)/",
+                 "BODY: /(?s:.*)/",
+                 "call_open[lazy]: /([^\\n]{0,64}[ \\t])?to=functions\\./",
+                 "first_open[lazy]: / ?to=functions\\./",
+                 f"rest: ((SPACED | {channel} | {constrain}) (LINE | {channel} | {constrain})"
+                 "{0,3})?",
+                 "SPACED: / [A-Za-z0-9_ .:-]{0,48}/", "LINE: /[A-Za-z0-9_ .:-]{1,48}/"]
+        for i, (name, params) in enumerate(functions.items()):
+            lines += [f"call{i}: {lark_string(name)} rest {message} args{i} {call}",
+                      f"args{i}: %json " + json.dumps({**_object(params),
+                                                        "x-guidance": JSON_OPTIONS})]
+        return "\n".join(lines) + "\n"
+
     def __init__(self, tool_names: list[str] | None = None,
                  schemas: dict[str, dict] | None = None) -> None:
         super().__init__(tool_names, schemas)
