@@ -71,12 +71,14 @@ def test_modes_and_their_constraints():
     assert (budget.thinking_budget.end, budget.thinking_budget.tokens) == ("</think>", 7)
 
 
-@pytest.mark.parametrize("reasoning", [None, "gpt-oss"])
-def test_a_thinking_budget_needs_a_format_with_an_end_tag(reasoning):
+@pytest.mark.parametrize("reasoning, kwargs, says", [
+    (None, None, "--reasoning-parser"), ("gpt-oss", None, "--reasoning-parser"),
+    ("qwen3", {"enable_thinking": False}, "turns it off")])
+def test_a_thinking_budget_needs_thinking_with_an_end_tag(reasoning, kwargs, says):
     with pytest.raises(APIError) as e:
-        plan(reasoning=reasoning, thinking_token_budget=5)
+        plan(reasoning=reasoning, thinking_token_budget=5, chat_template_kwargs=kwargs)
     assert e.value.status == 400 and e.value.param == "thinking_token_budget"
-    assert "--reasoning-parser" in str(e.value)
+    assert says in str(e.value)
 
 
 def test_anthropic_thinking_and_effort_become_the_chat_requests():

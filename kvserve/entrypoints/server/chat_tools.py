@@ -263,6 +263,11 @@ def plan_chat(body: ChatCompletionRequest, constraint: StructuredOutputs | None,
                            "--reasoning-parser for a format that ends its thinking with a tag "
                            f"({reasoning_parser or 'none here'} has none)",
                            "thinking_token_budget")
+        if (body.chat_template_kwargs or {}).get("enable_thinking") is False:
+            # the template closes the thinking in the prompt: a forced tag would land in
+            # the answer
+            raise APIError(400, "thinking_token_budget needs thinking: chat_template_kwargs "
+                           "turns it off (enable_thinking: false)", "thinking_token_budget")
         budget = ThinkingBudget(end=end_tag, tokens=body.thinking_token_budget)
     if constraint is not None and end_tag is not None:
         # A reasoning model thinks first: the constraint starts after its thinking. (A
