@@ -226,6 +226,23 @@ def test_every_form_has_a_grammar():
                for cls in TOOL_PARSERS.values())
 
 
+def walk_ids(g: Grammar, size: int, rng: random.Random, out: list[int],
+             ends: tuple[int, ...] = (), limit: int = 800) -> None:
+    """Tokens of a `size` vocabulary drawn at random from what the grammar allows, appended
+    to `out` until EOS (left out) or one of `ends` (kept: a generation's last token)."""
+    for _ in range(limit):
+        row = new_bitmask(1, size)[0]
+        g.fill(row)
+        bits = ((row.unsqueeze(-1) >> torch.arange(32)) & 1).flatten()[:size]
+        t = rng.choice(bits.nonzero().flatten().tolist())
+        if t == EOS:
+            return
+        out.append(t)
+        if t in ends:
+            return
+        g.accept(t)
+
+
 def mistral_tokenizer(*special: str) -> tuple[Tokenizer, GrammarCompiler]:
     """The byte-level tokenizer with Mistral's control tokens added as special tokens."""
     tok = Tokenizer.from_str(byte_level_tokenizer_json())
@@ -254,16 +271,7 @@ def test_a_mistral_call_once_opened_is_always_valid(declared, prose, seed, form)
     out = tok.encode(prose, add_special_tokens=False).ids + opening
     for t in out:
         g.accept(t)
-    rng = random.Random(seed)
-    for _ in range(800):
-        row = new_bitmask(1, size)[0]
-        g.fill(row)
-        bits = ((row.unsqueeze(-1) >> torch.arange(32)) & 1).flatten()[:size]
-        t = rng.choice(bits.nonzero().flatten().tolist())
-        if t == EOS:
-            break
-        g.accept(t)
-        out.append(t)
+    walk_ids(g, size, random.Random(seed), out)
     text = tok.decode(out, skip_special_tokens=False)
     parsed = MistralToolParser(list(schemas)).parse(text)
     assert parsed.tool_calls, text
@@ -338,18 +346,8 @@ def test_a_harmony_call_once_opened_is_always_valid(declared, prose, seed, heade
     out = tok.encode(before + header, add_special_tokens=False).ids
     for t in out:
         g.accept(t)
-    rng = random.Random(seed)
-    for _ in range(800):
-        row = new_bitmask(1, size)[0]
-        g.fill(row)
-        bits = ((row.unsqueeze(-1) >> torch.arange(32)) & 1).flatten()[:size]
-        t = rng.choice(bits.nonzero().flatten().tolist())
-        if t == EOS:
-            break
-        out.append(t)
-        if t in (token_ids[harmony.RETURN], token_ids[harmony.CALL]):
-            break
-        g.accept(t)
+    walk_ids(g, size, random.Random(seed), out,
+             ends=(token_ids[harmony.RETURN], token_ids[harmony.CALL]))
     text = tok.decode(out, skip_special_tokens=False)
     calls = GptOssToolParser(list(schemas)).parse(text).tool_calls
     assert len(calls) == 1, text
