@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 #pragma GCC optimize("fp-contract=off")
@@ -1769,6 +1770,12 @@ PairFn pick_pair(int64_t x8, Path path, int64_t M) {
 // once, kept 16 (within noise of 64: 22.9 against 23.2 ms, 10 runs each).
 int64_t unit_rows(int64_t M) { return M > kRows ? 64 : 16; }
 
+// The largest next unit fetched into L2 ahead of its turn: beside the unit being read (as
+// large), it must leave room in L2 (512 KiB on a Zen 3, 1 MiB on a Zen 4). A 1.5B's down
+// projection (64 rows of 8960 Q6_K inputs, 470 KB) gained nothing from it at 512 rows
+// (1.04x the time, within noise). Experts' units (40-100 KB) gain most: see run().
+constexpr int64_t kPrefetchUnit = 128 << 10;
+
 // One matrix against activation rows [m_begin, m_end): gguf_linear's whole call, or one
 // expert's rows of gguf_grouped.
 struct Job {
@@ -1831,15 +1838,40 @@ at::Tensor run(const at::Tensor& x, const std::vector<Job>& jobs, Path path) {
   if (need256) quantize_x(xp, M, K, 256, x256, path);
   auto y = at::empty({M, std::max<int64_t>(N, 0)}, x.options());
   T* yp = y.data_ptr<T>();
-  // One unit: its weight rows against every activation row of its part's job.
-  const auto unit_work = [&](size_t u, float* out) {
+  // The bytes of an x8 unit's weight rows (none for the file's layouts).
+  const auto unit_bytes = [&](size_t u) -> std::pair<const uint8_t*, const uint8_t*> {
+    const Part& q = part[units[u].first];
+    if (q.group == nullptr) return {nullptr, nullptr};
+    const int64_t r0 = units[u].second, r1 = std::min(q.n, r0 + unit_rows(q.m_end - q.m_begin));
+    return {q.base + (r0 / 8) * q.stride, q.base + ((r1 + 7) / 8) * q.stride};
+  };
+  // One unit: its weight rows against every activation row of its part's job. `next`: the
+  // unit this thread runs after it (or units.size()), whose weights are fetched into L2 a
+  // slice before each of this unit's kernel calls. A unit's first pass over its weights
+  // reads them from L3 or memory, its later passes from L2: an expert's unit, with ~31 rows
+  // in a 500-token prefill of Qwen3-30B-A3B's shape, makes 4 passes where a dense matrix at
+  // 512 rows makes 64. Interleaved with the build before it on the Zen 4 of
+  // benchmarks/RESULTS.md (gguf_grouped, 128 experts x 32 rows, medians of 11-15): gate/up
+  // (1536 x 2048 Q4_K) 0.90-0.97x the time, down (2048 x 768 Q6_K) 0.88-0.94x; one matrix at
+  // 512 rows 0.99-1.00x.
+  const auto unit_work = [&](size_t u, size_t next, float* out) {
     const Part& q = part[units[u].first];
     const int64_t r0 = units[u].second, r1 = std::min(q.n, r0 + unit_rows(q.m_end - q.m_begin));
     if (q.group != nullptr) {
       const int64_t pass = q.pair != nullptr ? kPairRows : kRows;
+      const uint8_t *ahead = nullptr, *ahead_end = nullptr;
+      int64_t step_lines = 0;
+      if (next < units.size() && q.m_end - q.m_begin > kRows) {
+        std::tie(ahead, ahead_end) = unit_bytes(next);
+        if (ahead_end - ahead > kPrefetchUnit) ahead_end = ahead;
+        const int64_t calls = ((q.m_end - q.m_begin + pass - 1) / pass) * ((r1 - r0 + 15) / 16);
+        step_lines = ((ahead_end - ahead) / 64 + calls - 1) / std::max<int64_t>(calls, 1);
+      }
       for (int64_t m0 = q.m_begin; m0 < q.m_end; m0 += pass) {  // 2 and 3 rows: no faster
         const int nr = static_cast<int>(std::min<int64_t>(pass, q.m_end - m0));
         for (int64_t r = r0; r < r1;) {
+          for (int64_t l = 0; l < step_lines && ahead < ahead_end; ++l, ahead += 64)
+            __builtin_prefetch(ahead, 0, 2);
           const uint8_t* g = q.base + (r / 8) * q.stride;
           const int n = q.pair != nullptr && r + 16 <= r1 ? 16 : 8;
           if (n == 16)
@@ -1874,7 +1906,9 @@ at::Tensor run(const at::Tensor& x, const std::vector<Job>& jobs, Path path) {
   };
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
     float out[kPairRows * 16];
-    for (int64_t u = begin; u < end; ++u) unit_work(static_cast<size_t>(u), out);
+    for (int64_t u = begin; u < end; ++u)
+      unit_work(static_cast<size_t>(u), u + 1 < end ? static_cast<size_t>(u + 1) : units.size(),
+                out);
   });
   return y;
 }
