@@ -142,8 +142,11 @@ class OutputConfig(Strict):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
     def reasoning_effort(self) -> Literal["low", "medium", "high"] | None:
-        e = self.effort
-        return "high" if e in ("xhigh", "max") else e  # type: ignore[return-value]
+        return None if self.effort is None else _EFFORT[self.effort]
+
+
+_EFFORT: dict[str, Literal["low", "medium", "high"]] = {
+    "low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 
 
 class CountTokensRequest(Strict):
@@ -158,6 +161,7 @@ class CountTokensRequest(Strict):
         """The chat template's switch for `thinking` (None: the template's default)."""
         if self.thinking is None:
             return None
+        self.thinking.check(None)
         return {"enable_thinking": self.thinking.type != "disabled"}
 
     @property
