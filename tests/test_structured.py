@@ -236,6 +236,7 @@ def _run(g, text: str) -> str:
 @pytest.mark.parametrize("budget, text, want", [
     (5, "abcdefgh", "abcde</think>"),        # spent: the end tag is forced
     (20, "ab</think>cd", "ab</think>cd"),    # the model ended it within the budget
+    (12, "ab</think>" + "x" * 20, "ab</think>" + "x" * 20),  # and the answer runs past it
     (8, "abcde</th", "abcde</t</think>"),    # a partial tag at the limit is left as it is
     (0, "abc", "</think>"),                  # no thinking at all
 ])

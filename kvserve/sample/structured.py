@@ -143,7 +143,7 @@ class BudgetState:
         if self.end in text:
             self.done = True
             return
-        self.tail = text[len(text) - len(self.end) + 1:]
+        self.tail = text[len(text) - len(self.end) + 1:] if len(text) >= len(self.end) else text
         if self.count >= self.limit:
             self.forcing = 0
 
