@@ -197,6 +197,8 @@ class Request:
     def append_token(self, token_id: int) -> None:
         if self.grammar is not None:
             self.grammar.accept(token_id)  # raises if the mask let through a forbidden token
+            if self.grammar.spent:  # nothing left to mask: no more steps pay for one
+                self.grammar = None
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 

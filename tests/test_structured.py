@@ -244,12 +244,14 @@ def test_a_thinking_budget_forces_the_end_of_thinking(compiler, budget, text, wa
     g = compiler.compile(None, ThinkingBudget("</think>", budget))
     assert _run(g, text) == want
     assert len(_allowed(g)) == 320 and not g.terminated  # the answer is free
+    assert g.spent  # so the request drops it (Request.append_token)
 
 
 def test_a_thinking_budget_with_a_constraint_after_it(compiler):
     g = compiler.compile(StructuredOutputs(regex="[0-9]+", reasoning_end="</think>"),
                          ThinkingBudget("</think>", 3))
     assert _run(g, "xyz!") == "xyz</think>"
+    assert not g.spent  # the constraint still masks the answer
     assert {_BYTES.decode([t]) for t in _allowed(g)} == set("0123456789 \t\r\n")
 
 

@@ -174,6 +174,12 @@ class Grammar:
     def terminated(self) -> bool:
         return self.matcher is not None and self.matcher.is_stopped()
 
+    @property
+    def spent(self) -> bool:
+        """A thinking budget alone whose thinking has ended: it allows every token from
+        here on, so the request needs no mask."""
+        return self.matcher is None and self.budget is not None and self.budget.done
+
     def fill(self, row: torch.Tensor) -> None:
         """The allowed next tokens as a bitmask into `row` (int32, contiguous, CPU)."""
         if self.matcher is None:
