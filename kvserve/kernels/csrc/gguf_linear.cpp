@@ -36,7 +36,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <tuple>
 #include <vector>
 
 #pragma GCC optimize("fp-contract=off")
@@ -1838,12 +1837,15 @@ at::Tensor run(const at::Tensor& x, const std::vector<Job>& jobs, Path path) {
   if (need256) quantize_x(xp, M, K, 256, x256, path);
   auto y = at::empty({M, std::max<int64_t>(N, 0)}, x.options());
   T* yp = y.data_ptr<T>();
-  // The bytes of an x8 unit's weight rows (none for the file's layouts).
-  const auto unit_bytes = [&](size_t u) -> std::pair<const uint8_t*, const uint8_t*> {
+  // A unit's part and its output rows [r0, r1).
+  struct Span {
+    const Part* q;
+    int64_t r0, r1;
+  };
+  const auto span = [&](size_t u) {
     const Part& q = part[units[u].first];
-    if (q.group == nullptr) return {nullptr, nullptr};
-    const int64_t r0 = units[u].second, r1 = std::min(q.n, r0 + unit_rows(q.m_end - q.m_begin));
-    return {q.base + (r0 / 8) * q.stride, q.base + ((r1 + 7) / 8) * q.stride};
+    const int64_t r0 = units[u].second;
+    return Span{&q, r0, std::min(q.n, r0 + unit_rows(q.m_end - q.m_begin))};
   };
   // One unit: its weight rows against every activation row of its part's job. `next`: the
   // unit this thread runs after it (or units.size()), whose weights are fetched into L2 a
@@ -1855,14 +1857,17 @@ at::Tensor run(const at::Tensor& x, const std::vector<Job>& jobs, Path path) {
   // (1536 x 2048 Q4_K) 0.90-0.97x the time, down (2048 x 768 Q6_K) 0.88-0.94x; one matrix at
   // 512 rows 0.99-1.00x.
   const auto unit_work = [&](size_t u, size_t next, float* out) {
-    const Part& q = part[units[u].first];
-    const int64_t r0 = units[u].second, r1 = std::min(q.n, r0 + unit_rows(q.m_end - q.m_begin));
+    const auto [qp, r0, r1] = span(u);
+    const Part& q = *qp;
     if (q.group != nullptr) {
       const int64_t pass = q.pair != nullptr ? kPairRows : kRows;
       const uint8_t *ahead = nullptr, *ahead_end = nullptr;
       int64_t step_lines = 0;
-      if (next < units.size() && q.m_end - q.m_begin > kRows) {
-        std::tie(ahead, ahead_end) = unit_bytes(next);
+      const Span after = next < units.size() ? span(next) : Span{nullptr, 0, 0};
+      if (after.q != nullptr && after.q->group != nullptr && q.m_end - q.m_begin > kRows) {
+        const Part& a = *after.q;  // an x8 part: 8 rows a part row
+        ahead = a.base + (after.r0 / 8) * a.stride;
+        ahead_end = a.base + ((after.r1 + 7) / 8) * a.stride;
         if (ahead_end - ahead > kPrefetchUnit) ahead_end = ahead;
         const int64_t calls = ((q.m_end - q.m_begin + pass - 1) / pass) * ((r1 - r0 + 15) / 16);
         step_lines = ((ahead_end - ahead) / 64 + calls - 1) / std::max<int64_t>(calls, 1);
