@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.kv_cache.block_pool import BlockPool
+from kvserve.kv_cache.hashing import BlockKey
 from kvserve.kv_cache.layout import KVLayout
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.request import Request
@@ -31,6 +32,47 @@ def test_pool_allocates_in_order_and_frees_to_lru_tail():
     with pytest.raises(RuntimeError):
         pool.allocate(1)
     pool.check_integrity()
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(1, 12), ops=st.lists(
+    st.tuples(st.sampled_from(["allocate", "free", "cache", "touch", "uncache"]),
+              st.integers(0, 11)), max_size=40))
+def test_pool_hands_out_blocks_as_an_eager_lru_queue_would(n, ops):
+    """Blocks are made on first use (_Blocks): whatever the allocations, frees, prefix-cache
+    hits and uncaching, the pool hands out the ids an eager queue of every block would (all
+    blocks in id order at the start, freed ones to the tail), and its integrity holds with
+    only the blocks made so far."""
+    pool = BlockPool(n)
+    queue = list(range(n))  # the reference: free ids, head first
+    held: list = []
+    keys = 0
+    for op, i in ops:
+        if op == "allocate":
+            k = min(i % 3 + 1, pool.num_free_blocks)
+            got = [b.block_id for b in pool.allocate(k)]
+            assert got == queue[:k]
+            queue = queue[k:]
+            held += [pool.blocks[j] for j in got]
+        elif op == "free" and held:
+            b = held.pop(i % len(held))
+            pool.free([b])
+            if b.ref_cnt == 0:
+                queue.append(b.block_id)
+        elif op == "cache" and held:
+            keys += 1
+            pool.cache(held[i % len(held)], BlockKey(keys, 0, (keys,)))
+        elif op == "touch" and pool.cached:
+            b = list(pool.cached.values())[i % len(pool.cached)]
+            if b.ref_cnt == 0:
+                queue.remove(b.block_id)
+            pool.touch([b])
+            held.append(b)
+        elif op == "uncache" and pool.cached:
+            pool.uncache(list(pool.cached.values())[i % len(pool.cached)])
+        assert pool.num_free_blocks == len(queue)
+        pool.check_integrity()
+    assert [b.block_id for b in pool.free_queue] == queue
 
 
 def test_pool_double_free_is_caught():

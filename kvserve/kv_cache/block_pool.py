@@ -11,8 +11,9 @@ prefix-cache hit until it is handed out again, which is when its hash is forgott
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 from kvserve.kv_cache.events import MEDIUM_POOL, KVEventLog
 from kvserve.kv_cache.hashing import BlockKey
@@ -33,39 +34,92 @@ class KVBlock:
         return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
 
 
-class FreeBlockQueue:
-    """Doubly linked list of free blocks; the head is evicted first (least recently freed)."""
+class _Blocks(Sequence[KVBlock]):
+    """A pool's blocks by id, each made on first use: the pool of a small model under a
+    large memory budget has hundreds of thousands of blocks (a 1 GiB budget for the tests'
+    tiny models: 131k), and making them all up front took ~0.4 s of each engine start and
+    left as many objects for the garbage collector to walk."""
 
-    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+    def __init__(self, n: int) -> None:
+        self._made: list[KVBlock | None] = [None] * n
+
+    def __len__(self) -> int:
+        return len(self._made)
+
+    @overload
+    def __getitem__(self, i: int) -> KVBlock: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[KVBlock]: ...
+
+    def __getitem__(self, i: int | slice) -> KVBlock | list[KVBlock]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        block = self._made[i]
+        if block is None:
+            block = self._made[i] = KVBlock(range(len(self))[i])
+        return block
+
+    def made(self) -> Iterator[KVBlock]:
+        """The blocks made so far; every other one is fresh: free, unhashed, unheld."""
+        return (b for b in self._made if b is not None)
+
+
+class FreeBlockQueue:
+    """The free blocks, the head evicted first (least recently freed): the blocks never
+    handed out yet, in id order (they sit ahead of every freed block, as all blocks did at
+    the start), then a doubly linked list of freed blocks."""
+
+    def __init__(self, blocks: _Blocks) -> None:
+        self._blocks = blocks
+        self._fresh = 0  # blocks[_fresh:] have never been handed out
         self._head = KVBlock(-1)
         self._tail = KVBlock(-1)
         self._head.next, self._tail.prev = self._tail, self._head
-        self.num_free = 0
-        for b in blocks:
-            self.append(b)
+        self._linked = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._blocks) - self._fresh + self._linked
+
+    @property
+    def fresh(self) -> range:
+        """The ids of the blocks never handed out."""
+        return range(self._fresh, len(self._blocks))
 
     def append(self, block: KVBlock) -> None:
         last = self._tail.prev
         assert last is not None
         last.next, block.prev = block, last
         block.next, self._tail.prev = self._tail, block
-        self.num_free += 1
+        self._linked += 1
 
     def remove(self, block: KVBlock) -> None:
+        """Take a freed block out (a prefix-cache hit revives it); never a fresh one, which
+        holds no K/V to hit."""
         prev, nxt = block.prev, block.next
         assert prev is not None and nxt is not None, f"{block} is not in the free queue"
         prev.next, nxt.prev = nxt, prev
         block.prev = block.next = None
-        self.num_free -= 1
+        self._linked -= 1
 
     def popleft(self) -> KVBlock:
+        if self._fresh < len(self._blocks):
+            self._fresh += 1
+            return self._blocks[self._fresh - 1]
         first = self._head.next
         if first is self._tail or first is None:
             raise RuntimeError("no free KV blocks")
         self.remove(first)
         return first
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVBlock]:
+        for i in self.fresh:
+            yield self._blocks[i]
+        yield from self.freed()
+
+    def freed(self) -> Iterator[KVBlock]:
+        """The freed blocks, least recently freed first."""
         node = self._head.next
         while node is not None and node is not self._tail:
             yield node
@@ -84,7 +138,7 @@ class BlockPool:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.blocks = _Blocks(num_blocks)
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}
         self.on_evict = on_evict
@@ -163,16 +217,24 @@ class BlockPool:
             self.events.cleared()
 
     def check_integrity(self) -> None:
-        free_ids = [b.block_id for b in self.free_queue]
-        assert len(free_ids) == self.free_queue.num_free, "free count out of sync"
-        assert len(set(free_ids)) == len(free_ids), "a block is in the free queue twice"
-        free_set = set(free_ids)
-        for b in self.blocks:
+        """The invariants of the module docstring, over the blocks made so far (a fresh one is
+        free, unhashed and unlinked by construction)."""
+        q = self.free_queue
+        freed = [b.block_id for b in q.freed()]
+        assert len(freed) == q.num_free - len(q.fresh), "free count out of sync"
+        assert len(set(freed)) == len(freed), "a block is in the free queue twice"
+        free_set = set(freed)
+        assert not any(i in q.fresh for i in free_set), "a fresh block was freed"
+        used = 0
+        for b in self.blocks.made():
             assert b.ref_cnt >= 0, f"negative ref count on {b}"
-            assert (b.ref_cnt == 0) == (b.block_id in free_set), f"{b} free/used mismatch"
+            fresh = b.block_id in q.fresh
+            assert (b.ref_cnt == 0) == (fresh or b.block_id in free_set), \
+                f"{b} free/used mismatch"
+            assert not fresh or (b.key is None and b.prev is None), f"fresh {b} was used"
+            used += b.ref_cnt > 0
             if b.key is not None:
                 assert self.cached.get(b.key.block_hash) is b, f"{b} hashed but not registered"
         for h, b in self.cached.items():
             assert b.key is not None and b.key.block_hash == h, f"entry {h:x} points at {b}"
-        used = sum(1 for b in self.blocks if b.ref_cnt > 0)
-        assert used + len(free_ids) == self.num_blocks, "free + used != total"
+        assert used + q.num_free == self.num_blocks, "free + used != total"

@@ -463,6 +463,6 @@ class KVCacheManager:
                 for b in blocks:
                     if b is not None:
                         held[b.block_id] = held.get(b.block_id, 0) + 1
-        for b in self.pool.blocks:
+        for b in self.pool.blocks.made():  # the others are fresh: unheld
             assert held.get(b.block_id, 0) == b.ref_cnt, (
                 f"{b}: ref count {b.ref_cnt} but held by {held.get(b.block_id, 0)} requests")
