@@ -505,17 +505,27 @@ def test_quantized_gguf_serves_its_own_codes(qtype, tiny_llama_dir, tmp_path):
 
 def _assert_same_reading(path) -> None:
     """kvserve's reader and gguf's own give the same fields (offsets, types, data indices,
-    parts as the same bytes in the same dtypes) and the same tensors."""
-    from kvserve.gguf_reader import GGUFReader
+    parts as the same bytes in the same dtypes) and the same tensors; an array's values read
+    in one pass (array_values) are its elements read from gguf's parts one by one."""
+    from kvserve.gguf_reader import GGUFReader, array_values
 
     ours, theirs = GGUFReader(path), gguf.GGUFReader(path)
     assert list(ours.fields) == list(theirs.fields)
+    arrays = 0
     for name, a in ours.fields.items():
         b = theirs.fields[name]
         assert (a.offset, a.types, a.data, len(a.parts)) == \
             (b.offset, b.types, b.data, len(b.parts)), name
         for x, y in zip(a.parts, b.parts, strict=True):
             assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), name
+        if a.types[:1] == [gguf.GGUFValueType.ARRAY]:
+            strings = a.types[1:] == [gguf.GGUFValueType.STRING]
+            want = [bytes(b.parts[i]).decode("utf-8", "replace") if strings
+                    else b.parts[i][0].item() for i in b.data]
+            got = array_values(a)
+            assert got == want and [type(v) for v in got] == [type(v) for v in want], name
+            arrays += 1
+    assert arrays > 0
     assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors] == \
         [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in theirs.tensors]
 

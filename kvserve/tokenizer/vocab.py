@@ -26,7 +26,7 @@ from kvserve.disk_cache import (
     sources_digest,
     write_entry,
 )
-from kvserve.gguf_reader import open_gguf
+from kvserve.gguf_reader import array_values, open_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -288,6 +288,8 @@ def _field_value(field: gguf.ReaderField) -> Any:
     kind = field.types[0] if field.types else None
     if kind == gguf.GGUFValueType.ARRAY:
         element = field.types[1] if len(field.types) > 1 else None
+        if (values := array_values(field)) is not None:
+            return values
         if element == gguf.GGUFValueType.STRING:
             return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
         if element == gguf.GGUFValueType.ARRAY:
@@ -406,9 +408,10 @@ def _sentencepiece_bpe(
     for token, score in zip(tokens, scores, strict=True):
         if token not in mergeable:
             continue
-        splits = [(token[:k], token[k:]) for k in range(1, len(token))]
-        splits = [(a, b) for a, b in splits if a in mergeable and b in mergeable]
-        splits.sort(key=lambda ab: (vocab[ab[0]], vocab[ab[1]]))
+        splits = [(a, b) for k in range(1, len(token))
+                  if (a := token[:k]) in mergeable and (b := token[k:]) in mergeable]
+        if len(splits) > 1:
+            splits.sort(key=lambda ab: (vocab[ab[0]], vocab[ab[1]]))
         ranked.extend((score, a, b) for a, b in splits)
     # Best score first; among equal scores the longer left piece, then the longer right piece
     # (transformers' order, so that ties break the same way). sort() is stable.
