@@ -43,6 +43,13 @@ from tests.server_utils import assert_completion_envelope, free_port, openai_cli
 
 REPLICA_HEADER = "x-kvserve-replica"
 STEP_S = 0.02  # each replica step sleeps this long (KVSERVE_FAULTS): a long stream lasts
+# Ray's routers keep each replica's queue length in a cache, counted up as requests are sent
+# and down as they finish, and overwritten by the counts replicas report as they accept
+# them. After a burst a late report can leave a replica's count above its real one until
+# the entry goes stale (RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S, 10 s by default), and the
+# prefix router then sees an idle replica as busy. Here entries go stale after this, and a
+# test that needs the router to see idle replicas waits that long first.
+QUEUE_LEN_STALE_S = 1.0
 
 
 # ---------------------------------------------------------------------------- no Ray needed
@@ -284,7 +291,9 @@ def ray_app(tiny_llama_dir):
 
     from kvserve.entrypoints.ray_serve.deployment import application
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    with pytest.MonkeyPatch.context() as mp:  # read by the workers Ray starts
+        mp.setenv("RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S", str(QUEUE_LEN_STALE_S))
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -425,6 +434,7 @@ def test_shared_prefixes_stay_on_one_replica_and_unrelated_prompts_spread(ray_ur
             rest = list(pool.map(replica, [prefix + f"question {i}?" for i in range(6)]))
         assert set(rest) == {first}, (g, first, rest)
         groups[g] = first
+    time.sleep(QUEUE_LEN_STALE_S + 0.5)  # the bursts' queue lengths gone stale
     unrelated = [replica(f"{i} " + f"unrelated words number {i * 7919} " * 6)
                  for i in range(10)]
     assert len(set(unrelated)) == 2, unrelated
