@@ -540,3 +540,24 @@ def test_reader_fields_equal_gguf_readers_on_a_written_file(tiny_llama_dir, tmp_
 @pytest.mark.real_model
 def test_reader_fields_equal_gguf_readers_on_the_default_model(real_model_path):
     _assert_same_reading(real_model_path)
+
+
+def test_the_references_plain_view_reader_parses_as_gguf_reader(tiny_llama_dir, tmp_path):
+    """The references parse files with gguf-py's reader over a plain ndarray view of its
+    memory map (`conftest.parsed_gguf`, for speed): the same fields, parts and tensors, byte
+    for byte, as gguf-py's reader over the memmap itself."""
+    path = tmp_path / "tiny.gguf"
+    write_gguf(tiny_llama_dir, path, qtype=gguf.GGMLQuantizationType.Q8_0)
+    plain, theirs = parsed_gguf(path), gguf.GGUFReader(path)
+    assert type(plain.data) is np.ndarray and isinstance(theirs.data, np.memmap)
+    assert list(plain.fields) == list(theirs.fields)
+    for name, a in plain.fields.items():
+        b = theirs.fields[name]
+        assert (a.offset, a.types, a.data, a.name) == (b.offset, b.types, b.data, b.name), name
+        for x, y in zip(a.parts, b.parts, strict=True):
+            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), name
+    assert len(plain.tensors) == len(theirs.tensors) > 0
+    for a, b in zip(plain.tensors, theirs.tensors, strict=True):
+        assert (a.name, a.tensor_type, list(a.shape), a.n_elements, a.data_offset) == \
+            (b.name, b.tensor_type, list(b.shape), b.n_elements, b.data_offset)
+        assert a.data.dtype == b.data.dtype and a.data.tobytes() == b.data.tobytes(), a.name
