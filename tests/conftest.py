@@ -3,6 +3,7 @@ when it is installed."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -11,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import gguf
+import httpx
 import hypothesis
 import numpy as np
 import pytest
@@ -25,6 +27,22 @@ from kvserve.models.paths import default_model_path
 hypothesis.settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 hypothesis.settings.register_profile("dev", print_blob=True)
 hypothesis.settings.load_profile(os.environ.get("KVSERVE_HYPOTHESIS_PROFILE", "dev"))
+
+# Each httpx client the tests make (httpx.get's, the openai SDK's) builds an SSL context
+# from the whole CA bundle, ~40 ms here and ~20 s of a run, though the tests speak plain HTTP
+# to local servers: the default context is built once and shared, as one SSLContext may
+# serve any number of clients.
+_DEFAULT_SSL_CONTEXT = httpx.create_ssl_context()
+_create_ssl_context = httpx._transports.default.create_ssl_context
+
+
+def _shared_ssl_context(verify=True, cert=None, trust_env=True):
+    if verify is True and cert is None and trust_env:
+        return _DEFAULT_SSL_CONTEXT
+    return _create_ssl_context(verify=verify, cert=cert, trust_env=trust_env)
+
+
+httpx._transports.default.create_ssl_context = _shared_ssl_context
 
 if not torch.cuda.is_available():
     # Triton's GPU kernels run here under its interpreter (test_triton_attention). It must
@@ -279,20 +297,28 @@ def parsed_gguf(path: str | os.PathLike) -> object:
     return _GGUF_READERS[key]
 
 
+_NAME_MAP = functools.cache(gguf.get_tensor_name_map)
+
+
 @contextmanager
 def gguf_parsed_once() -> Iterator[None]:
     """transformers parses a GGUF with gguf-py for each config, tokenizer and weight read
     (four parses for one tokenizer and model, ~75 s for Gemma 3 here): inside this block
     it gets one session-wide parse per file (`parsed_gguf`). Still gguf-py's reader and
-    transformers' own conversion, so the reference stays independent of kvserve's reader."""
+    transformers' own conversion, so the reference stays independent of kvserve's reader.
+    transformers also builds gguf-py's tensor name map anew for every module it maps (313
+    times for Gemma 3, ~10 s of a run): here one map per architecture and layer count serves
+    them all, as it only reads it."""
     def reader(path, mode="r"):
         return parsed_gguf(path) if mode == "r" else _GGUF_READER(path, mode)
 
     gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = _NAME_MAP
     try:
         yield
     finally:
         gguf.GGUFReader = _GGUF_READER
+        gguf.get_tensor_name_map = _NAME_MAP.__wrapped__
 
 
 def pytest_addoption(parser):

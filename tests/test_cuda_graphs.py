@@ -29,7 +29,9 @@ def triton_on_cpu(monkeypatch):
 
 
 def test_padding_rows_write_nothing_and_rows_match_eager(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, max_num_seqs=8)
+    # target_itl_ms=0: no start-up calibration, whose steps the interpreter would run too
+    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=4, max_num_seqs=8,
+              target_itl_ms=0)
     try:
         runner = llm.engine.local_core.runner
         assert runner.can_capture_graphs()
@@ -78,7 +80,8 @@ def test_engine_tokens_with_decode_graphs(tiny_gemma3_dir, monkeypatch):
               for i in range(5)]
 
     def run(graphs: bool) -> tuple[list[list[int]], int]:
-        llm = LLM(str(tiny_gemma3_dir), dtype="float32", block_size=4, max_num_seqs=4)
+        llm = LLM(str(tiny_gemma3_dir), dtype="float32", block_size=4, max_num_seqs=4,
+                  target_itl_ms=0)  # no calibration: its steps would be interpreted too
         try:
             runner = llm.engine.local_core.runner
             if graphs:
