@@ -179,6 +179,12 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Stopped cleanly: the interpreter's own teardown (torch's modules, the shard's tensors)
+    # would add ~0.6 s to every close and free nothing the exit does not.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class TensorParallelWorkers:
