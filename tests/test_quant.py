@@ -214,3 +214,20 @@ def test_int4_copy_computes_its_format_exactly(monkeypatch, rows):
     assert (got.double() - want).norm() / want.norm() < 1e-5
     err_vs_float = (got.double() - x.double() @ w.double().t()).norm() / want.norm()
     assert err_vs_float > 1e-3  # int4 does lose something: the check above is not vacuous
+
+
+def test_int8_groups_in_chunks_are_the_whole_weights(monkeypatch):
+    """_int8_groups quantizes INT8_CHUNK elements at a time: one row, five rows (a partial
+    last chunk) or all at once give the same codes, scales and minimums, those of the whole
+    weight's formula."""
+    from kvserve.layers import quant
+
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(37, 96, generator=g) * 0.05).to(torch.bfloat16)
+    wg = w.float().view(37, 3, 32)
+    scale = (wg.abs().amax(-1) / 127).clamp_min(1e-7).half().float()
+    want = ((wg / scale[..., None]).round().clamp(-127, 127) + 128).view(37, 96).to(torch.uint8)
+    for chunk in (96, 96 * 5, 1 << 20):
+        monkeypatch.setattr(quant, "INT8_CHUNK", chunk)
+        q, d, m = _int8_groups(w)
+        assert torch.equal(q, want) and torch.equal(d, scale) and torch.equal(m, -128 * scale)
