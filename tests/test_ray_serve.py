@@ -580,11 +580,18 @@ def test_the_ingress_lets_as_many_streams_through_as_the_replicas_take(ray_url):
 def _ranks_serving(url: str, events: KVEventsConfig, prompts: int = 12
                    ) -> dict[str, set[int]]:
     """Each replica's KV-event ranks: unrelated prompts, one at a time, and which rank's
-    endpoint published the batch of the blocks each one stored."""
-    from tests.test_kv_events import Subscriber
+    endpoint published the batch of the blocks each one stored. After each prompt both
+    endpoints are read until the first batch came and then neither sent one for SETTLE_MS,
+    so a prompt's batches are all in before the next prompt goes."""
+    import zmq
+
+    from tests.test_kv_events import DECODER, Subscriber
 
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     subs = [Subscriber(events.for_rank(rank)) for rank in (0, 1)]
+    poller = zmq.Poller()
+    for sub in subs:
+        poller.register(sub.sub, zmq.POLLIN)
     seen: dict[str, set[int]] = {}
     try:
         for i in range(prompts):
@@ -592,14 +599,22 @@ def _ranks_serving(url: str, events: KVEventsConfig, prompts: int = 12
             r = httpx.post(f"{url}/v1/completions", timeout=60, json={
                 "model": model, "prompt": prompt, "max_tokens": 1})
             assert r.status_code == 200, r.text
-            for rank, sub in enumerate(subs):
-                for _, batch in sub.drain(settle_ms=200):
-                    assert batch.data_parallel_rank == rank
-                    seen.setdefault(r.headers[REPLICA_HEADER], set()).add(rank)
+            wait = 3000  # the first batch; then until both are quiet
+            while poller.poll(wait):
+                for rank, sub in enumerate(subs):
+                    while (got := sub.receive(0)) is not None:
+                        assert DECODER.decode(got[1]).data_parallel_rank == rank
+                        seen.setdefault(r.headers[REPLICA_HEADER], set()).add(rank)
+                wait = SETTLE_MS
     finally:
         for sub in subs:
             sub.close()
     return seen
+
+
+# How long both KV-event endpoints stay quiet before a prompt's batches count as all in: a
+# replica publishes a step's batch right after the step (STEP_S), well within it.
+SETTLE_MS = 150
 
 
 @pytest.mark.slow
