@@ -216,18 +216,23 @@ def test_int4_copy_computes_its_format_exactly(monkeypatch, rows):
     assert err_vs_float > 1e-3  # int4 does lose something: the check above is not vacuous
 
 
-def test_int8_groups_in_chunks_are_the_whole_weights(monkeypatch):
-    """_int8_groups quantizes INT8_CHUNK elements at a time: one row, five rows (a partial
-    last chunk) or all at once give the same codes, scales and minimums, those of the whole
-    weight's formula."""
+def test_groups_in_chunks_are_the_whole_weights(monkeypatch):
+    """_int8_groups and _int4_groups quantize QUANT_CHUNK elements at a time: one row, five
+    rows (a partial last chunk) or all at once give the same codes, scales and minimums,
+    those of the whole weight's formulas."""
     from kvserve.layers import quant
 
     g = torch.Generator().manual_seed(5)
     w = (torch.randn(37, 96, generator=g) * 0.05).to(torch.bfloat16)
     wg = w.float().view(37, 3, 32)
-    scale = (wg.abs().amax(-1) / 127).clamp_min(1e-7).half().float()
-    want = ((wg / scale[..., None]).round().clamp(-127, 127) + 128).view(37, 96).to(torch.uint8)
+    scale8 = (wg.abs().amax(-1) / 127).clamp_min(1e-7).half().float()
+    q8 = ((wg / scale8[..., None]).round().clamp(-127, 127) + 128).view(37, 96).to(torch.uint8)
+    lo4 = wg.amin(-1).half().float()
+    scale4 = ((wg.amax(-1) - wg.amin(-1)) / 15).clamp_min(1e-12).half().float()
+    q4 = ((wg - lo4[..., None]) / scale4[..., None]).round().clamp(0, 15).view(37, 96)
     for chunk in (96, 96 * 5, 1 << 20):
-        monkeypatch.setattr(quant, "INT8_CHUNK", chunk)
+        monkeypatch.setattr(quant, "QUANT_CHUNK", chunk)
         q, d, m = _int8_groups(w)
-        assert torch.equal(q, want) and torch.equal(d, scale) and torch.equal(m, -128 * scale)
+        assert torch.equal(q, q8) and torch.equal(d, scale8) and torch.equal(m, -128 * scale8)
+        q, d, m = _int4_groups(w, torch.float16)
+        assert torch.equal(q, q4) and torch.equal(d, scale4) and torch.equal(m, lo4)
