@@ -219,7 +219,8 @@ def test_int4_copy_computes_its_format_exactly(monkeypatch, rows):
 def test_groups_in_chunks_are_the_whole_weights(monkeypatch):
     """_int8_groups and _int4_groups quantize QUANT_CHUNK elements at a time: one row, five
     rows (a partial last chunk) or all at once give the same codes, scales and minimums,
-    those of the whole weight's formulas."""
+    those of the whole weight's formulas, also where a model's load has made a 16-bit type
+    torch's default."""
     from kvserve.layers import quant
 
     g = torch.Generator().manual_seed(5)
@@ -230,9 +231,16 @@ def test_groups_in_chunks_are_the_whole_weights(monkeypatch):
     lo4 = wg.amin(-1).half().float()
     scale4 = ((wg.amax(-1) - wg.amin(-1)) / 15).clamp_min(1e-12).half().float()
     q4 = ((wg - lo4[..., None]) / scale4[..., None]).round().clamp(0, 15).view(37, 96)
-    for chunk in (96, 96 * 5, 1 << 20):
+    for chunk, default in ((96, torch.float32), (96 * 5, torch.bfloat16),
+                           (1 << 20, torch.float32)):
         monkeypatch.setattr(quant, "QUANT_CHUNK", chunk)
-        q, d, m = _int8_groups(w)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(default)
+        try:
+            got8, got4 = _int8_groups(w), _int4_groups(w, torch.float16)
+        finally:
+            torch.set_default_dtype(previous)
+        q, d, m = got8
         assert torch.equal(q, q8) and torch.equal(d, scale8) and torch.equal(m, -128 * scale8)
-        q, d, m = _int4_groups(w, torch.float16)
+        q, d, m = got4
         assert torch.equal(q, q4) and torch.equal(d, scale4) and torch.equal(m, lo4)

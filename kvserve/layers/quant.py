@@ -204,8 +204,9 @@ def _int4_groups(w: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP
     w ~= q * scale + min, each group spanning its own range. Rows are quantized a chunk at
     a time (QUANT_CHUNK); each row's result is its own."""
     n, k = w.shape
-    q = torch.empty(n, k)
-    scale, lo = torch.empty(n, k // group), torch.empty(n, k // group)
+    q = torch.empty(n, k, dtype=torch.float32)
+    scale = torch.empty(n, k // group, dtype=torch.float32)
+    lo = torch.empty(n, k // group, dtype=torch.float32)
     rows = max(1, QUANT_CHUNK // k)
     for i in range(0, n, rows):
         wg, s, m = _int4_range(w[i:i + rows], dtype, group)
@@ -237,7 +238,7 @@ def _int8_groups(w: torch.Tensor, group: int = INT4_GROUP
     Rows are quantized a chunk at a time (QUANT_CHUNK); each row's result is its own."""
     n, k = w.shape
     q = torch.empty(n, k, dtype=torch.uint8)
-    scale = torch.empty(n, k // group)
+    scale = torch.empty(n, k // group, dtype=torch.float32)
     rows = max(1, QUANT_CHUNK // k)
     for i in range(0, n, rows):
         wg = w[i:i + rows].float().view(-1, k // group, group)
