@@ -503,21 +503,32 @@ def test_quantized_gguf_serves_its_own_codes(qtype, tiny_llama_dir, tmp_path):
         assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.85
 
 
+def _assert_same_parse(ours, theirs) -> None:
+    """Two readers of one file give the same fields (names, offsets, types, data indices,
+    parts as the same bytes in the same dtypes and shapes) and the same tensors' metadata."""
+    assert list(ours.fields) == list(theirs.fields)
+    for name, a in ours.fields.items():
+        b = theirs.fields[name]
+        assert (a.name, a.offset, a.types, a.data, len(a.parts)) == \
+            (b.name, b.offset, b.types, b.data, len(b.parts)), name
+        for x, y in zip(a.parts, b.parts, strict=True):
+            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), name
+    assert [(t.name, t.tensor_type, list(t.shape), t.n_elements, t.data_offset)
+            for t in ours.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape), t.n_elements, t.data_offset)
+         for t in theirs.tensors]
+
+
 def _assert_same_reading(path) -> None:
-    """kvserve's reader and gguf's own give the same fields (offsets, types, data indices,
-    parts as the same bytes in the same dtypes) and the same tensors; an array's values read
-    in one pass (array_values) are its elements read from gguf's parts one by one."""
+    """kvserve's reader and gguf's own parse alike (_assert_same_parse); an array's values
+    read in one pass (array_values) are its elements read from gguf's parts one by one."""
     from kvserve.gguf_reader import GGUFReader, array_values
 
     ours, theirs = GGUFReader(path), gguf.GGUFReader(path)
-    assert list(ours.fields) == list(theirs.fields)
+    _assert_same_parse(ours, theirs)
     arrays = 0
     for name, a in ours.fields.items():
         b = theirs.fields[name]
-        assert (a.offset, a.types, a.data, len(a.parts)) == \
-            (b.offset, b.types, b.data, len(b.parts)), name
-        for x, y in zip(a.parts, b.parts, strict=True):
-            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), name
         if a.types[:1] == [gguf.GGUFValueType.ARRAY]:
             strings = a.types[1:] == [gguf.GGUFValueType.STRING]
             want = [bytes(b.parts[i]).decode("utf-8", "replace") if strings
@@ -526,8 +537,6 @@ def _assert_same_reading(path) -> None:
             assert got == want and [type(v) for v in got] == [type(v) for v in want], name
             arrays += 1
     assert arrays > 0
-    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors] == \
-        [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in theirs.tensors]
 
 
 def test_reader_fields_equal_gguf_readers_on_a_written_file(tiny_llama_dir, tmp_path):
@@ -550,14 +559,7 @@ def test_the_references_plain_view_reader_parses_as_gguf_reader(tiny_llama_dir, 
     write_gguf(tiny_llama_dir, path, qtype=gguf.GGMLQuantizationType.Q8_0)
     plain, theirs = parsed_gguf(path), gguf.GGUFReader(path)
     assert type(plain.data) is np.ndarray and isinstance(theirs.data, np.memmap)
-    assert list(plain.fields) == list(theirs.fields)
-    for name, a in plain.fields.items():
-        b = theirs.fields[name]
-        assert (a.offset, a.types, a.data, a.name) == (b.offset, b.types, b.data, b.name), name
-        for x, y in zip(a.parts, b.parts, strict=True):
-            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), name
-    assert len(plain.tensors) == len(theirs.tensors) > 0
+    _assert_same_parse(plain, theirs)
+    assert len(plain.tensors) > 0
     for a, b in zip(plain.tensors, theirs.tensors, strict=True):
-        assert (a.name, a.tensor_type, list(a.shape), a.n_elements, a.data_offset) == \
-            (b.name, b.tensor_type, list(b.shape), b.n_elements, b.data_offset)
         assert a.data.dtype == b.data.dtype and a.data.tobytes() == b.data.tobytes(), a.name
