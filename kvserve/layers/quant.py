@@ -24,7 +24,7 @@ nearly exactly (torch's kernel stores it as (q - 8) * scale + zero).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -185,6 +185,13 @@ def quantize_int8(w: torch.Tensor, dtype: torch.dtype,
 QUANT_CHUNK = 1 << 20
 
 
+def _row_chunks(n: int, k: int) -> Iterator[slice]:
+    """The rows of an [n, k] weight, QUANT_CHUNK elements (at least a row) at a time."""
+    rows = max(1, QUANT_CHUNK // k)
+    for i in range(0, n, rows):
+        yield slice(i, i + rows)
+
+
 def _int4_range(w: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, K] -> the weight in groups [N, K / group, group] (float32), and each group's scale
@@ -207,13 +214,12 @@ def _int4_groups(w: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP
     q = torch.empty(n, k, dtype=torch.float32)
     scale = torch.empty(n, k // group, dtype=torch.float32)
     lo = torch.empty(n, k // group, dtype=torch.float32)
-    rows = max(1, QUANT_CHUNK // k)
-    for i in range(0, n, rows):
-        wg, s, m = _int4_range(w[i:i + rows], dtype, group)
+    for r in _row_chunks(n, k):
+        wg, s, m = _int4_range(w[r], dtype, group)
         # Round against the stored (rounded) scale and min, so dequantization is as close as
         # it can be to the original weight.
-        q[i:i + rows] = ((wg - m[..., None]) / s[..., None]).round_().clamp_(0, 15).view(-1, k)
-        scale[i:i + rows], lo[i:i + rows] = s, m
+        q[r] = ((wg - m[..., None]) / s[..., None]).round_().clamp_(0, 15).view(-1, k)
+        scale[r], lo[r] = s, m
     return q, scale, lo
 
 
@@ -239,12 +245,11 @@ def _int8_groups(w: torch.Tensor, group: int = INT4_GROUP
     n, k = w.shape
     q = torch.empty(n, k, dtype=torch.uint8)
     scale = torch.empty(n, k // group, dtype=torch.float32)
-    rows = max(1, QUANT_CHUNK // k)
-    for i in range(0, n, rows):
-        wg = w[i:i + rows].float().view(-1, k // group, group)
+    for r in _row_chunks(n, k):
+        wg = w[r].float().view(-1, k // group, group)
         s = (wg.abs().amax(dim=-1) / 127).clamp_min_(1e-7).half().float()
-        q[i:i + rows] = (wg / s[..., None]).round_().clamp_(-127, 127).add_(128).view(-1, k)
-        scale[i:i + rows] = s
+        q[r] = (wg / s[..., None]).round_().clamp_(-127, 127).add_(128).view(-1, k)
+        scale[r] = s
     return q, scale, -128 * scale
 
 
